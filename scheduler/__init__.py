@@ -1,0 +1,25 @@
+"""salus.scheduler: pure-Python policy shared by the daemon and the trace simulator.
+
+Job state (`job`), lane admission (`lanes`), the four iteration policies (`policies`) and the
+`IterationScheduler` that ties them together (`iteration`). Nothing here imports torch or does
+I/O; time comes from an injected clock.
+"""
+
+from salus.scheduler.iteration import Decision, IterationScheduler
+from salus.scheduler.job import Job, JobState
+from salus.scheduler.lanes import Lane, LaneManager, LaneMode, Placement
+from salus.scheduler.policies import POLICIES, Policy, make_policy
+
+__all__ = [
+    "POLICIES",
+    "Decision",
+    "IterationScheduler",
+    "Job",
+    "JobState",
+    "Lane",
+    "LaneManager",
+    "LaneMode",
+    "Placement",
+    "Policy",
+    "make_policy",
+]

@@ -1,0 +1,125 @@
+"""IterationScheduler: admission plus a policy plus job accounting, behind one small interface.
+
+The daemon wraps one instance in a lock and asks it, at every iteration boundary of a lane, which
+job runs next; the simulator drives the very same object from its virtual clock. The clock is
+injected (seconds, monotonic), so the object is deterministic under test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from salus.scheduler.job import Job, JobState
+from salus.scheduler.lanes import LaneManager, Placement
+from salus.scheduler.policies import Policy, Ready
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Run one iteration of `job_id` in lane `lane_id` of `device`."""
+
+    device: int
+    lane_id: int
+    job_id: int
+
+
+def always_ready(job: Job) -> bool:
+    return True
+
+
+class IterationScheduler:
+    """Jobs, lanes and a policy for one node's devices (capacities in bytes)."""
+
+    def __init__(
+        self, capacities: Sequence[int], policy: Policy, clock: Callable[[], float]
+    ) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.lanes = LaneManager(capacities, policy.lane_mode)
+        self.jobs: dict[int, Job] = {}
+
+    def submit(self, job: Job) -> list[Placement]:
+        """Add a job (ValueError if it can never fit); returns the placements made now."""
+        if job.job_id in self.jobs:
+            raise ValueError(f"job {job.job_id} already submitted")
+        made = self.lanes.submit(job)
+        self.jobs[job.job_id] = job
+        self._mark_started(made)
+        return made
+
+    def lane_jobs(self, device: int, lane_id: int) -> list[Job]:
+        lane = self.lanes.lane(device, lane_id)
+        return [self.jobs[j] for j in lane.residents] if lane else []
+
+    def next_iteration(
+        self, device: int, lane_id: int, ready: Ready = always_ready
+    ) -> Decision | None:
+        """The policy's choice for this lane's next iteration, or None to stay idle."""
+        job = self.policy.pick(self.lane_jobs(device, lane_id), ready)
+        return Decision(device, lane_id, job.job_id) if job else None
+
+    def iteration_started(self, job_id: int) -> None:
+        job = self.jobs[job_id]
+        if job.state == JobState.ADMITTED:
+            job.state = JobState.RUNNING
+
+    def iteration_done(
+        self, job_id: int, seconds: float, *, measure: bool = True
+    ) -> list[Placement]:
+        """Account one iteration; a job that reached its total finishes and frees its lane.
+        Returns the placements that freeing made."""
+        job = self.jobs[job_id]
+        job.record_iteration(seconds, measure=measure)
+        if job.state == JobState.RUNNING:
+            job.state = JobState.ADMITTED
+        if job.remaining_iterations == 0 and not job.done:
+            return self.finish(job_id)
+        return []
+
+    def finish(self, job_id: int, state: JobState = JobState.FINISHED) -> list[Placement]:
+        """End a job (finished or cancelled) and free its memory; idempotent."""
+        job = self.jobs[job_id]
+        if job.done:
+            return []
+        made = self.lanes.release(job_id)
+        job.state = state
+        job.finish_s = self.clock()
+        self._mark_started(made)
+        return made
+
+    def cancel(self, job_id: int) -> list[Placement]:
+        return self.finish(job_id, JobState.CANCELLED)
+
+    def suspend(self, job_id: int) -> None:
+        """Stop scheduling the job at the next boundary; it keeps its admission."""
+        job = self.jobs[job_id]
+        if job.done:
+            raise ValueError(f"job {job_id} is {job.state.value}; it cannot be suspended")
+        job.state = JobState.SUSPENDED
+
+    def resume(self, job_id: int) -> None:
+        job = self.jobs[job_id]
+        if job.state != JobState.SUSPENDED:
+            raise ValueError(f"job {job_id} is {job.state.value}, not suspended")
+        job.state = JobState.ADMITTED if self.lanes.placements(job_id) else JobState.PENDING
+
+    def set_priority(self, job_id: int, priority: float) -> None:
+        if priority <= 0:
+            raise ValueError(f"priority must be > 0, got {priority}")
+        self.jobs[job_id].priority = priority
+
+    def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> list[Placement]:
+        """Re-admit a job with corrected sizes; it keeps its place in submit order."""
+        return self._started(self.lanes.requeue(job_id, persistent_bytes, ephemeral_bytes))
+
+    def _started(self, made: list[Placement]) -> list[Placement]:
+        self._mark_started(made)
+        return made
+
+    def _mark_started(self, made: list[Placement]) -> None:
+        now = self.clock()
+        for p in made:
+            job = self.jobs.get(p.job_id)
+            if job is not None and job.start_s is None:
+                job.start_s = now
