@@ -1,0 +1,125 @@
+"""`salusd`: the daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  salusd serve                                   # CPU devices (or every GPU), default socket
+  salusd serve --cpu-devices 2 --cpu-memory 4G --policy srtf
+  SALUS_ADDRESS=unix:///tmp/s.sock salusd serve  # clients find it through the same variable
+
+Training scripts connect with:
+  import salus.adapters.torch as salus
+  job = salus.connect(name="mlp", iterations=500)
+"""
+
+
+def default_state_dir() -> Path:
+    """`$XDG_STATE_HOME/salusd` or `~/.local/state/salusd`; systemd passes /var/lib/salusd."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
+    return Path(base) / "salusd"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="salusd",
+        description="salusd: one daemon per node that owns the accelerators and runs many "
+        "jobs' training and inference iterations on them under an iteration scheduler.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground",
+        description="Run the daemon in the foreground until SIGTERM or Ctrl-C; running iterations "
+        "finish before it exits.",
+    )
+    serve.add_argument("--socket", metavar="PATH",
+                       help="unix socket for the data plane (default: $SALUS_ADDRESS, else "
+                       "$XDG_RUNTIME_DIR/salusd/salusd.sock or ~/.local/state/salusd/salusd.sock)")
+    serve.add_argument("--state-dir", metavar="DIR", type=Path, default=None,
+                       help="where the daemon keeps its state (default: ~/.local/state/salusd)")
+    serve.add_argument("--cpu-devices", metavar="N", type=int, default=None,
+                       help="serve N CPU devices (the default when no GPU is found: 1)")
+    serve.add_argument("--cpu-memory", metavar="SIZE", default=None,
+                       help="memory budget per CPU device, e.g. 2G (default: a quarter of the "
+                       "available memory split across devices, at most 8 GiB each)")
+    serve.add_argument("--policy", default="pack", choices=["fifo", "srtf", "fair", "pack"],
+                       help="iteration scheduling policy (default: pack)")
+    serve.add_argument("--group", metavar="NAME", default=None,
+                       help="group that may use the socket (mode 0660)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 0 if args.command is None else 2
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(message)s", datefmt="[%X]",
+        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
+    )
+    log = logging.getLogger("salusd")
+
+    from salus.daemon.core import Daemon
+    from salus.daemon.devices import discover, format_size, parse_size
+    from salus.daemon.ipc.server import SocketServer
+    from salus.daemon.ipc.wire import default_socket_path
+
+    try:
+        memory = parse_size(args.cpu_memory) if args.cpu_memory else None
+        devices = discover(args.cpu_devices, memory)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    state_dir = args.state_dir or default_state_dir()
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    socket_path = args.socket or default_socket_path()
+    Path(socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+
+    daemon = Daemon(devices, args.policy)
+    server = SocketServer(socket_path, daemon, group=args.group)
+    try:
+        server.start()
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", socket_path, exc)
+        daemon.shutdown()
+        return 1
+    for d in devices:
+        log.info("device %d: %s (%s), arena %s", d.index, d.name, d.kind,
+                 format_size(d.memory_bytes))
+    log.info("policy %s; state in %s", args.policy, state_dir)
+    print(f"salusd listening on unix://{socket_path}", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down: finishing running iterations")
+    server.stop()
+    daemon.shutdown()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Devices the daemon owns: every CUDA device when there are some, else `--cpu-devices` CPU devices.
+
+A CPU device is a first-class backend: it gets an arena of `--cpu-memory` bytes and runs lanes
+like a GPU does. Its default size is a quarter of the memory available at start, split across
+the CPU devices and capped at 8 GiB each, so a laptop run never pushes the host into swap.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_CPU_CAP_BYTES = 8 * 2**30
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '512M', '4G', '4GiB', '1.5g' or a plain integer (bytes)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"cannot read a memory size from {text!r}; use e.g. 512M, 4G or 4GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(nbytes: float) -> str:
+    """'1.5 GiB' style text for people."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device: its index in the daemon, torch device string and memory budget in bytes."""
+
+    index: int
+    kind: Literal["cpu", "cuda"]
+    torch_device: str
+    name: str
+    memory_bytes: int
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "torch_device": self.torch_device,
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+        }
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available now (MemAvailable), or 4 GiB if /proc is unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+def cpu_devices(count: int = 1, memory_bytes: int | None = None) -> list[DeviceSpec]:
+    """`count` CPU devices of `memory_bytes` each (default: see module docstring)."""
+    if count < 1:
+        raise ValueError(f"--cpu-devices must be >= 1, got {count}")
+    if memory_bytes is None:
+        memory_bytes = min(_CPU_CAP_BYTES, available_host_memory() // (4 * count))
+    if memory_bytes < 2**20:
+        raise ValueError(f"--cpu-memory must be at least 1 MiB, got {memory_bytes} bytes")
+    return [DeviceSpec(i, "cpu", "cpu", f"cpu{i}", memory_bytes) for i in range(count)]
+
+
+def cuda_devices(memory_fraction: float = 0.9) -> list[DeviceSpec]:
+    """Every visible CUDA device with `memory_fraction` of its free memory as the budget.
+
+    Names and free memory come from nvidia-ml-py when it is installed, else from torch.cuda."""
+    if not torch.cuda.is_available():
+        return []
+    specs = []
+    for i in range(torch.cuda.device_count()):
+        free, _total = torch.cuda.mem_get_info(i)
+        specs.append(
+            DeviceSpec(i, "cuda", f"cuda:{i}", _nvml_name(i) or torch.cuda.get_device_name(i),
+                       int(free * memory_fraction))
+        )
+    return specs
+
+
+def _nvml_name(index: int) -> str | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except pynvml.NVMLError:
+        return None
+
+
+def discover(
+    cpu_count: int | None = None, cpu_memory_bytes: int | None = None, *, use_cuda: bool = True
+) -> list[DeviceSpec]:
+    """CUDA devices if present (and `use_cuda`), else CPU devices.
+
+    Asking for CPU devices explicitly (`cpu_count`) selects the CPU backend even on a GPU host."""
+    if cpu_count is None and use_cuda:
+        found = cuda_devices()
+        if found:
+            return found
+    return cpu_devices(cpu_count or 1, cpu_memory_bytes)

@@ -1,0 +1,221 @@
+"""The daemon core in process: training through it equals direct training, jobs share lanes,
+bad input and failing jobs stay contained."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from workloads import batches, cnn, mlp, train_direct
+
+from salus.daemon.errors import (
+    BadRequest,
+    DoesNotFit,
+    JobCancelled,
+    JobFailed,
+    NotOwner,
+    UnknownJob,
+)
+
+
+def _train_through(daemon, build, data, owner="alice", name="job"):
+    model, opt, loss_fn = build() if callable(build) else build
+    jid = daemon.open_job(owner, name, len(data), "training")
+    daemon.setup_training(jid, owner, model, opt, loss_fn)
+    losses = [daemon.step(jid, owner, x, y).result(timeout=60) for x, y in data]
+    state = daemon.state_dict(jid, owner)
+    info = daemon.job_info(jid, owner)
+    daemon.close_job(jid, owner)
+    return state, losses, info
+
+
+def _assert_same(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    ref = model.state_dict()
+    assert state.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(state[k], ref[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("build,kind", [
+    (lambda: mlp("sgd"), "mlp"), (lambda: mlp("adam"), "mlp"),
+    (lambda: cnn("sgd"), "cnn"), (lambda: cnn("adam"), "cnn"),
+])
+def test_training_through_daemon_equals_direct(daemon_factory, build, kind):
+    daemon = daemon_factory()
+    data = batches(kind, 12)
+    state, losses, info = _train_through(daemon, build, data)
+    _assert_same(state, train_direct(build, data))
+    assert all(isinstance(v, float) for v in losses)
+    assert info["iterations_done"] == 12
+    assert info["memory"]["persistent_limit"] == "enforced"
+    assert info["memory"]["ephemeral_limit"] == "accounted"
+    assert info["memory"]["ephemeral_measured_bytes"] > 0
+
+
+@pytest.mark.parametrize("policy", ["pack", "fifo", "srtf", "fair"])
+def test_concurrent_jobs_each_equal_direct(daemon_factory, policy):
+    daemon = daemon_factory(policy)
+    builds = [(lambda: mlp("sgd"), "mlp", 1), (lambda: mlp("adam"), "mlp", 2),
+              (lambda: cnn("adam"), "cnn", 3)]
+    results: dict[int, object] = {}
+
+    def client(i, built, data):
+        try:
+            results[i] = _train_through(daemon, built, data, name=f"j{i}")
+        except Exception as exc:  # reported by the assertion below
+            results[i] = exc
+
+    # Models are built before the threads start: torch's seeded RNG is process-global.
+    threads = [threading.Thread(target=client, args=(i, build(), batches(kind, 10, seed)))
+               for i, (build, kind, seed) in enumerate(builds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 3
+    assert not [r for r in results.values() if isinstance(r, Exception)]
+    for i, (build, kind, seed) in enumerate(builds):
+        state, _, _ = results[i]
+        _assert_same(state, train_direct(build, batches(kind, 10, seed)))
+
+
+def test_pack_gives_small_jobs_their_own_lanes(daemon_factory):
+    daemon = daemon_factory("pack")
+    jobs = []
+    for i in range(3):
+        model, opt, loss_fn = mlp()
+        jid = daemon.open_job("alice", f"j{i}", 5, "training")
+        daemon.setup_training(jid, "alice", model, opt, loss_fn)
+        x, y = batches("mlp", 1)[0]
+        daemon.step(jid, "alice", x, y).result(timeout=60)
+        jobs.append(jid)
+    lanes = {daemon.job_info(j, "alice")["lane"] for j in jobs}
+    assert len(lanes) == 3
+    snap = daemon.snapshot()
+    assert snap["devices"][0]["arena"]["used_bytes"] >= sum(
+        daemon.job_info(j, "alice")["memory"]["persistent_bytes"] for j in jobs)
+    for j in jobs:
+        daemon.close_job(j, "alice")
+    assert daemon.snapshot()["devices"][0]["lanes"] == []
+
+
+def test_fifo_runs_the_oldest_job_to_completion_first(daemon_factory):
+    daemon = daemon_factory("fifo")
+    a_model, a_opt, loss = mlp()
+    b_model, b_opt, _ = mlp("adam")
+    a = daemon.open_job("alice", "a", 3, "training")
+    b = daemon.open_job("alice", "b", 3, "training")
+    daemon.setup_training(a, "alice", a_model, a_opt, loss)
+    daemon.setup_training(b, "alice", b_model, b_opt, loss)
+    x, y = batches("mlp", 1)[0]
+    daemon.step(a, "alice", x, y).result(timeout=60)
+    fb = daemon.step(b, "alice", x, y)
+    with pytest.raises(TimeoutError):
+        fb.result(timeout=0.5)  # a holds the lane until it finishes
+    daemon.close_job(a, "alice")
+    assert isinstance(fb.result(timeout=60), float)
+
+
+def test_suspend_holds_a_job_at_the_boundary_and_resume_releases_it(daemon_factory):
+    daemon = daemon_factory("fair")
+    model, opt, loss = mlp()
+    j = daemon.open_job("alice", "a", 10, "training")
+    daemon.setup_training(j, "alice", model, opt, loss)
+    x, y = batches("mlp", 1)[0]
+    daemon.step(j, "alice", x, y).result(timeout=60)
+    daemon.suspend(j, "alice")
+    f = daemon.step(j, "alice", x, y)
+    with pytest.raises(TimeoutError):
+        f.result(timeout=0.3)
+    daemon.resume(j, "alice")
+    assert isinstance(f.result(timeout=60), float)
+
+
+def test_inference_job_returns_the_models_output(daemon_factory):
+    daemon = daemon_factory()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh())
+    expected_model = nn.Sequential(nn.Linear(16, 8), nn.Tanh())
+    expected_model.load_state_dict(model.state_dict())
+    j = daemon.open_job("bob", "inf", 3, "inference")
+    daemon.setup_inference(j, "bob", model)
+    x = torch.randn(5, 16)
+    out = daemon.infer(j, "bob", x).result(timeout=60)
+    torch.testing.assert_close(out, expected_model(x).detach())
+    daemon.close_job(j, "bob")
+
+
+def test_bad_input_is_refused_clearly(daemon_factory):
+    daemon = daemon_factory(memory=8 * 2**20)
+    with pytest.raises(BadRequest, match="kind"):
+        daemon.open_job("alice", "x", 1, "painting")
+    with pytest.raises(BadRequest, match="iterations"):
+        daemon.open_job("alice", "x", 0, "training")
+    with pytest.raises(UnknownJob):
+        daemon.step("999", "alice", torch.zeros(1), torch.zeros(1))
+    with pytest.raises(UnknownJob):
+        daemon.job_info("not-a-number", "alice")
+    j = daemon.open_job("alice", "x", 1, "training")
+    with pytest.raises(NotOwner):
+        daemon.job_info(j, "mallory")
+    with pytest.raises(BadRequest, match="train_step"):
+        daemon.step(j, "alice", torch.zeros(1), torch.zeros(1))
+    model, opt, loss = mlp()
+    with pytest.raises(BadRequest, match="optimizer"):
+        daemon.setup_training(j, "alice", model, "sgd", loss)
+    other, other_opt, _ = mlp()
+    with pytest.raises(BadRequest, match="not the model's"):
+        daemon.setup_training(j, "alice", model, other_opt, loss)
+    big = nn.Linear(2048, 2048)
+    with pytest.raises(DoesNotFit):
+        daemon.setup_training(j, "alice", big, torch.optim.Adam(big.parameters()), loss)
+
+
+def test_a_failing_job_does_not_disturb_another(daemon_factory):
+    daemon = daemon_factory()
+
+    class Exploding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("boom")
+            return self.lin(x)
+
+    bad_model = Exploding()
+    bad = daemon.open_job("eve", "bad", 5, "training")
+    daemon.setup_training(bad, "eve", bad_model, torch.optim.SGD(bad_model.parameters(), 0.1),
+                          nn.CrossEntropyLoss())
+    data = batches("mlp", 6)
+    for x, y in data[:2]:
+        daemon.step(bad, "eve", x, y).result(timeout=60)
+    with pytest.raises(JobFailed, match="boom"):
+        daemon.step(bad, "eve", *data[2]).result(timeout=60)
+    with pytest.raises(UnknownJob):
+        daemon.step(bad, "eve", *data[3])
+    state, _, _ = _train_through(daemon, lambda: mlp("sgd"), data)
+    _assert_same(state, train_direct(lambda: mlp("sgd"), data))
+
+
+def test_shutdown_cancels_queued_work_and_stops_workers(daemon_factory):
+    daemon = daemon_factory()
+    model, opt, loss = mlp()
+    j = daemon.open_job("alice", "a", 5, "training")
+    daemon.setup_training(j, "alice", model, opt, loss)
+    x, y = batches("mlp", 1)[0]
+    daemon.step(j, "alice", x, y).result(timeout=60)
+    daemon.suspend(j, "alice")
+    queued = daemon.step(j, "alice", x, y)
+    assert daemon.workers_alive == 1
+    daemon.shutdown()
+    with pytest.raises(JobCancelled, match="shutting down"):
+        queued.result(timeout=10)
+    assert daemon.workers_alive == 0
+    with pytest.raises(JobCancelled):
+        daemon.open_job("alice", "late", 1, "training")
