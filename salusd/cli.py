@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -20,12 +19,6 @@ Training scripts connect with:
   import salus.adapters.torch as salus
   job = salus.connect(name="mlp", iterations=500)
 """
-
-
-def default_state_dir() -> Path:
-    """`$XDG_STATE_HOME/salusd` or `~/.local/state/salusd`; systemd passes /var/lib/salusd."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
-    return Path(base) / "salusd"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="unix socket for the data plane (default: $SALUS_ADDRESS, else "
                        "$XDG_RUNTIME_DIR/salusd/salusd.sock or ~/.local/state/salusd/salusd.sock)")
     serve.add_argument("--state-dir", metavar="DIR", type=Path, default=None,
-                       help="where the daemon keeps its state (default: ~/.local/state/salusd)")
+                       help="where the daemon keeps its state (default: $XDG_RUNTIME_DIR/salusd or "
+                       "~/.local/state/salusd)")
     serve.add_argument("--cpu-devices", metavar="N", type=int, default=None,
                        help="serve N CPU devices (the default when no GPU is found: 1)")
     serve.add_argument("--cpu-memory", metavar="SIZE", default=None,
@@ -83,7 +77,7 @@ def serve(args: argparse.Namespace) -> int:
     from salus.daemon.core import Daemon
     from salus.daemon.devices import discover, format_size, parse_size
     from salus.daemon.ipc.server import SocketServer
-    from salus.daemon.ipc.wire import default_socket_path
+    from salus.daemon.ipc.wire import default_socket_path, default_state_dir
 
     try:
         memory = parse_size(args.cpu_memory) if args.cpu_memory else None

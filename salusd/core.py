@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +33,13 @@ from salus.daemon.errors import (
     UnknownJob,
 )
 from salus.daemon.executor import LaneWorker
-from salus.daemon.measure import estimate_iteration_peak, measure_iteration, persistent_bytes
+from salus.daemon.measure import (
+    estimate_forward_peak,
+    estimate_iteration_peak,
+    measure_iteration,
+    optimizer_state_tensors,
+    persistent_bytes,
+)
 from salus.daemon.memory.arena import Arena
 from salus.daemon.memory.bins import OutOfArenaMemory
 from salus.daemon.service import JobKind
@@ -179,10 +186,12 @@ class Daemon:
 
     # ---- control (REST, benchmarks) -------------------------------------------------------
     def suspend(self, job_id: str, owner: str) -> None:
-        """Stop scheduling the job from its next iteration boundary; its state stays resident."""
+        """Stop scheduling the job from its next iteration boundary; its state stays resident.
+        A job not yet admitted is held from the start."""
         session = self._session(job_id, owner)
         with self._cond:
-            if session.job_id in self.sched.jobs:
+            session.held = True
+            if session.submitted:
                 self.sched.suspend(session.job_id)
             self._event("suspend", session.job_id)
             self._cond.notify_all()
@@ -190,11 +199,11 @@ class Daemon:
     def resume(self, job_id: str, owner: str) -> None:
         session = self._session(job_id, owner)
         with self._cond:
-            if session.job_id in self.sched.jobs:
-                try:
-                    self.sched.resume(session.job_id)
-                except ValueError as exc:
-                    raise BadRequest(str(exc)) from None
+            if not session.held:
+                raise BadRequest(f"job {job_id} is not suspended")
+            session.held = False
+            if session.submitted:
+                self.sched.resume(session.job_id)
             self._event("resume", session.job_id)
             self._cond.notify_all()
 
@@ -265,7 +274,12 @@ class Daemon:
         try:
             with worker.on_lane():
                 session.make_resident(self.arenas[worker.device], worker.device)
-                measure = measure_iteration if session.measured_peak is None else None
+                measure = None
+                if session.measured_peak is None:
+                    opt = session.optimizer
+                    measure = partial(
+                        measure_iteration, persistent=lambda: optimizer_state_tensors(opt)
+                    )
                 result = session.run(request, measure, worker.torch_device)
         except Exception as exc:  # the job's own code or memory: fail that job only
             self._fail(session, request, exc)
@@ -335,7 +349,7 @@ class Daemon:
                     session.model, session.optimizer, session.loss_fn, tensors[:1], tensors[1]
                 )
             else:
-                peak = estimate_iteration_peak(session.model, None, None, tensors, None)
+                peak = estimate_forward_peak(session.model, tensors)
         except Exception as exc:
             # Models the fake-tensor estimate cannot trace are measured on their first iteration.
             log.warning("job %d: no estimate (%s: %s); admitting by persistent size",
@@ -359,6 +373,8 @@ class Daemon:
                 raise DoesNotFit(str(exc)) from None
             session.submitted = True
             session.estimated_peak = peak
+            if session.held:
+                self.sched.suspend(session.job_id)
             self._event("submit", session.job_id)
             self._apply(made)
 

@@ -4,21 +4,19 @@ without the daemon."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from salus.daemon.demo_jobs import WORKLOADS, run_direct
+from salus.daemon.demo_jobs import DEMO_JOBS, WORKLOADS, launch, run_direct
 
-console = Console()
+console = Console(width=max(100, Console().width))
 
 
 def start_daemon(socket: Path, policy: str, log_file: Path) -> subprocess.Popen[bytes]:
@@ -35,30 +33,6 @@ def start_daemon(socket: Path, policy: str, log_file: Path) -> subprocess.Popen[
     return proc
 
 
-def run_clients(address: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "SALUS_ADDRESS": address}
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "salus.daemon.demo_jobs", name, address],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        for name in WORKLOADS
-    ]
-    for p in procs:  # every client has imported torch and built its model
-        assert p.stdout is not None
-        if p.stdout.readline().strip() != "ready":
-            raise SystemExit("a demo client failed to start")
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        if p.returncode != 0:
-            raise SystemExit(f"a demo client failed (exit {p.returncode})")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
-
-
 def main() -> None:
     policy = sys.argv[1] if len(sys.argv) > 1 else "pack"
     with tempfile.TemporaryDirectory(prefix="salusd-demo-") as tmp:
@@ -69,21 +43,21 @@ def main() -> None:
         daemon = start_daemon(socket, policy, log_file)
         try:
             console.print("running 4 client processes at once through the daemon ...")
-            results = run_clients(f"unix://{socket}")
+            results = launch(list(DEMO_JOBS), f"unix://{socket}")
         finally:
             daemon.terminate()
             daemon.wait(timeout=60)
         console.print("running the same 4 jobs one after another without the daemon ...")
-        direct = [run_direct(w) for w in WORKLOADS.values()]
+        direct = [run_direct(WORKLOADS[n]) for n in DEMO_JOBS]
 
     table = Table(title="jobs through salusd")
-    for col in ("job", "kind", "iterations", "JCT (s)", "mean iteration (ms)", "device/lane",
-                "final loss", "direct loss"):
+    for col in ("job", "kind", "iters", "JCT s", "mean iter ms", "dev/lane", "final loss",
+                "direct loss"):
         table.add_column(col, justify="left" if col in ("job", "kind") else "right")
     for r, d in zip(results, direct, strict=True):
         mean = r["mean_iteration_s"]
         table.add_row(
-            r["name"], r["kind"], str(r["iterations"]), f"{r['jct_s']:.2f}",
+            r["name"], r["kind"], str(r["iterations"]), f"{r['seconds']:.2f}",
             f"{mean * 1e3:.2f}" if mean else "-", f"{r['device']}/{r['lane']}",
             f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
             f"{d['final_loss']:.4f}" if d["final_loss"] is not None else "-",

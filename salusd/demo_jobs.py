@@ -7,6 +7,7 @@ Every job is seeded, so a direct run and a daemon run see the same data and the 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -58,6 +59,11 @@ def _mlp_adam() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
     return m, torch.optim.Adam(m.parameters(), lr=1e-3), nn.CrossEntropyLoss()
 
 
+def _small_mlp() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
+    m = _mlp(128, 1)
+    return m, torch.optim.SGD(m.parameters(), lr=0.05), nn.CrossEntropyLoss()
+
+
 def _mlp_infer() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
     return _mlp(512, 3).eval(), None, None
 
@@ -79,73 +85,181 @@ WORKLOADS = {
         Workload("cnn-adam", "training", 60, _cnn_adam, _images),
         Workload("mlp-adam", "training", 120, _mlp_adam, _vectors),
         Workload("mlp-infer", "inference", 200, _mlp_infer, lambda g: _vectors(g, 128)),
+        Workload("small-mlp", "training", 200, _small_mlp, lambda g: _vectors(g, 32)),
+        Workload("infer-mlp", "inference", 20, _mlp_infer, lambda g: _vectors(g, 32)),
     )
 }
+DEMO_JOBS = ("mlp-sgd", "cnn-adam", "mlp-adam", "mlp-infer")
 
 
-def run_direct(w: Workload) -> dict[str, Any]:
-    """The job's loop in this process, without the daemon (the baseline)."""
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _loop(w: Workload, step: Callable[[torch.Tensor, torch.Tensor], float | None],
+          batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    loss = None
+    for x, y in batches:
+        loss = step(x, y)
+    return loss
+
+
+def _setup(w: Workload) -> tuple[nn.Module, torch.optim.Optimizer | None, Any, list[Any]]:
     torch.manual_seed(0)
     model, opt, loss_fn = w.build()
     g = torch.Generator().manual_seed(1)
-    batches = [w.batch(g) for _ in range(w.iterations)]
-    start = time.perf_counter()
-    loss = None
-    for x, y in batches:
+    return model, opt, loss_fn, [w.batch(g) for _ in range(w.iterations)]
+
+
+def run_direct(w: Workload, hold: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """The job's loop in this process, without the daemon (the baseline); `hold` runs while
+    the model is still alive."""
+    model, opt, loss_fn, batches = _setup(w)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
         if opt is None:
             with torch.inference_mode():
                 model(x)
-            continue
+            return None
         opt.zero_grad()
         out = loss_fn(model(x), y)
         out.backward()
         opt.step()
-        loss = float(out)
-    return {"name": w.name, "seconds": time.perf_counter() - start, "final_loss": loss}
+        return float(out.detach())
+
+    start_wall, start = time.time(), time.perf_counter()
+    loss = _loop(w, step, batches)
+    seconds = time.perf_counter() - start
+    hold()
+    return {"name": w.name, "kind": w.kind, "iterations": w.iterations, "seconds": seconds,
+            "start_wall": start_wall, "end_wall": start_wall + seconds, "final_loss": loss,
+            "rss_bytes": _rss_bytes()}
 
 
-def run_client(w: Workload, address: str) -> dict[str, Any]:
-    """The same loop through the daemon, as a training script would write it."""
+def run_client(w: Workload, address: str, hold: Callable[[], None] = lambda: None
+               ) -> dict[str, Any]:
+    """The same loop through the daemon, as a training script would write it; `hold` runs
+    before the job closes (benchmarks read memory figures then)."""
     import salus.adapters.torch as salus
 
-    torch.manual_seed(0)
-    model, opt, loss_fn = w.build()
-    g = torch.Generator().manual_seed(1)
-    batches = [w.batch(g) for _ in range(w.iterations)]
-    start_wall = time.time()
-    start = time.perf_counter()
-    loss = None
+    model, opt, loss_fn, batches = _setup(w)
+    start_wall, start = time.time(), time.perf_counter()
     with salus.connect(name=w.name, iterations=w.iterations, address=address) as job:
         if opt is None:
             infer = job.inference(model)
-            for x, _ in batches:
-                infer(x)
+            loss = _loop(w, lambda x, _y: (infer(x), None)[1], batches)
         else:
-            step = job.train_step(model, opt, loss_fn)
-            for x, y in batches:
-                loss = step(x, y)
+            loss = _loop(w, job.train_step(model, opt, loss_fn), batches)
         info = job.info()
-    end = time.perf_counter()
+        seconds = time.perf_counter() - start
+        hold()
     return {
         "name": w.name,
         "kind": w.kind,
         "iterations": w.iterations,
+        "seconds": seconds,
         "start_wall": start_wall,
-        "end_wall": start_wall + (end - start),
-        "jct_s": end - start,
+        "end_wall": start_wall + seconds,
         "mean_iteration_s": info.get("mean_iteration_s"),
         "device": info.get("device"),
         "lane": info.get("lane"),
         "final_loss": loss,
+        "rss_bytes": _rss_bytes(),
     }
 
 
+def launch(names: list[str], target: str, *, hold: bool = False) -> list[dict[str, Any]]:
+    """Run one process per workload name at once (`target`: a unix:// address, or 'direct'),
+    released together once all have imported torch and built their models."""
+    with Launched(names, target, hold=hold) as group:
+        return group.results
+
+
+class Launched:
+    """Client processes started together; a context manager that always reaps them.
+
+    With `hold`, `results` holds each client's memory figures taken while its job is open;
+    `release()` lets them finish."""
+
+    def __init__(self, names: list[str], target: str, *, hold: bool = False) -> None:
+        self.hold = hold
+        args = ["--hold"] if hold else []
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "salus.daemon.demo_jobs", n, target, *args],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for n in names
+        ]
+        for p in self.procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                self.close()
+                raise RuntimeError("a client process failed to start")
+        self._send()
+        self.results = [json.loads(self._line(p)) for p in self.procs]
+
+    @staticmethod
+    def _line(p: subprocess.Popen[str]) -> str:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a client process died (exit {p.wait()})")
+        return line
+
+    def _send(self) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+
+    def release(self) -> None:
+        """Let held clients close their jobs and exit."""
+        if self.hold:
+            self.hold = False
+            self._send()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.communicate(timeout=120)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    def __enter__(self) -> Launched:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        self.close()
+
+
 def main() -> None:
-    """Client process: import and build, say `ready`, wait for `go` on stdin, run, print JSON."""
-    workload = WORKLOADS[sys.argv[1]]
+    """Client process: build, say `ready`, wait for `go`, run, print one JSON line.
+
+    With `--hold` it prints its memory figures while the job is still open instead, and waits
+    for one more line before it ends the job."""
+    name, target = sys.argv[1], sys.argv[2]
+    holding = "--hold" in sys.argv
+    workload = WORKLOADS[name]
     print("ready", flush=True)
     sys.stdin.readline()
-    print(json.dumps(run_client(workload, sys.argv[2])), flush=True)
+
+    def hold() -> None:
+        if holding:
+            print(json.dumps({"name": name, "rss_bytes": _rss_bytes()}), flush=True)
+            sys.stdin.readline()
+
+    if target == "direct":
+        result = run_direct(workload, hold)
+    else:
+        result = run_client(workload, target, hold)
+    if not holding:
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

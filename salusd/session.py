@@ -57,6 +57,7 @@ class Session:
         self.resident: ResidentState | None = None
         self.resident_device: int | None = None
         self.submitted = False
+        self.held = False
         self.measured_peak: int | None = None
         self.estimated_peak: int | None = None
         self.persistent_bytes = 0

@@ -1,0 +1,308 @@
+"""Message codec: a JSON header whose tensors, byte strings and pickled objects point at binary
+parts, so tensor bytes never pass through JSON.
+
+A message is JSON data (dicts with str keys, lists, numbers, strings, None) that may also hold
+`torch.Tensor`, `bytes` and `Pickled(obj)` values. Each of those becomes a reference object in the
+header, the only dicts that carry the reserved key "$":
+
+    {"$": "t", "dtype": "float32", "shape": [2, 3], "seg": 0, "off": 128}   a tensor
+    {"$": "b", "len": 10, "seg": 0, "off": 192}                            bytes
+    {"$": "p", "data": <bytes ref>, "storages": [<uint8 tensor ref>, ...]}  a pickled object
+
+`seg` 0 is the frame's inline body, `seg` 1 its shared-memory segment (`segment.py`); parts of
+at least `shm_threshold` bytes go to the segment. Offsets are 64-byte aligned. Pickled objects
+are written with cloudpickle (so classes from the client's `__main__` travel by value) and, the
+way `torch.save` does it, with their tensor storages taken out of the pickle as parts: a model's
+weights then cross in shared memory like any large tensor and arrive without a copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import math
+import mmap
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import torch
+
+from salus.daemon.errors import BadRequest
+
+ALIGN = 64
+_PAD = bytes(ALIGN)
+_MAX_DIMS = 64
+_DTYPE_NAMES = (
+    "float16", "float32", "float64", "bfloat16", "complex32", "complex64", "complex128",
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)
+DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+}
+_DTYPE_NAME = {d: n for n, d in DTYPES.items()}
+
+
+class FrameError(BadRequest):
+    """A frame could not be decoded. `recoverable` is False when the stream lost its framing and
+    the connection must be dropped; otherwise the frame was consumed whole and the next one can
+    be read."""
+
+    code = "bad_frame"
+
+    def __init__(self, message: str, *, recoverable: bool = True) -> None:
+        super().__init__(message)
+        self.recoverable = recoverable
+
+
+class Pickled:
+    """Wrap an object to send it with cloudpickle; `what` names it in error messages."""
+
+    __slots__ = ("obj", "what")
+
+    def __init__(self, obj: Any, what: str = "object") -> None:
+        self.obj = obj
+        self.what = what
+
+
+class PickledPayload:
+    """A received pickled object; `load()` runs the unpickler (which may import and run code)."""
+
+    def __init__(self, data: bytes, storages: list[torch.Tensor]) -> None:
+        self.data = data
+        self.storages = storages
+
+    def load(self, what: str = "object") -> Any:
+        """Unpickle; raises BadRequest with the reason when the payload cannot be rebuilt."""
+        try:
+            return _StorageUnpickler(self.data, self.storages).load()
+        except Exception as exc:
+            raise BadRequest(
+                f"could not unpickle the {what}: {type(exc).__name__}: {exc}; the classes and "
+                "functions it uses must be defined in the script or importable by salusd"
+            ) from exc
+
+
+@dataclass
+class Encoded:
+    """An encoded message: header (JSON padded to ALIGN bytes), inline body buffers, and the
+    (offset, bytes) parts of the shared-memory segment; `keepalive` holds what the views borrow."""
+
+    header: bytes
+    inline: list[bytes | memoryview] = field(default_factory=list)
+    inline_size: int = 0
+    segment: list[tuple[int, memoryview]] = field(default_factory=list)
+    segment_size: int = 0
+    keepalive: list[object] = field(default_factory=list)
+
+
+def encode(message: Any, *, shm_threshold: float) -> Encoded:
+    """Encode `message`; parts of at least `shm_threshold` bytes go to the segment.
+
+    Raises TypeError for values that cannot be sent.
+    """
+    enc = _Encoder(shm_threshold)
+    text = json.dumps(message, default=enc.default, separators=(",", ":")).encode()
+    enc.out.header = text + b" " * (-len(text) % ALIGN)
+    return enc.out
+
+
+def decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Any:
+    """Decode a frame: `data` is header then inline body; tensors are views of `data` and of
+    `segment` (no copy). Raises FrameError (recoverable) on any inconsistency."""
+    try:
+        decoder = json.JSONDecoder(object_hook=_Decoder(data, header_len, segment).hook)
+        return decoder.decode(data[:header_len].decode())
+    except FrameError:
+        raise
+    except Exception as exc:
+        raise FrameError(f"frame header could not be decoded: {type(exc).__name__}: "
+                         f"{exc}") from None
+
+
+def _round_up(n: int) -> int:
+    return n + (-n % ALIGN)
+
+
+def _raw_bytes(t: torch.Tensor, nbytes: int) -> memoryview:
+    """The bytes of contiguous CPU tensor `t` without a copy (ctypes keeps torch-only clients
+    free of a numpy requirement); the caller keeps `t` alive."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class _Encoder:
+    def __init__(self, shm_threshold: float) -> None:
+        self.threshold = shm_threshold
+        self.out = Encoded(header=b"")
+
+    def place(self, view: memoryview) -> dict[str, int]:
+        out, n = self.out, len(view)
+        if n >= self.threshold:
+            off = out.segment_size
+            out.segment.append((off, view))
+            out.segment_size = _round_up(off + n)
+            return {"seg": 1, "off": off}
+        off = _round_up(out.inline_size)
+        if off > out.inline_size:
+            out.inline.append(_PAD[: off - out.inline_size])
+        out.inline.append(view)
+        out.inline_size = off + n
+        return {"seg": 0, "off": off}
+
+    def tensor(self, t: torch.Tensor) -> dict[str, Any]:
+        name = _DTYPE_NAME.get(t.dtype)  # the allow-list also keeps quantized tensors out
+        if name is None:
+            raise TypeError(f"tensors of dtype {t.dtype} cannot be sent")
+        if t.layout is not torch.strided or t.is_nested or t.is_meta:
+            raise TypeError(f"only dense tensors with data can be sent, got {t.layout} on "
+                            f"{t.device}")
+        if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+            t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        ref: dict[str, Any] = {"$": "t", "dtype": name, "shape": [*t.shape]}
+        nbytes = t.nbytes
+        if nbytes:
+            self.out.keepalive.append(t)
+            ref.update(self.place(_raw_bytes(t, nbytes)))
+        return ref
+
+    def blob(self, data: bytes | bytearray | memoryview) -> dict[str, Any]:
+        view = memoryview(data).cast("B")
+        self.out.keepalive.append(data)
+        return {"$": "b", "len": len(view), **(self.place(view) if len(view) else {})}
+
+    def pickled(self, p: Pickled) -> dict[str, Any]:
+        buf = io.BytesIO()
+        pickler = _StoragePickler(buf, self)
+        try:
+            pickler.dump(p.obj)
+        except Exception as exc:
+            raise TypeError(f"cannot send the {p.what} to salusd: {type(exc).__name__}: "
+                            f"{exc}") from exc
+        return {"$": "p", "data": self.blob(buf.getvalue()), "storages": pickler.refs}
+
+    def default(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        if isinstance(obj, bytes | bytearray | memoryview):
+            return self.blob(obj)
+        if isinstance(obj, Pickled):
+            return self.pickled(obj)
+        raise TypeError(f"a {type(obj).__name__} cannot be sent to salusd: use tensors, "
+                        "numbers, strings, lists and dicts, or wrap it in Pickled")
+
+
+class _StoragePickler(cloudpickle.Pickler):
+    """cloudpickle with tensor storages sent as parts (as torch.save does with persistent ids)."""
+
+    def __init__(self, file: io.BytesIO, encoder: _Encoder) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.encoder = encoder
+        self.refs: list[dict[str, Any]] = []
+        self.index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, _DTYPE_NAME.get(obj.dtype)
+            if dtype is None:
+                raise TypeError(f"tensors of dtype {obj.dtype} cannot be sent")
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, dtype = obj, None
+        else:
+            return None
+        key = untyped._cdata
+        if key not in self.index:
+            self.index[key] = len(self.refs)
+            as_bytes = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
+            self.refs.append(self.encoder.tensor(as_bytes))
+        return ("s", self.index[key], dtype)
+
+
+class _StorageUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, storages: list[torch.Tensor]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.storages = storages
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "s"):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        _, index, dtype = pid
+        if not (isinstance(index, int) and 0 <= index < len(self.storages)):
+            raise pickle.UnpicklingError(f"storage {index!r} is not in the frame")
+        untyped = self.storages[index].untyped_storage()
+        if dtype is None:
+            return untyped
+        if dtype not in DTYPES:
+            raise pickle.UnpicklingError(f"unknown storage dtype {dtype!r}")
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=DTYPES[dtype],
+                                          _internal=True)
+
+
+class _Decoder:
+    def __init__(self, data: bytearray, header_len: int, segment: mmap.mmap | None) -> None:
+        self.data, self.base, self.segment = data, header_len, segment
+
+    def region(self, ref: dict[str, Any], nbytes: int) -> tuple[bytearray | mmap.mmap, int]:
+        seg, off = ref.get("seg"), ref.get("off")
+        if type(off) is not int or off < 0:
+            raise FrameError(f"bad part offset {off!r}")
+        if seg == 0:
+            buf: bytearray | mmap.mmap = self.data
+            base, size = self.base, len(self.data) - self.base
+        elif seg == 1 and self.segment is not None:
+            buf, base, size = self.segment, 0, len(self.segment)
+        else:
+            raise FrameError(f"part refers to segment {seg!r}, which the frame does not carry")
+        if off + nbytes > size:
+            raise FrameError(f"a part of {nbytes} bytes at offset {off} runs past the end of "
+                             f"its {size}-byte segment")
+        return buf, base + off
+
+    def tensor(self, ref: dict[str, Any]) -> torch.Tensor:
+        name, shape = ref.get("dtype"), ref.get("shape")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise FrameError(f"unknown tensor dtype {name!r}")
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS
+                and all(type(d) is int and d >= 0 for d in shape)):
+            raise FrameError(f"tensor shape must be a list of non-negative ints, got {shape!r}")
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        buf, off = self.region(ref, numel * dtype.itemsize)
+        if off % dtype.itemsize:
+            raise FrameError(f"tensor offset {off} is not aligned to its {dtype.itemsize}-byte "
+                             "elements")
+        flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off)
+        if len(shape) == 1:
+            return flat
+        return flat.view(*shape) if shape else flat.view(())  # view(*dims) parses fastest
+
+    def blob(self, ref: dict[str, Any]) -> bytes:
+        n = ref.get("len")
+        if type(n) is not int or n < 0:
+            raise FrameError(f"bad byte-string length {n!r}")
+        if n == 0:
+            return b""
+        buf, off = self.region(ref, n)
+        return bytes(memoryview(buf)[off:off + n])
+
+    def hook(self, obj: dict[str, Any]) -> Any:
+        kind = obj.get("$")
+        if kind is None:
+            return obj
+        if kind == "t":
+            return self.tensor(obj)
+        if kind == "b":
+            return self.blob(obj)
+        if kind == "p":
+            data, storages = obj.get("data"), obj.get("storages")
+            if not isinstance(data, bytes) or not (
+                isinstance(storages, list) and all(
+                    isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.dim() == 1
+                    for s in storages)):
+                raise FrameError("a pickled object needs bytes 'data' and uint8 'storages'")
+            return PickledPayload(data, storages)
+        raise FrameError(f"unknown reference kind {kind!r}")

@@ -1,0 +1,297 @@
+"""The data plane's wire: addresses, frames and a blocking message channel over a unix socket.
+
+Shared by salusd and the client adapter, so it imports only the stdlib, torch and cloudpickle
+(and the stdlib-only `salus.daemon.errors`).
+
+A frame (all integers little endian):
+
+    bytes 0-3    magic b"SLUS"
+    byte  4      version (1)
+    byte  5      flags: bit 0 = a shared-memory segment descriptor travels with the frame
+    bytes 6-7    reserved, 0
+    bytes 8-11   header length in bytes (uint32): JSON, space-padded to a multiple of 64
+    bytes 12-19  body length in bytes (uint64): the inline binary parts
+    then the header, then the body.
+
+What the header and parts mean is `codec.py`; the segment is `segment.py`. A frame whose
+header + body exceeds `max_frame_bytes` is read and discarded (up to DRAIN_LIMIT_BYTES) and
+reported as FrameTooLarge, so the connection stays usable; a bad magic or version, or a stream
+that ends mid-frame, cannot be resynchronised and the connection must be dropped.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import os
+import socket
+import struct
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from salus.daemon.errors import ERRORS_BY_CODE, SalusError
+from salus.daemon.ipc import codec, segment
+from salus.daemon.ipc.codec import FrameError, Pickled, PickledPayload
+
+__all__ = [
+    "ADDRESS_ENV", "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_SHM_THRESHOLD", "Channel",
+    "ConnectionClosed", "FrameError", "FrameTooLarge", "Pickled", "PickledPayload",
+    "default_socket_path", "default_state_dir", "error_from_reply", "format_address",
+    "parse_address",
+]
+
+MAGIC = b"SLUS"
+VERSION = 1
+FLAG_SEGMENT = 0x1
+_FIXED = struct.Struct("<4sBBHIQ")
+HEADER_BYTES = _FIXED.size
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+DEFAULT_SHM_THRESHOLD = 256 * 1024
+DRAIN_LIMIT_BYTES = 1024 * 1024 * 1024
+ADDRESS_ENV = "SALUS_ADDRESS"
+_READ_BUFFER_BYTES = 64 * 1024
+_MAX_QUEUED_FDS = 4
+_ANC_BYTES = socket.CMSG_SPACE(_MAX_QUEUED_FDS * array.array("i").itemsize)
+_RECV_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microseconds per frame
+_IOV_LIMIT = 512
+
+
+class FrameTooLarge(FrameError):
+    """A frame's inline part (header + body) is over the receiver's limit."""
+
+    code = "too_large"
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection between two frames."""
+
+
+_ERRORS: dict[str, type[SalusError]] = {
+    **ERRORS_BY_CODE, FrameError.code: FrameError, FrameTooLarge.code: FrameTooLarge,
+}
+
+
+def error_from_reply(code: object, message: object) -> SalusError:
+    """The salus error a remote error reply stands for (SalusError for an unknown code)."""
+    cls = _ERRORS.get(code, SalusError) if isinstance(code, str) else SalusError
+    return cls(str(message))
+
+
+def default_state_dir() -> Path:
+    """salusd's default state directory: `$XDG_RUNTIME_DIR/salusd` when XDG_RUNTIME_DIR is set,
+    else `~/.local/state/salusd`. The daemon's `--state-dir` default must be this, so that
+    clients find its socket without configuration."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "salusd"
+    return Path.home() / ".local" / "state" / "salusd"
+
+
+def default_socket_path() -> str:
+    """The socket clients connect to and the daemon listens on by default.
+
+    `$SALUS_ADDRESS` (`unix:///absolute/path`) wins; else `default_state_dir()/salusd.sock`,
+    i.e. `$XDG_RUNTIME_DIR/salusd/salusd.sock` or `~/.local/state/salusd/salusd.sock`.
+    """
+    address = os.environ.get(ADDRESS_ENV)
+    if address:
+        return parse_address(address)
+    return str(default_state_dir() / "salusd.sock")
+
+
+def parse_address(address: str) -> str:
+    """The socket path of a `unix:///absolute/path` address; ValueError for anything else."""
+    if not isinstance(address, str):
+        raise TypeError(f"a salusd address is a string, got {type(address).__name__}")
+    scheme, sep, path = address.partition("://")
+    if not sep or scheme != "unix":
+        raise ValueError(f"unsupported salusd address {address!r}: salusd listens on a unix "
+                         "socket; write unix:///absolute/path/to/salusd.sock")
+    if not path.startswith("/"):
+        raise ValueError(f"salusd address {address!r} needs an absolute path after unix:// "
+                         "(three slashes in all, e.g. unix:///run/salusd/salusd.sock)")
+    return path
+
+
+def format_address(path: str | os.PathLike[str]) -> str:
+    """The `unix://` address of a socket path (made absolute)."""
+    return "unix://" + os.path.abspath(os.fspath(path))
+
+
+class Channel:
+    """Blocking message channel over a connected AF_UNIX stream socket (one reader and one
+    writer at a time; callers serialise).
+
+    `max_frame_bytes` bounds received frames (header + inline body, in bytes);
+    `peer_max_frame_bytes` bounds sent ones (the peer's limit, when known). Tensors and byte
+    strings of at least `shm_threshold` bytes go through a shared-memory segment.
+    """
+
+    def __init__(self, sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 shm_threshold: float = DEFAULT_SHM_THRESHOLD) -> None:
+        if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be an int of at least 1024, "
+                             f"got {max_frame_bytes!r}")
+        self.sock = sock
+        self.max_frame_bytes = max_frame_bytes
+        self.peer_max_frame_bytes = max_frame_bytes
+        self.shm_threshold = shm_threshold if segment.available() else math.inf
+        self._buf = bytearray(_READ_BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._fds: deque[int] = deque()
+
+    # ---- sending ---------------------------------------------------------------------------
+    def send(self, message: Any) -> None:
+        """Send one message. TypeError for values that cannot be sent; FrameTooLarge (before
+        anything is written) when the inline part exceeds the peer's limit."""
+        enc = codec.encode(message, shm_threshold=self.shm_threshold)
+        size = len(enc.header) + enc.inline_size
+        if size > self.peer_max_frame_bytes:
+            raise FrameTooLarge(
+                f"message of {size} bytes exceeds the {self.peer_max_frame_bytes}-byte frame "
+                f"limit (tensors of at least {self.shm_threshold} bytes go through shared "
+                "memory and do not count); send fewer or smaller values per call")
+        fd = segment.create(enc.segment, enc.segment_size) if enc.segment_size else None
+        try:
+            flags = FLAG_SEGMENT if fd is not None else 0
+            fixed = _FIXED.pack(MAGIC, VERSION, flags, 0, len(enc.header), enc.inline_size)
+            self._send_all([fixed, enc.header, *enc.inline], fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _send_all(self, buffers: list[bytes | memoryview], fd: int | None) -> None:
+        if len(buffers) > _IOV_LIMIT:
+            buffers = [b"".join(buffers)]
+        ancillary = []
+        if fd is not None:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        sent = self.sock.sendmsg(buffers, ancillary)
+        # A blocking send may still stop early (a signal); the descriptor went with byte 0.
+        for buf in buffers:
+            n = memoryview(buf).nbytes
+            if sent >= n:
+                sent -= n
+                continue
+            self.sock.sendall(memoryview(buf)[sent:])
+            sent = 0
+
+    # ---- receiving -------------------------------------------------------------------------
+    def recv(self) -> Any:
+        """Receive one message.
+
+        Raises ConnectionClosed when the peer closed between frames, FrameError when a frame is
+        bad (its `recoverable` says whether the next frame can still be read; FrameTooLarge
+        frames were skipped and are recoverable), OSError from the socket.
+        """
+        if not self._fill(HEADER_BYTES):
+            raise ConnectionClosed("the peer closed the connection")
+        magic, version, flags, _, header_len, body_len = _FIXED.unpack_from(self._buf,
+                                                                            self._start)
+        if magic != MAGIC:
+            raise FrameError(f"not a salusd frame (magic {bytes(magic)!r}, expected {MAGIC!r})",
+                             recoverable=False)
+        if version != VERSION:
+            raise FrameError(f"frame version {version}, this side speaks {VERSION}: install "
+                             "matching salusd and adapter versions", recoverable=False)
+        self._start += HEADER_BYTES
+        size = header_len + body_len
+        fd = self._fds.popleft() if flags & FLAG_SEGMENT and self._fds else None
+        try:
+            if size > self.max_frame_bytes:
+                if size > DRAIN_LIMIT_BYTES:
+                    raise FrameError(f"frame of {size} bytes is far over the limit",
+                                     recoverable=False)
+                self._skip(size)
+                raise FrameTooLarge(
+                    f"frame of {size} bytes exceeds this side's {self.max_frame_bytes}-byte "
+                    "limit; large tensors go through shared memory, so split the data")
+            data = self._read(size)
+            if flags & ~FLAG_SEGMENT or header_len % codec.ALIGN:
+                raise FrameError(f"malformed frame (flags {flags:#x}, header {header_len} bytes)")
+            mapping = None
+            if flags & FLAG_SEGMENT:
+                if fd is None:
+                    raise FrameError("the frame announces a shared-memory segment but no "
+                                     "descriptor came with it")
+                descriptor, fd = fd, None
+                try:
+                    mapping = segment.open_mapping(descriptor)
+                except (ValueError, OSError) as exc:
+                    raise FrameError(f"cannot map the frame's shared memory: {exc}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        return codec.decode(data, header_len, mapping)
+
+    def _recv_some(self) -> int:
+        """One recvmsg into the free tail of the buffer; queues descriptors that come along."""
+        got, ancillary, msg_flags, _ = self.sock.recvmsg_into([self._view[self._end:]],
+                                                              _ANC_BYTES, _RECV_FLAGS)
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self._fds.extend(fds)
+        if msg_flags & _CTRUNC or len(self._fds) > _MAX_QUEUED_FDS:
+            raise FrameError("the peer sent more descriptors than frames", recoverable=False)
+        self._end += got
+        return got
+
+    def _fill(self, n: int) -> bool:
+        """Buffer at least `n` bytes; False on a clean end of stream before any of them."""
+        while self._end - self._start < n:
+            if len(self._buf) - self._start < n:
+                pending = bytes(self._view[self._start:self._end])
+                self._buf[: len(pending)] = pending
+                self._start, self._end = 0, len(pending)
+            if self._recv_some() == 0:
+                if self._end == self._start:
+                    return False
+                raise FrameError("the connection closed in the middle of a frame",
+                                 recoverable=False)
+        return True
+
+    def _read(self, size: int) -> bytearray:
+        """The next `size` bytes in a fresh buffer (tensors will be views of it)."""
+        data = bytearray(size)
+        out = memoryview(data)
+        have = min(size, self._end - self._start)
+        out[:have] = self._view[self._start:self._start + have]
+        self._start += have
+        while have < size:
+            need = size - have
+            if need >= len(self._buf):
+                got = self.sock.recv_into(out[have:], need, socket.MSG_WAITALL)
+            elif self._fill(need):
+                out[have:] = self._view[self._start:self._start + need]
+                self._start, got = self._start + need, need
+            else:
+                got = 0
+            if got == 0:
+                raise FrameError("the connection closed in the middle of a frame",
+                                 recoverable=False)
+            have += got
+        return data
+
+    def _skip(self, size: int) -> None:
+        """Read and discard `size` bytes."""
+        take = min(size, self._end - self._start)
+        self._start += take
+        size -= take
+        while size:
+            self._start = self._end = 0
+            got = self.sock.recv_into(self._view, min(size, len(self._buf)))
+            if got == 0:
+                raise FrameError("the connection closed in the middle of a frame",
+                                 recoverable=False)
+            size -= got
+
+    def close(self) -> None:
+        """Close the socket and any descriptors received but not claimed by a frame."""
+        while self._fds:
+            os.close(self._fds.popleft())
+        self.sock.close()

@@ -1,0 +1,362 @@
+"""The data plane wire: frames, inline and shared-memory tensors, pickled objects, bad input."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from salus.daemon.errors import BadRequest, UnknownJob
+from salus.daemon.ipc import segment
+from salus.daemon.ipc.wire import (
+    DEFAULT_SHM_THRESHOLD,
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    Channel,
+    ConnectionClosed,
+    FrameError,
+    FrameTooLarge,
+    Pickled,
+    PickledPayload,
+    default_socket_path,
+    error_from_reply,
+    format_address,
+    parse_address,
+)
+
+FIXED = struct.Struct("<4sBBHIQ")  # the documented frame layout, written out independently
+needs_memfd = pytest.mark.skipif(not segment.available(), reason="needs Linux memfd sealing")
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Channel, Channel]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    left, right = Channel(a), Channel(b)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def roundtrip(sender: Channel, receiver: Channel, message: Any) -> Any:
+    """Send from a thread (a large inline frame would fill the socket buffer) and receive."""
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.send(message)
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        return receiver.recv()
+    finally:
+        thread.join(10)
+        if errors:
+            raise errors[0]
+
+
+def raw_frame(header: bytes, body: bytes = b"", flags: int = 0, magic: bytes = MAGIC) -> bytes:
+    header = header + b" " * (-len(header) % 64)
+    return FIXED.pack(magic, VERSION, flags, 0, len(header), len(body)) + header + body
+
+
+def memfd_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:salus-tensors" in line for line in f)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+SAMPLES = {
+    "float32": torch.randn(3, 4),
+    "float64": torch.randn(5, dtype=torch.float64),
+    "float16": torch.randn(2, 2).half(),
+    "bfloat16": torch.randn(7).bfloat16(),
+    "int64": torch.arange(-5, 5),
+    "int8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+    "uint8": torch.arange(256, dtype=torch.uint8),
+    "bool": torch.tensor([True, False, True]),
+    "complex64": torch.randn(3, dtype=torch.complex64),
+    "scalar": torch.tensor(3.5),
+    "empty": torch.empty(0),
+    "empty2d": torch.empty(3, 0, 2, dtype=torch.int32),
+    "transposed": torch.randn(4, 6).t(),
+    "strided": torch.arange(40.0).view(5, 8)[::2, 1::3],
+    "expanded": torch.randn(1, 3).expand(4, 3),
+    "conj": torch.randn(4, dtype=torch.complex64).conj(),
+    "requires_grad": torch.randn(3, requires_grad=True),
+}
+
+
+def test_tensors_of_many_dtypes_and_layouts_round_trip(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    got = roundtrip(left, right, {"op": "t", "tensors": SAMPLES, "n": 3, "s": "x", "z": None})
+    assert got["n"] == 3 and got["s"] == "x" and got["z"] is None
+    for name, sent in SAMPLES.items():
+        received = got["tensors"][name]
+        assert received.dtype == sent.dtype, name
+        assert received.shape == sent.shape, name
+        assert torch.equal(received, sent.detach().resolve_conj()), name
+        assert not received.requires_grad
+
+
+def test_received_tensors_are_writable_and_independent(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    sent = torch.zeros(16)
+    got = roundtrip(left, right, {"x": sent})
+    got["x"] += 1
+    assert torch.equal(sent, torch.zeros(16))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.int16, torch.float64, torch.bool, torch.uint8]),
+    threshold=st.sampled_from([1, 64, DEFAULT_SHM_THRESHOLD]),
+)
+def test_any_shape_round_trips_inline_or_in_shared_memory(
+    shape: list[int], dtype: torch.dtype, threshold: int
+) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    left, right = Channel(a, shm_threshold=threshold), Channel(b)
+    try:
+        sent = (torch.rand(shape) * 100).to(dtype)
+        got = roundtrip(left, right, {"x": sent, "pair": [sent, 1.5]})
+        assert torch.equal(got["x"], sent) and torch.equal(got["pair"][0], sent)
+        assert got["x"].shape == sent.shape and got["pair"][1] == 1.5
+    finally:
+        left.close()
+        right.close()
+
+
+@needs_memfd
+def test_large_tensors_are_mapped_from_shared_memory_and_freed(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    shm_before = set(os.listdir("/dev/shm"))
+    fds_before, maps_before = open_fds(), memfd_mappings()
+    big = torch.randn(512, 256)  # 512 KiB, over the threshold
+    small = torch.randn(10)
+    got = roundtrip(left, right, {"big": big, "also": big[:, :128], "small": small})
+    assert torch.equal(got["big"], big) and torch.equal(got["also"], big[:, :128])
+    assert torch.equal(got["small"], small)
+    # The receiver's tensors are views of one memfd mapping: no copy out of shared memory.
+    with open("/proc/self/maps") as f:
+        spans = [tuple(int(v, 16) for v in line.split()[0].split("-"))
+                 for line in f if "memfd:salus-tensors" in line]
+    ptr = got["big"].data_ptr()
+    assert any(lo <= ptr < hi for lo, hi in spans)
+    assert memfd_mappings() == maps_before + 1
+    # Nothing was ever named in /dev/shm, and once the tensors die the memory is gone.
+    assert set(os.listdir("/dev/shm")) == shm_before
+    del got
+    gc.collect()
+    assert memfd_mappings() == maps_before
+    assert open_fds() == fds_before
+
+
+class Box:
+    """A class the receiver rebuilds from the pickle."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_objects_travel_with_cloudpickle_and_keep_tensor_identity(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+
+    class Local(torch.nn.Module):  # defined in a function: cloudpickle ships it by value
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = torch.nn.Linear(300, 300)  # 360 KB of weights: shared memory
+            self.small = torch.nn.Linear(300, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.small(torch.relu(self.big(x)))
+
+    model = Local()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 300)).sum().backward()
+    optimizer.step()
+    scale = 3.0
+    got = roundtrip(left, right, {"objects": Pickled((model, optimizer, lambda o, t: scale * o,
+                                                      Box(7)))})
+    assert isinstance(got["objects"], PickledPayload)
+    model2, optimizer2, loss2, box = got["objects"].load()
+    assert box.value == 7 and float(loss2(torch.tensor(2.0), None)) == 6.0
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert all(a is b for a, b in zip(model2.parameters(),
+                                      optimizer2.param_groups[0]["params"], strict=True))
+    for p in model.parameters():
+        q = next(q for q in model2.parameters() if q.shape == p.shape and torch.equal(q, p))
+        assert torch.equal(optimizer.state[p]["exp_avg"], optimizer2.state[q]["exp_avg"])
+    x = torch.randn(3, 300)
+    assert torch.allclose(model(x), model2(x))
+
+
+def test_unpicklable_payload_gives_bad_request(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    got = roundtrip(left, right, {"blob": b"\x80\x05not a pickle"})
+    payload = PickledPayload(got["blob"], [])
+    with pytest.raises(BadRequest, match="could not unpickle the model"):
+        payload.load("model")
+
+
+def test_unsendable_values_raise_type_error(pair: tuple[Channel, Channel]) -> None:
+    left, _ = pair
+    with pytest.raises(TypeError, match="cannot be sent"):
+        left.send({"x": object()})
+    for bad in (torch.eye(3).to_sparse(), torch.empty(3, device="meta")):
+        with pytest.raises(TypeError, match="only dense tensors with data"):
+            left.send({"x": bad})
+    with pytest.raises(TypeError, match="cannot send the lock"):
+        left.send({"x": Pickled(threading.Lock(), "lock")})
+
+
+@pytest.mark.parametrize(
+    ("header", "reason"),
+    [
+        (b"{not json", "could not be decoded"),
+        (b'{"x": {"$": "t", "dtype": "float32", "shape": [4], "seg": 0, "off": 0}}', "past"),
+        (b'{"x": {"$": "t", "dtype": "nope", "shape": [1], "seg": 0, "off": 0}}', "dtype"),
+        (b'{"x": {"$": "t", "dtype": "int8", "shape": [-1], "seg": 0, "off": 0}}', "shape"),
+        (b'{"x": {"$": "t", "dtype": "int8", "shape": [1], "seg": 1, "off": 0}}', "segment"),
+        (b'{"x": {"$": "t", "dtype": "int32", "shape": [1], "seg": 0, "off": 2}}', "aligned"),
+        (b'{"x": {"$": "zz"}}', "reference kind"),
+        (b'{"x": {"$": "p", "data": 1, "storages": []}}', "pickled"),
+        (b"\xff\xfe", "could not be decoded"),
+    ],
+)
+def test_bad_headers_are_recoverable_errors(pair: tuple[Channel, Channel], header: bytes,
+                                            reason: str) -> None:
+    left, right = pair
+    left.sock.sendall(raw_frame(header, body=bytes(8)))
+    with pytest.raises(FrameError, match=reason) as info:
+        right.recv()
+    assert info.value.recoverable
+    left.send({"next": 1})
+    assert right.recv() == {"next": 1}
+
+
+def test_bad_magic_and_truncation_are_not_recoverable(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    left.sock.sendall(raw_frame(b"{}", magic=b"HTTP"))
+    with pytest.raises(FrameError, match="magic") as info:
+        right.recv()
+    assert not info.value.recoverable
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    receiver = Channel(b)
+    a.sendall(raw_frame(b'{"a": 1}', body=bytes(100))[:-30])
+    a.close()
+    with pytest.raises(FrameError, match="middle of a frame") as info:
+        receiver.recv()
+    assert not info.value.recoverable
+    receiver.close()
+
+
+def test_clean_close_between_frames(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    left.send({"last": True})
+    left.sock.shutdown(socket.SHUT_WR)
+    assert right.recv() == {"last": True}
+    with pytest.raises(ConnectionClosed):
+        right.recv()
+
+
+def test_oversized_frames_are_skipped_and_refused_before_sending() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender = Channel(a, shm_threshold=float("inf"))
+    receiver = Channel(b, max_frame_bytes=4096)
+    try:
+        with pytest.raises(FrameTooLarge, match="exceeds") as info:
+            roundtrip(sender, receiver, {"x": torch.zeros(10_000)})
+        assert info.value.recoverable
+        assert roundtrip(sender, receiver, {"after": 1}) == {"after": 1}
+        sender.peer_max_frame_bytes = 4096
+        with pytest.raises(FrameTooLarge, match="4096-byte frame limit"):
+            sender.send({"x": torch.zeros(10_000)})
+        a.sendall(FIXED.pack(MAGIC, VERSION, 0, 0, 64, 1 << 40))
+        with pytest.raises(FrameError, match="far over") as info:
+            receiver.recv()
+        assert not info.value.recoverable
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@needs_memfd
+def test_segments_must_be_sealed_and_announced(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    frame = raw_frame(b'{"x": {"$": "t", "dtype": "uint8", "shape": [4], "seg": 1, "off": 0}}',
+                      flags=1)
+    with tempfile.TemporaryFile() as unsealed:
+        unsealed.write(bytes(64))
+        unsealed.flush()
+        left.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                     struct.pack("i", unsealed.fileno()))])
+        with pytest.raises(FrameError, match="not sealed"):
+            right.recv()
+    left.sock.sendall(frame)
+    with pytest.raises(FrameError, match="no descriptor"):
+        right.recv()
+    left.send({"still": "in step"})
+    assert right.recv() == {"still": "in step"}
+
+
+def test_remote_error_codes_map_to_salus_errors() -> None:
+    assert isinstance(error_from_reply("unknown_job", "no job 7"), UnknownJob)
+    assert isinstance(error_from_reply("too_large", "big"), FrameTooLarge)
+    err = error_from_reply("from the future", "m")
+    assert type(err).__name__ == "SalusError" and str(err) == "m"
+
+
+def test_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_address("unix:///run/salusd/salusd.sock") == "/run/salusd/salusd.sock"
+    for bad in ("tcp://127.0.0.1:9", "/run/x.sock", "unix://relative/x.sock", "unix:/x"):
+        with pytest.raises(ValueError, match="unix:///"):
+            parse_address(bad)
+    assert format_address("/a/b.sock") == "unix:///a/b.sock"
+    monkeypatch.setenv("SALUS_ADDRESS", "unix:///tmp/elsewhere.sock")
+    assert default_socket_path() == "/tmp/elsewhere.sock"
+    monkeypatch.delenv("SALUS_ADDRESS")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
+    assert default_socket_path() == "/run/user/1234/salusd/salusd.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert default_socket_path() == "/home/someone/.local/state/salusd/salusd.sock"
+
+
+def test_frame_layout_is_as_documented(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    left.send({"op": "ping", "x": torch.arange(3, dtype=torch.int32)})
+    raw = right.sock.recv(1 << 16)
+    magic, version, flags, reserved, header_len, body_len = FIXED.unpack_from(raw)
+    assert (magic, version, flags, reserved) == (MAGIC, VERSION, 0, 0)
+    assert FIXED.size == HEADER_BYTES and header_len % 64 == 0
+    assert len(raw) == HEADER_BYTES + header_len + body_len
+    header = json.loads(raw[HEADER_BYTES:HEADER_BYTES + header_len])
+    ref = header["x"]
+    body = raw[HEADER_BYTES + header_len:]
+    assert ref["dtype"] == "int32" and ref["shape"] == [3]
+    assert body[ref["off"]:ref["off"] + 12] == torch.arange(3, dtype=torch.int32).numpy().tobytes()
