@@ -1,0 +1,136 @@
+"""End to end: the real `salusd serve` process, clients in separate processes over the socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from workloads import batches, mlp, train_direct
+
+import salus.adapters.torch as salus
+from salus.daemon.errors import JobCancelled
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def daemon_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    sock = tmp_path / "salusd.sock"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
+         "--state-dir", str(tmp_path / "state"), "--cpu-devices", "2", "--cpu-memory", "256M",
+         "--policy", "pack"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    while line and "salusd listening on" not in line:
+        line = proc.stdout.readline()
+    assert f"unix://{sock}" in line, "salusd did not print where it listens"
+    yield proc, f"unix://{sock}"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+CLIENT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch import nn
+    import salus.adapters.torch as salus
+
+    class Net(nn.Module):  # defined in the script: travels by value with cloudpickle
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 32)
+            self.b = nn.Linear(32, 4)
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    seed = int(sys.argv[1])
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(15)]
+    with salus.connect(name=f"client{seed}", iterations=len(data)) as job:
+        step = job.train_step(model, opt, nn.CrossEntropyLoss())
+        for x, y in data:
+            step(x, y)
+        remote = job.state_dict()
+    for x, y in data:  # the same loop directly, for comparison
+        opt.zero_grad(); nn.CrossEntropyLoss()(model(x), y).backward(); opt.step()
+    diff = max((remote[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    print(json.dumps({"seed": seed, "max_abs_diff": diff}))
+""")
+
+
+def test_clients_in_separate_processes_match_direct_training(daemon_proc, tmp_path):
+    proc, address = daemon_proc
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    env = {**os.environ, "SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1"}
+    clients = [subprocess.Popen([sys.executable, str(script), str(seed)], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for seed in (1, 2, 3)]
+    for c in clients:
+        out, err = c.communicate(timeout=240)
+        assert c.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["max_abs_diff"] <= 1e-6
+    assert proc.poll() is None
+
+
+def test_socket_mode_garbage_and_disconnects_leave_the_daemon_serving(daemon_proc):
+    proc, address = daemon_proc
+    path = address.removeprefix("unix://")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    with socket.socket(socket.AF_UNIX) as s:  # garbage, then hang up
+        s.connect(path)
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" * 10)
+    with socket.socket(socket.AF_UNIX) as s:  # a frame header promising more than it sends
+        s.connect(path)
+        s.sendall(b"\x00" * 7)
+    model, opt, loss_fn = mlp("sgd")
+    data = batches("mlp", 5)
+    with salus.connect(name="after-garbage", iterations=5, address=address) as job:
+        step = job.train_step(model, opt, loss_fn)
+        for x, y in data:
+            step(x, y)
+        state = job.state_dict()
+    ref = train_direct(lambda: mlp("sgd"), data).state_dict()
+    for k, v in ref.items():
+        torch.testing.assert_close(state[k], v, atol=1e-6, rtol=0)
+    assert proc.poll() is None
+
+
+def test_sigterm_finishes_running_iterations_and_exits_cleanly(daemon_proc):
+    proc, address = daemon_proc
+    model, opt, loss_fn = mlp("adam")
+    job = salus.connect(name="long", iterations=1000, address=address)
+    step = job.train_step(model, opt, loss_fn)
+    x, y = batches("mlp", 1)[0]
+    assert isinstance(step(x, y), float)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    out = proc.stdout.read() if proc.stdout else ""
+    assert "shutting down" in out and "stopped" in out
+    assert not os.path.exists(address.removeprefix("unix://"))
+    with pytest.raises((JobCancelled, ConnectionError)):
+        for _ in range(3):
+            step(x, y)
+            time.sleep(0.1)
+    job.close()
