@@ -81,12 +81,17 @@ class Daemon:
         self.sched = IterationScheduler([d.memory_bytes for d in self.devices], self.policy, clock)
         self.events: deque[Event] = deque(maxlen=event_log)
         self.finished: deque[dict[str, Any]] = deque(maxlen=1000)
-        self._cond = threading.Condition()
+        # One lock; waiters on `_cond` (state_dict) and one condition per lane share it, so an
+        # arriving batch wakes only its own lane's worker.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._lane_conds: dict[LaneKey, threading.Condition] = {}
         self._sessions: dict[int, Session] = {}
         self._workers: dict[LaneKey, LaneWorker] = {}
         self._threads: list[LaneWorker] = []
         self._regions: dict[LaneKey, tuple[int, int]] = {}
         self._running: set[int] = set()
+        self._busy: set[LaneKey] = set()
         self._ids = itertools.count(1)
         self._stopping = False
 
@@ -194,7 +199,7 @@ class Daemon:
             if session.submitted:
                 self.sched.suspend(session.job_id)
             self._event("suspend", session.job_id)
-            self._cond.notify_all()
+            self._wake()
 
     def resume(self, job_id: str, owner: str) -> None:
         session = self._session(job_id, owner)
@@ -205,7 +210,7 @@ class Daemon:
             if session.submitted:
                 self.sched.resume(session.job_id)
             self._event("resume", session.job_id)
-            self._cond.notify_all()
+            self._wake()
 
     def cancel(self, job_id: str, owner: str) -> None:
         session = self._session(job_id, owner)
@@ -220,7 +225,7 @@ class Daemon:
                     self.sched.set_priority(session.job_id, priority)
                 except ValueError as exc:
                     raise BadRequest(str(exc)) from None
-            self._cond.notify_all()
+            self._wake()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Refuse new work, fail queued requests, let running iterations finish, stop workers."""
@@ -230,7 +235,7 @@ class Daemon:
                 self._end(session, JobState.CANCELLED, JobCancelled("salusd is shutting down"))
             for w in self._threads:
                 w.stopping = True
-            self._cond.notify_all()
+            self._wake()
         deadline = time.monotonic() + timeout_s
         for w in self._threads:
             w.join(max(0.0, deadline - time.monotonic()))
@@ -253,21 +258,31 @@ class Daemon:
     # ---- lane workers ---------------------------------------------------------------------
     def next_work(self, worker: LaneWorker) -> tuple[Session, Request] | None:
         """Block until the policy picks a job for `worker`'s lane; None once the lane is gone."""
+        key = (worker.device, worker.lane_id)
         with self._cond:
             while True:
                 if worker.stopping:
                     return None
-                decision = self.sched.next_iteration(
-                    worker.device, worker.lane_id, ready=self._ready
-                )
-                if decision is not None:
-                    session = self._sessions[decision.job_id]
-                    request = session.requests.popleft()
-                    self.sched.iteration_started(decision.job_id)
-                    self._running.add(decision.job_id)
-                    self._event("start", decision.job_id, worker.device, worker.lane_id)
-                    return session, request
-                self._cond.wait()
+                work = self._take(key)
+                if work is not None:
+                    return work
+                self._lane_conds[key].wait()
+
+    def _take(self, key: LaneKey, only: int | None = None) -> tuple[Session, Request] | None:
+        """Claim lane `key` for the policy's next iteration (only if it is job `only`, when
+        given); None if the lane is busy or has nothing to run."""
+        if key in self._busy:
+            return None
+        decision = self.sched.next_iteration(*key, ready=self._ready)
+        if decision is None or (only is not None and decision.job_id != only):
+            return None
+        session = self._sessions[decision.job_id]
+        request = session.requests.popleft()
+        self.sched.iteration_started(decision.job_id)
+        self._running.add(decision.job_id)
+        self._busy.add(key)
+        self._event("start", decision.job_id, *key)
+        return session, request
 
     def run_work(self, worker: LaneWorker, session: Session, request: Request) -> None:
         """Run one iteration, then account it; never raises (the job fails instead)."""
@@ -282,10 +297,10 @@ class Daemon:
                     )
                 result = session.run(request, measure, worker.torch_device)
         except Exception as exc:  # the job's own code or memory: fail that job only
-            self._fail(session, request, exc)
+            self._fail(session, request, exc, worker)
             return
         with self._cond:
-            self._running.discard(session.job_id)
+            self._release_lane(session, worker)
             self._event("end", session.job_id, worker.device, worker.lane_id)
             made: list[Placement] = []
             job = self.sched.jobs[session.job_id]
@@ -297,8 +312,11 @@ class Daemon:
                     made += self._check_peak(session, worker, result.peak_bytes)
             if session.closed:
                 self._finalize(session)
-            self._apply(made)
-            self._cond.notify_all()
+            if made or job.done or result.peak_bytes is not None:  # lanes may have changed
+                self._apply(made)
+                self._wake()
+            else:
+                self._cond.notify_all()  # state_dict() waits for the iteration to end
         request.future.set_result(result.value)
 
     # ---- internals (call with the lock held unless noted) ---------------------------------
@@ -337,8 +355,17 @@ class Daemon:
             self._refuse_if_stopping()
             if session.closed:
                 raise JobCancelled(f"job {session.job_id} is closed")
-            session.requests.append(Request(op, tensors, future))  # type: ignore[arg-type]
-            self._cond.notify_all()
+            session.requests.append(Request(op, tensors, future))
+            placed = self.sched.lanes.placements(session.job_id)
+            worker = self._workers.get((placed[0].device, placed[0].lane_id)) if placed else None
+            work = None
+            if worker is not None:
+                work = self._take((worker.device, worker.lane_id), only=session.job_id)
+            if worker is None or work is None:
+                self._wake(session.job_id)
+                return future
+        # The lane is idle and the policy picks this job: run here, saving two thread hand-offs.
+        self.run_work(worker, *work)
         return future
 
     def _submit(self, session: Session, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -403,6 +430,7 @@ class Daemon:
         for key in list(self._workers):
             if key not in current:
                 self._workers.pop(key).stopping = True
+                self._lane_conds.pop(key).notify_all()
                 self._free_region(key)
         for key, size in current.items():
             region = self._regions.get(key)
@@ -410,6 +438,7 @@ class Daemon:
                 self._free_region(key)
                 self._reserve_region(key, size)
             if key not in self._workers:
+                self._lane_conds[key] = threading.Condition(self._lock)
                 worker = LaneWorker(self, *key)
                 self._workers[key] = worker
                 self._threads = [w for w in self._threads if w.is_alive()] + [worker]
@@ -433,11 +462,32 @@ class Daemon:
         if region is not None:
             self.arenas[key[0]].free(region[0])
 
+    def _wake(self, job_id: int | None = None) -> None:
+        """Wake the lane of `job_id` (its new batch can only change that lane's decision), or
+        every lane and every waiter when admission or job states changed."""
+        if job_id is not None:
+            for p in self.sched.lanes.placements(job_id):
+                self._lane_conds[(p.device, p.lane_id)].notify()
+            return
+        for cond in self._lane_conds.values():
+            cond.notify()
+        self._cond.notify_all()
+
     def _ready(self, job: Job) -> bool:
         session = self._sessions.get(job.job_id)
         return session is not None and session.ready
 
-    def _fail(self, session: Session, request: Request, exc: BaseException) -> None:
+    def _release_lane(self, session: Session, worker: LaneWorker) -> None:
+        self._running.discard(session.job_id)
+        key = (worker.device, worker.lane_id)
+        self._busy.discard(key)
+        cond = self._lane_conds.get(key)
+        if cond is not None and threading.current_thread() is not worker:
+            cond.notify()  # the lane's own worker may run what queued meanwhile
+
+    def _fail(
+        self, session: Session, request: Request, exc: BaseException, worker: LaneWorker
+    ) -> None:
         if isinstance(exc, OutOfArenaMemory):
             error: SalusError = JobFailed(f"job {session.job_id}: arena placement failed: {exc}")
         else:
@@ -445,9 +495,9 @@ class Daemon:
             error = JobFailed(f"job {session.job_id} raised in its iteration: {where}")
         log.warning("%s", error)
         with self._cond:
-            self._running.discard(session.job_id)
+            self._release_lane(session, worker)
             self._end(session, JobState.CANCELLED, error)
-            self._cond.notify_all()
+            self._wake()
         request.future.set_exception(error)
 
     def _end(self, session: Session, state: JobState, reason: SalusError) -> None:
@@ -459,7 +509,7 @@ class Daemon:
             self._apply(self.sched.finish(session.job_id, state))
         if session.job_id not in self._running:
             self._finalize(session)
-        self._cond.notify_all()
+        self._wake()
 
     def _finalize(self, session: Session) -> None:
         if self._sessions.pop(session.job_id, None) is None:

@@ -64,6 +64,10 @@ def _small_mlp() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
     return m, torch.optim.SGD(m.parameters(), lr=0.05), nn.CrossEntropyLoss()
 
 
+def _wide_infer() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
+    return _mlp(2048, 2).eval(), None, None  # about 17 MiB of parameters
+
+
 def _mlp_infer() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
     return _mlp(512, 3).eval(), None, None
 
@@ -86,7 +90,7 @@ WORKLOADS = {
         Workload("mlp-adam", "training", 120, _mlp_adam, _vectors),
         Workload("mlp-infer", "inference", 200, _mlp_infer, lambda g: _vectors(g, 128)),
         Workload("small-mlp", "training", 200, _small_mlp, lambda g: _vectors(g, 32)),
-        Workload("infer-mlp", "inference", 20, _mlp_infer, lambda g: _vectors(g, 32)),
+        Workload("infer-mlp", "inference", 20, _wide_infer, lambda g: _vectors(g, 32)),
     )
 }
 DEMO_JOBS = ("mlp-sgd", "cnn-adam", "mlp-adam", "mlp-infer")

@@ -1,6 +1,9 @@
 """Lane workers: one thread per lane runs that lane's iterations one at a time.
 
-Lanes run in parallel (torch releases the GIL inside its kernels). At every iteration boundary a
+Lanes run in parallel (torch releases the GIL inside its kernels). When a batch arrives for an
+idle lane and the policy picks its job, the receiving thread runs that iteration itself under
+the same lane claim (see `Daemon._take`); the worker runs everything that had to wait. At every
+iteration boundary a
 worker asks the daemon's `IterationScheduler` which job goes next, so suspend, resume, cancel
 and priority changes act at the next boundary. On CUDA each lane has its own stream and
 `torch.cuda.MemPool`, so lanes overlap on the device and their temporaries stay apart.
