@@ -76,6 +76,9 @@ def test_concurrent_jobs_each_equal_direct(daemon_factory, policy):
         t.join(timeout=120)
     assert len(results) == 3
     assert not [r for r in results.values() if isinstance(r, Exception)]
+    daemon.sched.lanes.check_invariants()
+    daemon.arenas[0].allocator.check_invariants()
+    assert daemon.arenas[0].stats().used == 0  # every job closed: the arena is empty again
     for i, (build, kind, seed) in enumerate(builds):
         state, _, _ = results[i]
         _assert_same(state, train_direct(build, batches(kind, 10, seed)))
@@ -219,3 +222,48 @@ def test_shutdown_cancels_queued_work_and_stops_workers(daemon_factory):
     assert daemon.workers_alive == 0
     with pytest.raises(JobCancelled):
         daemon.open_job("alice", "late", 1, "training")
+
+
+class _DataDependent(nn.Module):
+    """Allocates a buffer sized by the data: the fake-tensor estimate reads `.item()` as 1, so
+    the real first iteration needs far more than estimated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(int(x.abs().sum().item()) * 4096)
+        return self.lin(x) + scratch.sum() * 0
+
+
+def test_a_job_over_its_lane_is_readmitted_and_nothing_over_commits(daemon_factory):
+    daemon = daemon_factory("pack")
+    torch.manual_seed(0)
+    model = _DataDependent()
+    j = daemon.open_job("alice", "greedy", 4, "training")
+    daemon.setup_training(j, "alice", model, torch.optim.SGD(model.parameters(), 0.1),
+                          nn.CrossEntropyLoss())
+    for x, y in batches("mlp", 4):
+        daemon.step(j, "alice", x, y).result(timeout=60)
+    info = daemon.job_info(j, "alice")["memory"]
+    assert info["ephemeral_measured_bytes"] > 10 * info["ephemeral_estimate_bytes"]
+    assert info["lane_bytes"] >= info["ephemeral_measured_bytes"]
+    assert any(e.kind == "requeue" and e.job_id == int(j) for e in daemon.events)
+    daemon.sched.lanes.check_invariants()
+    daemon.arenas[0].allocator.check_invariants()
+
+
+def test_a_measured_peak_beyond_any_device_fails_only_that_job(daemon_factory):
+    daemon = daemon_factory("pack", memory=4 * 2**20)
+    torch.manual_seed(0)
+    model = _DataDependent()
+    j = daemon.open_job("alice", "too-big", 4, "training")
+    daemon.setup_training(j, "alice", model, torch.optim.SGD(model.parameters(), 0.1),
+                          nn.CrossEntropyLoss())
+    x, y = batches("mlp", 1)[0]
+    daemon.step(j, "alice", x * 100, y).result(timeout=60)
+    with pytest.raises((DoesNotFit, UnknownJob)):
+        daemon.step(j, "alice", x, y).result(timeout=60)
+    state, _, _ = _train_through(daemon, lambda: mlp("sgd"), batches("mlp", 3))
+    _assert_same(state, train_direct(lambda: mlp("sgd"), batches("mlp", 3)))
