@@ -482,8 +482,10 @@ class Daemon:
         key = (worker.device, worker.lane_id)
         self._busy.discard(key)
         cond = self._lane_conds.get(key)
-        if cond is not None and threading.current_thread() is not worker:
-            cond.notify()  # the lane's own worker may run what queued meanwhile
+        if cond is None or threading.current_thread() is worker:
+            return
+        if any(self._ready(job) for job in self.sched.lane_jobs(*key)):
+            cond.notify()  # work queued meanwhile: the lane's own worker runs it
 
     def _fail(
         self, session: Session, request: Request, exc: BaseException, worker: LaneWorker
