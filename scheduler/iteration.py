@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.lanes import LaneManager, Placement
-from salus.scheduler.policies import Policy, Ready
+from salus.scheduler.policies import Policy, Ready, always_ready
 
 
 @dataclass(frozen=True)
@@ -22,10 +22,6 @@ class Decision:
     device: int
     lane_id: int
     job_id: int
-
-
-def always_ready(job: Job) -> bool:
-    return True
 
 
 class IterationScheduler:
@@ -59,18 +55,28 @@ class IterationScheduler:
         job = self.policy.pick(self.lane_jobs(device, lane_id), ready)
         return Decision(device, lane_id, job.job_id) if job else None
 
-    def iteration_started(self, job_id: int) -> None:
+    def iteration_started(self, job_id: int, at: float | None = None) -> None:
+        """The job's next iteration began (at `at` seconds, default now)."""
         job = self.jobs[job_id]
         if job.state == JobState.ADMITTED:
             job.state = JobState.RUNNING
+        if job.first_run_s is None:
+            job.first_run_s = self.clock() if at is None else at
 
     def iteration_done(
         self, job_id: int, seconds: float, *, measure: bool = True
     ) -> list[Placement]:
         """Account one iteration; a job that reached its total finishes and frees its lane.
         Returns the placements that freeing made."""
+        return self.iterations_done(job_id, 1, seconds, measure=measure)
+
+    def iterations_done(
+        self, job_id: int, count: int, seconds: float, *, measure: bool = True
+    ) -> list[Placement]:
+        """Account `count` back-to-back iterations that took `seconds` in all (the simulator
+        runs many at once); finishing and its placements as in `iteration_done`."""
         job = self.jobs[job_id]
-        job.record_iteration(seconds, measure=measure)
+        job.record_iterations(count, seconds, measure=measure)
         if job.state == JobState.RUNNING:
             job.state = JobState.ADMITTED
         if job.remaining_iterations == 0 and not job.done:
@@ -110,7 +116,8 @@ class IterationScheduler:
         self.jobs[job_id].priority = priority
 
     def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> list[Placement]:
-        """Re-admit a job with corrected sizes; it keeps its place in submit order."""
+        """Re-admit a job with corrected sizes (bytes); it keeps its place in submit order.
+        ValueError, with nothing changed, if the new sizes can never fit."""
         return self._started(self.lanes.requeue(job_id, persistent_bytes, ephemeral_bytes))
 
     def _started(self, made: list[Placement]) -> list[Placement]:

@@ -25,7 +25,8 @@ class Job:
     Sizes are bytes, times are seconds. `est_iter_s` is the declared estimate of one iteration;
     `iter_s` the measured mean once the job has run (None before). `util` is the share of a
     device the job keeps busy when it runs alone (0-1]; `gang` the number of devices it needs at
-    once (trace jobs asking for several GPUs).
+    once (trace jobs asking for several GPUs). `start_s` is when admission placed it,
+    `first_run_s` when its first iteration began, `finish_s` when it ended.
     """
 
     job_id: int
@@ -44,6 +45,7 @@ class Job:
     state: JobState = JobState.PENDING
     attained_s: float = 0.0
     start_s: float | None = None
+    first_run_s: float | None = None
     finish_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -80,10 +82,21 @@ class Job:
     def done(self) -> bool:
         return self.state in DONE_STATES
 
+    @property
+    def started(self) -> bool:
+        """Whether the job has begun running iterations."""
+        return self.first_run_s is not None or self.done_iterations > 0
+
     def record_iteration(self, seconds: float, *, measure: bool = True) -> None:
         """Count one finished iteration that took `seconds`; `measure` updates `iter_s`
         (the mean of measured iterations)."""
-        self.done_iterations += 1
+        self.record_iterations(1, seconds, measure=measure)
+
+    def record_iterations(self, count: int, seconds: float, *, measure: bool = True) -> None:
+        """Count `count` finished iterations that took `seconds` in all."""
+        if count < 1:
+            raise ValueError(f"job {self.job_id}: count must be >= 1, got {count}")
+        self.done_iterations += count
         self.attained_s += seconds
         if measure:
             self.iter_s = self.attained_s / self.done_iterations

@@ -16,15 +16,23 @@ not fit never blocks a later one that does. With several devices a job tries dev
 fewest admitted jobs, then lower device id (spreads load); a new lane on any device is preferred
 to sharing a lane. A gang job (``gang = g``) is admitted only when g distinct devices take it at
 once, each holding its full persistent and ephemeral size.
+
+After every public call no pending job fits (`fits_now` is False for all of them). Only memory
+that was freed can change that, so a re-run after a release visits only the pending jobs whose
+sizes meet the bounds of a device that freed memory (`_Device.bounds`, searched with
+`PendingQueue.first_fitting`): the outcome is that of a full pass in submit order, at a cost that
+grows with the jobs that might fit rather than with the pending list.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from salus.scheduler.job import Job, JobState
+from salus.scheduler.pending import PendingQueue
 
 LaneMode = Literal["pack", "single"]
 
@@ -50,22 +58,31 @@ class Placement:
 
 
 class _Device:
-    """Per-device book-keeping: persistent bytes and lanes."""
+    """Per-device book-keeping: persistent bytes, lanes and their total size (bytes)."""
 
     def __init__(self, index: int, capacity: int) -> None:
         self.index = index
         self.capacity = capacity
         self.persistent = 0
         self.lanes: dict[int, Lane] = {}
+        self.lane_bytes = 0
         self.jobs = 0
-
-    @property
-    def lane_bytes(self) -> int:
-        return sum(lane.size for lane in self.lanes.values())
 
     @property
     def unreserved(self) -> int:
         return self.capacity - self.persistent - self.lane_bytes
+
+    def bounds(self, mode: LaneMode) -> tuple[int, int]:
+        """Necessary conditions for one more job here: (max persistent bytes, max persistent +
+        ephemeral bytes). Exact in single mode; in pack mode a job also needs a lane."""
+        room = self.capacity - self.persistent
+        if mode == "single":
+            return room - self.lane_bytes, room
+        free = room - self.lane_bytes
+        return free, free + max((ln.size for ln in self.lanes.values()), default=0)
+
+
+_Slot = tuple[_Device, Lane | None]
 
 
 class LaneManager:
@@ -80,7 +97,8 @@ class LaneManager:
             raise ValueError(f"lane mode must be 'pack' or 'single', got {mode!r}")
         self.mode: LaneMode = mode
         self._devices = [_Device(i, c) for i, c in enumerate(capacities)]
-        self._pending: list[Job] = []
+        self._by_capacity = sorted(capacities)
+        self._pending = PendingQueue()
         self._jobs: dict[int, Job] = {}
         self._placements: dict[int, tuple[Placement, ...]] = {}
         self._next_lane = 0
@@ -118,8 +136,11 @@ class LaneManager:
 
     def can_ever_fit(self, job: Job) -> bool:
         """Whether the job fits on an empty device (gang: on `gang` empty devices)."""
-        need = job.persistent_bytes + job.ephemeral_bytes
-        return sum(1 for d in self._devices if d.capacity >= need) >= job.gang
+        return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang)
+
+    def fits_now(self, job: Job) -> bool:
+        """Whether admission could place `job` now (no side effects)."""
+        return self._find_slots(job) is not None
 
     # ---- mutation ------------------------------------------------------------------------
     def submit(self, job: Job) -> list[Placement]:
@@ -128,16 +149,12 @@ class LaneManager:
         Raises ValueError if the job can never fit, so it does not wait forever."""
         if job.job_id in self._jobs:
             raise ValueError(f"job {job.job_id} is already known to admission")
-        if not self.can_ever_fit(job):
-            raise ValueError(
-                f"job {job.job_id} needs {job.persistent_bytes + job.ephemeral_bytes} bytes on "
-                f"{job.gang} device(s) but no such device exists "
-                f"(capacities {[d.capacity for d in self._devices]})"
-            )
+        self._check_can_fit(job.job_id, job.persistent_bytes, job.ephemeral_bytes, job.gang)
         self._jobs[job.job_id] = job
         job.state = JobState.PENDING
-        self._insert_pending(job)
-        return self.admit_pending()
+        self._pending.insert(job)
+        # Nothing else was freed, so only the new job can have become admissible.
+        return self._admit((), job.job_id)
 
     def release(self, job_id: int) -> list[Placement]:
         """Remove a job (finished, cancelled, or leaving); frees empty lanes and re-runs the
@@ -145,78 +162,138 @@ class LaneManager:
         job = self._jobs.pop(job_id, None)
         if job is None:
             raise KeyError(f"job {job_id} is not known to admission")
-        if job in self._pending:
-            self._pending.remove(job)
+        if job_id in self._pending:
+            self._pending.remove(job_id)
             return []
-        for p in self._placements.pop(job_id, ()):
-            self._remove_from_device(job, p)
-        return self.admit_pending()
+        return self._admit(self._vacate(job), None)
 
     def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> list[Placement]:
         """Re-admit a job with corrected sizes (e.g. its measured peak exceeded its lane): it
-        leaves its lane and is submitted again at its original place in submit order."""
-        job = self._jobs[job_id]
-        made = [p for p in self.release(job_id) if p.job_id != job_id]
+        leaves its lane and waits again at its original place in submit order, ahead of every
+        later job. ValueError (and no change) if the new sizes can never fit."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise KeyError(f"job {job_id} is not known to admission")
+        if persistent_bytes < 0 or ephemeral_bytes < 0:
+            raise ValueError(f"job {job_id}: memory sizes must be >= 0 bytes")
+        self._check_can_fit(job_id, persistent_bytes, ephemeral_bytes, job.gang)
+        if job_id in self._pending:
+            self._pending.remove(job_id)
+            freed: set[int] = set()
+        else:
+            freed = self._vacate(job)
         job.persistent_bytes, job.ephemeral_bytes = persistent_bytes, ephemeral_bytes
-        return made + self.submit(job)
+        if job.state != JobState.SUSPENDED:
+            job.state = JobState.PENDING
+        self._pending.insert(job)
+        return self._admit(freed, job_id)
 
     def admit_pending(self) -> list[Placement]:
-        """One pass over the pending list in submit order; admits everything that fits now."""
-        made: list[Placement] = []
-        still: list[Job] = []
-        for job in self._pending:
-            placed = self._try_place(job)
-            if placed:
-                made.extend(placed)
-            else:
-                still.append(job)
-        self._pending = still
-        return made
+        """One full pass over the pending list in submit order; admits everything that fits."""
+        return self._admit(range(len(self._devices)), None)
 
     # ---- internals -----------------------------------------------------------------------
-    def _insert_pending(self, job: Job) -> None:
-        key = job.order_key
-        i = len(self._pending)
-        while i > 0 and self._pending[i - 1].order_key > key:
-            i -= 1
-        self._pending.insert(i, job)
+    def _check_can_fit(self, job_id: int, persistent: int, ephemeral: int, gang: int) -> None:
+        if not self._fits_empty(persistent + ephemeral, gang):
+            raise ValueError(
+                f"job {job_id} needs {persistent + ephemeral} bytes on {gang} device(s) but no "
+                f"such device exists (capacities {[d.capacity for d in self._devices]})"
+            )
 
-    def _device_order(self) -> list[_Device]:
-        return sorted(self._devices, key=lambda d: (d.jobs, d.index))
+    def _fits_empty(self, need: int, gang: int) -> bool:
+        return len(self._by_capacity) - bisect.bisect_left(self._by_capacity, need) >= gang
 
-    def _try_place(self, job: Job) -> list[Placement]:
-        chosen: list[tuple[_Device, Lane | None]]
-        if self.mode == "pack" and job.gang == 1:
-            best = self._best_pack_slot(job)
-            chosen = [best] if best else []
-        else:
-            chosen = []
-            for dev in self._device_order():
-                slot = self._slot_on(dev, job)
-                if slot is not False and len(chosen) < job.gang:
-                    chosen.append((dev, slot))
-        if len(chosen) < job.gang:
-            return []
-        made = [self._occupy(dev, lane, job) for dev, lane in chosen]
+    def _admit(self, freed: Iterable[int], extra: int | None) -> list[Placement]:
+        """A pass in submit order over the pending jobs that may fit now: those within the
+        bounds of a device in `freed`, and the newly queued job `extra`."""
+        queue = self._pending
+        devs = [self._devices[i] for i in freed]
+        p_limit, need_limit = self._limits(devs)
+        extra_pos = queue.position(extra) if extra is not None else None
+        made: list[Placement] = []
+        pos = 0
+        while True:
+            nxt = queue.first_fitting(pos, p_limit, need_limit) if devs else None
+            if extra_pos is not None and extra_pos >= pos and (nxt is None or extra_pos < nxt):
+                nxt = extra_pos
+            if nxt is None:
+                return made
+            job = queue.at(nxt)
+            slots = self._find_slots(job)
+            if slots is not None:
+                queue.remove(job.job_id)
+                made.extend(self._place(job, slots))
+                p_limit, need_limit = self._limits(devs)
+            pos = nxt + 1
+
+    def _limits(self, devs: list[_Device]) -> tuple[int, int]:
+        """Bounds a job must meet to fit on at least one of `devs` (see `_Device.bounds`)."""
+        bounds = [d.bounds(self.mode) for d in devs]
+        return max((b[0] for b in bounds), default=-1), max((b[1] for b in bounds), default=-1)
+
+    def _vacate(self, job: Job) -> set[int]:
+        """Take an admitted job out of its lanes; returns the devices that freed memory."""
+        freed = set()
+        for p in self._placements.pop(job.job_id, ()):
+            self._remove_from_device(job, p)
+            freed.add(p.device)
+        return freed
+
+    def _find_slots(self, job: Job) -> list[_Slot] | None:
+        """Where admission would place `job` now (one slot per gang member), or None."""
+        if job.gang == 1:
+            best = self._best_pack_slot(job) if self.mode == "pack" else self._best_single(job)
+            return [best] if best is not None else None
+        chosen: list[_Slot] = []
+        for dev in sorted(self._devices, key=lambda d: (d.jobs, d.index)):
+            slot = self._slot_on(dev, job)
+            if slot is not False:
+                chosen.append((dev, slot))
+                if len(chosen) == job.gang:
+                    return chosen
+        return None
+
+    def _place(self, job: Job, slots: list[_Slot]) -> list[Placement]:
+        made = [self._occupy(dev, lane, job) for dev, lane in slots]
         self._placements[job.job_id] = tuple(made)
-        job.state = JobState.ADMITTED
+        if job.state == JobState.PENDING:
+            job.state = JobState.ADMITTED
         return made
 
-    def _best_pack_slot(self, job: Job) -> tuple[_Device, Lane | None] | None:
+    def _best_single(self, job: Job) -> _Slot | None:
+        """Single mode, one device: the fitting device with fewest jobs, then lowest index."""
+        p, e = job.persistent_bytes, job.ephemeral_bytes
+        best: _Device | None = None
+        for dev in self._devices:
+            # The one lane's size is the device's lane bytes; it grows to e if e is larger.
+            lane = dev.lane_bytes if dev.lane_bytes > e else e
+            if dev.capacity - dev.persistent >= p + lane and (best is None or dev.jobs < best.jobs):
+                best = dev
+        if best is None:
+            return None
+        return best, next(iter(best.lanes.values()), None)
+
+    def _best_pack_slot(self, job: Job) -> _Slot | None:
         """Pack rule over all devices: a new lane anywhere first, else the smallest lane."""
-        for dev in self._device_order():
-            if dev.unreserved >= job.persistent_bytes + job.ephemeral_bytes:
-                return dev, None
+        p, e = job.persistent_bytes, job.ephemeral_bytes
+        best: _Device | None = None
+        for dev in self._devices:
+            if dev.capacity - dev.persistent - dev.lane_bytes >= p + e and (
+                best is None or dev.jobs < best.jobs
+            ):
+                best = dev
+        if best is not None:
+            return best, None
         lanes = [
             lane
             for dev in self._devices
-            if dev.unreserved >= job.persistent_bytes
+            if dev.unreserved >= p
             for lane in dev.lanes.values()
-            if lane.size >= job.ephemeral_bytes
+            if lane.size >= e
         ]
         if not lanes:
             return None
-        lane = min(lanes, key=lambda ln: (ln.size, len(ln.residents), ln.device, ln.lane_id))
+        lane = min(lanes, key=lambda ln: (ln.size, len(ln.residents), ln.lane_id))
         return self._devices[lane.device], lane
 
     def _slot_on(self, dev: _Device, job: Job) -> Lane | None | Literal[False]:
@@ -238,8 +315,10 @@ class LaneManager:
             lane = Lane(self._next_lane, dev.index, job.ephemeral_bytes)
             self._next_lane += 1
             dev.lanes[lane.lane_id] = lane
-        elif self.mode == "single":
-            lane.size = max(lane.size, job.ephemeral_bytes)
+            dev.lane_bytes += lane.size
+        elif self.mode == "single" and job.ephemeral_bytes > lane.size:
+            dev.lane_bytes += job.ephemeral_bytes - lane.size
+            lane.size = job.ephemeral_bytes
         lane.residents.append(job.job_id)
         dev.persistent += job.persistent_bytes
         dev.jobs += 1
@@ -253,15 +332,19 @@ class LaneManager:
         dev.jobs -= 1
         if not lane.residents:
             del dev.lanes[p.lane_id]
+            dev.lane_bytes -= lane.size
         elif self.mode == "single":
-            lane.size = max(self._jobs_sizes(lane.residents))
+            size = max(self._jobs_sizes(lane.residents))
+            dev.lane_bytes += size - lane.size
+            lane.size = size
 
     def _jobs_sizes(self, ids: Iterable[int]) -> Iterator[int]:
         return (self._jobs[i].ephemeral_bytes for i in ids)
 
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError if the book-keeping is inconsistent or memory over-committed."""
+        """Raise AssertionError if the book-keeping is inconsistent, memory over-committed, or a
+        pending job fits now."""
         placed: dict[int, list[Placement]] = {}
         for dev in self._devices:
             persistent = 0
@@ -286,6 +369,7 @@ class LaneManager:
                     assert lane.size == max(self._jobs_sizes(lane.residents))
             assert persistent == dev.persistent, f"device {dev.index} persistent drifted"
             assert jobs == dev.jobs
+            assert dev.lane_bytes == sum(ln.size for ln in dev.lanes.values()), "lane bytes drifted"
             assert dev.persistent + dev.lane_bytes <= dev.capacity, (
                 f"device {dev.index} over-committed: {dev.persistent} persistent + "
                 f"{dev.lane_bytes} lanes > {dev.capacity}"
@@ -294,9 +378,15 @@ class LaneManager:
         for jid, ps in placed.items():
             assert len(ps) == self._jobs[jid].gang, f"job {jid} on {len(ps)} devices"
             assert len({p.device for p in ps}) == len(ps), f"gang job {jid} twice on a device"
-        pending_ids = [j.job_id for j in self._pending]
-        assert len(set(pending_ids)) == len(pending_ids)
+            # lane_bytes is the size at admission (single-mode lanes resize later): not compared.
+            where = {(p.device, p.lane_id) for p in self._placements[jid]}
+            assert {(p.device, p.lane_id) for p in ps} == where, f"job {jid} placements stale"
+        pending = self.pending
+        pending_ids = [j.job_id for j in pending]
+        assert len(set(pending_ids)) == len(pending_ids) == len(self._pending)
         assert not set(pending_ids) & set(placed), "a job is both pending and placed"
         assert set(pending_ids) | set(placed) == set(self._jobs)
-        keys = [j.order_key for j in self._pending]
+        keys = [j.order_key for j in pending]
         assert keys == sorted(keys), "pending list out of submit order"
+        for job in pending:
+            assert not self.fits_now(job), f"pending job {job.job_id} fits but was left waiting"

@@ -14,10 +14,34 @@ from salus.scheduler.job import Job, JobState
 from salus.scheduler.lanes import LaneMode
 
 Ready = Callable[[Job], bool]
+Rank = tuple[float, float, int]
+_LIVE = (JobState.ADMITTED, JobState.RUNNING)
 
 
-def _runnable(jobs: Sequence[Job]) -> list[Job]:
-    return [j for j in jobs if j.state in (JobState.ADMITTED, JobState.RUNNING)]
+def always_ready(job: Job) -> bool:
+    return True
+
+
+def runnable(jobs: Sequence[Job]) -> list[Job]:
+    """The jobs a policy may pick: admitted and not suspended or ended."""
+    return [j for j in jobs if j.state in _LIVE]
+
+
+def _srtf_rank(job: Job) -> Rank:
+    return (job.remaining_s, job.submit_s, job.job_id)
+
+
+def _fair_rank(job: Job) -> Rank:
+    return (job.attained_s / job.priority, job.submit_s, job.job_id)
+
+
+def _hold_rank(job: Job) -> Rank:
+    # Non-preemptive: a job that has begun keeps the lane; an older one admitted later waits.
+    return (0.0 if job.started else 1.0, job.submit_s, job.job_id)
+
+
+def _order_rank(job: Job) -> Rank:
+    return (0.0, job.submit_s, job.job_id)
 
 
 @dataclass(frozen=True)
@@ -29,26 +53,33 @@ class Policy:
     preemptive: bool
     description: str
 
-    def pick(self, jobs: Sequence[Job], ready: Ready) -> Job | None:
-        candidates = _runnable(jobs)
+    def pick(self, jobs: Sequence[Job], ready: Ready = always_ready) -> Job | None:
+        candidates = runnable(jobs)
         if not candidates:
             return None
+        rank = self.rank_function
         if not self.preemptive:
-            # Oldest job holds the lane until it finishes, even while its client is busy.
-            head = min(candidates, key=lambda j: j.order_key)
+            # The job holding the lane keeps it until it finishes, even while its client is busy.
+            head = min(candidates, key=rank)
             return head if ready(head) else None
-        ready_jobs = [j for j in candidates if ready(j)]
-        if not ready_jobs:
-            return None
-        return min(ready_jobs, key=self.rank)
+        if ready is not always_ready:
+            candidates = [j for j in candidates if ready(j)]
+            if not candidates:
+                return None
+        return min(candidates, key=rank)
 
-    def rank(self, job: Job) -> tuple[float, float, int]:
-        """Smaller runs first."""
+    def rank(self, job: Job) -> Rank:
+        """Smaller runs first. Non-preemptive policies rank a job that has begun running ahead
+        of any that has not: an older job admitted later never takes the lane from it."""
+        return self.rank_function(job)
+
+    @property
+    def rank_function(self) -> Callable[[Job], Rank]:
         if self.name == "srtf":
-            return (job.remaining_s, *job.order_key)
+            return _srtf_rank
         if self.name == "fair":
-            return (job.attained_s / job.priority, *job.order_key)
-        return (0.0, *job.order_key)
+            return _fair_rank
+        return _order_rank if self.preemptive else _hold_rank
 
 
 POLICIES: dict[str, Policy] = {
@@ -56,7 +87,7 @@ POLICIES: dict[str, Policy] = {
         "fifo",
         "single",
         False,
-        "one lane per device; the oldest admitted job runs until it finishes (exclusive baseline)",
+        "one lane per device; the oldest job runs until it finishes, no preemption (exclusive)",
     ),
     "srtf": Policy(
         "srtf",

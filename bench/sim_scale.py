@@ -1,0 +1,70 @@
+"""Simulator scale: wall seconds to replay a synthetic trace under each policy.
+
+Default: 100,000 jobs (short/long training mix, Poisson arrivals at 90% load) on 64 devices of
+16 GB. Prints progress on stderr and one JSON object on stdout: per policy the wall seconds,
+events handled and simulated makespan, and each policy's wall time relative to fifo's measured
+in the same run.
+
+    .venv/bin/python bench/sim_scale.py [--jobs N] [--devices D] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from salus.scheduler.policies import POLICIES
+from salus.scheduler.report import summarize
+from salus.scheduler.sim import simulate
+from salus.scheduler.traces import synthetic
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=100_000)
+    parser.add_argument("--devices", type=int, default=64)
+    parser.add_argument("--load", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--quick", action="store_true", help="10,000 jobs")
+    args = parser.parse_args()
+    jobs_n = 10_000 if args.quick else args.jobs
+    trace = synthetic(jobs_n, seed=args.seed, devices=args.devices, load=args.load)
+    out: dict[str, object] = {
+        "jobs": jobs_n,
+        "devices": args.devices,
+        "load": args.load,
+        "iterations": sum(j.iterations for j in trace),
+    }
+    per: dict[str, dict[str, float]] = {}
+    for name in args.policies.split(","):
+        print(f"[sim_scale] {name}: {jobs_n} jobs on {args.devices} devices", file=sys.stderr)
+
+        def progress(done: int, total: int, now_s: float, name: str = name) -> None:
+            print(f"[sim_scale] {name}: {done}/{total} finished (virtual {now_s:,.0f} s)",
+                  file=sys.stderr, flush=True)
+
+        t0 = time.perf_counter()
+        result = simulate(trace, name, devices=args.devices, progress=progress)
+        wall = time.perf_counter() - t0
+        s = summarize(result)
+        per[name] = {
+            "wall_s": round(wall, 2),
+            "events": result.events,
+            "events_per_s": round(result.events / wall),
+            "avg_jct_s": round(s["avg_jct_s"], 1),
+            "makespan_s": round(s["makespan_s"], 1),
+        }
+        print(f"[sim_scale] {name}: {wall:.1f} s wall, {result.events} events", file=sys.stderr)
+    out["policies"] = per
+    if "fifo" in per:
+        out["wall_vs_fifo"] = {n: round(p["wall_s"] / per["fifo"]["wall_s"], 2)
+                               for n, p in per.items()}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
