@@ -22,24 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from salus.daemon.services import topk as topk_module
+from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
 from salus.daemon.services.sparse_allreduce import all_gather, node_layout
 from salus.daemon.services.topk import hitopk_allreduce, topk
 
 WORLD, LOCAL_SIZE = 4, 2
+PG_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 3600  # the full-size run on 2 shared cores, with a wide margin
 
 
 def written_bytes() -> int:
@@ -84,13 +84,7 @@ def count_inter_node_bytes(counter: list[int]) -> None:
 
 def _worker(rank: int, port: int, numel: int, density: float, repeats: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=300),
-    )
+    init_loopback(rank, WORLD, port, timeout_s=PG_TIMEOUT_S)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     schemes: dict[str, Callable[[], object]] = {
         "dense": lambda: dist.all_reduce(x.clone()),
@@ -116,12 +110,6 @@ def _worker(rank: int, port: int, numel: int, density: float, repeats: int, out:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4M elements instead of 25M")
@@ -132,11 +120,11 @@ def main() -> None:
     numel = args.numel or (4_000_000 if args.quick else 25_000_000)
     print(f"{WORLD} processes, {numel} float32, density {args.density}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(
+        run_local_group(
             _worker,
-            args=(_free_port(), numel, args.density, args.repeats, out),
-            nprocs=WORLD,
-            join=True,
+            WORLD,
+            (free_port(), numel, args.density, args.repeats, out),
+            timeout_s=RUN_TIMEOUT_S,
         )
         per_rank = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
     result: dict[str, dict[str, float]] = {}

@@ -79,10 +79,15 @@ def main() -> None:
     ta.start()
     tb.start()
     try:
-        while daemon.job_info(a, "bench")["iterations_done"] < 2 or daemon.job_info(
-                b, "bench")["state"] == "open":
-            time.sleep(0.01)  # A runs; B is admitted and waits behind it
-        _switch(daemon, a, b, args.switches)
+        # Whichever job was admitted first holds the lane; the other waits behind it.
+        while True:
+            done = {j: daemon.job_info(j, "bench") for j in (a, b)}
+            if all(i["state"] != "open" for i in done.values()) and max(
+                    i["iterations_done"] for i in done.values()) >= 2:
+                break
+            time.sleep(0.01)
+        running = max(done, key=lambda j: done[j]["iterations_done"])
+        _switch(daemon, running, b if running == a else a, args.switches)
     finally:
         stop.set()
         events = [e for e in list(daemon.events) if e.kind in ("start", "end")]

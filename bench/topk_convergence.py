@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
 from salus.daemon.services.topk import hitopk_allreduce
 
 WORLD, LOCAL_SIZE = 4, 2
+PG_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 3600  # the full-size run on 2 shared cores, with a wide margin
 DIM, CLASSES, BATCH, LR, MOMENTUM = 64, 10, 64, 0.05, 0.9
 
 
@@ -87,23 +87,11 @@ def train(mode: str, steps: int, density: float, rank: int) -> dict[str, float]:
 
 def _worker(rank: int, port: int, steps: int, density: float, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=120),
-    )
+    init_loopback(rank, WORLD, port, timeout_s=PG_TIMEOUT_S)
     result = {mode: train(mode, steps, density, rank) for mode in ("dense", "hitopk")}
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
@@ -115,7 +103,9 @@ def main() -> None:
     steps = args.steps or (300 if args.quick else 1000)
     print(f"{WORLD} workers, {steps} steps, density {args.density}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(_free_port(), steps, args.density, out), nprocs=WORLD, join=True)
+        run_local_group(
+            _worker, WORLD, (free_port(), steps, args.density, out), timeout_s=RUN_TIMEOUT_S
+        )
         result = json.loads((Path(out) / "result.json").read_text())
     ratio = result["hitopk"]["held_out_loss"] / result["dense"]["held_out_loss"]
     params = sum(p.numel() for p in student().parameters())

@@ -6,19 +6,15 @@ One spawn runs every case; each node saves its results and the tests compare the
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from salus.daemon.services.collectives import Topology, pack_trees, three_phase_allreduce
+from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
 
 NODES, LOCAL = 2, 3
 PG_TIMEOUT_S, JOIN_TIMEOUT_S = 60, 150
@@ -43,10 +39,7 @@ def _local_inputs(node: int, tag: int, numel: int, dtype: torch.dtype) -> list[t
 
 def _node(node: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=node,
-                            world_size=NODES, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    init_loopback(node, NODES, port, timeout_s=PG_TIMEOUT_S)
     topo = Topology.dgx1v().subgraph([0, 1, 4]) if node == 0 else Topology.pcie_box(LOCAL)
     plan = pack_trees(topo, topo.devices()[node])
     res: Results = {}
@@ -66,23 +59,10 @@ def _node(node: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def node_results(tmp_path_factory: pytest.TempPathFactory) -> list[Results]:
     out_dir = tmp_path_factory.mktemp("three-phase")
-    ctx = mp.start_processes(_node, args=(_free_port(), str(out_dir)), nprocs=NODES,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"three-phase allreduce nodes did not finish in {JOIN_TIMEOUT_S} s")
+    run_local_group(_node, NODES, (free_port(), str(out_dir)), timeout_s=JOIN_TIMEOUT_S)
     return [torch.load(out_dir / f"node{n}.pt") for n in range(NODES)]
 
 

@@ -7,18 +7,14 @@ them with each other and with a single-process reference computed here from the 
 from __future__ import annotations
 
 import math
-import os
-import socket
-import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
 from salus.daemon.services.topk import hitopk_allreduce
 
 WORLD = 4
@@ -45,15 +41,7 @@ def make_input(rank: int, tag: int, shape: tuple[int, ...], integer: bool = Fals
 
 def _worker(rank: int, port: int, local_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=PG_TIMEOUT_S),
-    )
+    init_loopback(rank, WORLD, port, timeout_s=PG_TIMEOUT_S)
     res: dict[str, Any] = {}
     x = make_input(rank, 0, (DENSE_N,), integer=True)
     res["density1"] = hitopk_allreduce(x, 1.0, local_size=local_size, dense_below=0)
@@ -121,31 +109,15 @@ def _worker(rank: int, port: int, local_size: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout_results(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[int, Results]:
     local_size = LAYOUTS[request.param]
     out_dir = tmp_path_factory.mktemp(f"hitopk-{request.param}")
-    ctx = mp.start_processes(
-        _worker,
-        args=(_free_port(), local_size, str(out_dir)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
+    run_local_group(
+        _worker, WORLD, (free_port(), local_size, str(out_dir)), timeout_s=JOIN_TIMEOUT_S
     )
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"hitopk workers ({request.param}) still running after {JOIN_TIMEOUT_S}s")
     return local_size, [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 

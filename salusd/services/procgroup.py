@@ -1,0 +1,107 @@
+"""Start a group of real processes on this machine, joined by torch.distributed on loopback.
+
+This is how salusd's services run several processes for tests, benchmarks and single-node
+multi-process jobs: ``run_local_group`` spawns the workers with ``torch.multiprocessing`` and
+bounds the whole run by a deadline; each worker calls ``init_loopback`` to join a gloo process
+group over ``tcp://127.0.0.1:<port>``. NCCL on GPUs works the same with ``backend="nccl"``
+(one device per rank, chosen by the worker before it joins).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it).
+
+    Written by hand rather than torch's elastic ``get_free_port``, which binds "localhost" and
+    may check ::1 instead of the IPv4 address the process group connects to. The port is
+    released before it is returned, so another program may take it first; callers pick one per
+    group, right before starting it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def init_loopback(
+    rank: int,
+    world_size: int,
+    port: int,
+    *,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+) -> None:
+    """Join the default process group of ``world_size`` ranks over tcp://127.0.0.1:port.
+
+    ``timeout_s`` (seconds) bounds the rendezvous and every later collective of the group, so a
+    missing or stuck peer becomes an error instead of a hang. Gloo is pinned to the loopback
+    interface when the machine has one (an already set ``GLOO_SOCKET_IFNAME`` wins), so that it
+    does not pick an external interface for traffic between local processes.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1..65535, got {port}; use free_port() to pick one")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive seconds, got {timeout_s}")
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{LOOPBACK}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def run_local_group(
+    fn: Callable[..., object],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout_s: float,
+) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes and wait for all of them.
+
+    ``fn`` must be importable by name (a module-level function), as the spawn start method
+    requires. Returns when every process exited cleanly. A process that raises makes this raise
+    ``torch.multiprocessing.ProcessRaisedException`` carrying its traceback (one that dies
+    without raising: ``ProcessExitedException``); the others are stopped. If the group is still
+    running ``timeout_s`` seconds after the start, every process is killed and ``TimeoutError``
+    is raised.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive seconds, got {timeout_s}")
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise TimeoutError(
+                    f"{nprocs} processes running {name} did not finish within {timeout_s} s; "
+                    "all were killed"
+                )
+    finally:
+        # Also reached on an error or an interrupt in this process: leave no child behind.
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
