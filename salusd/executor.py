@@ -37,7 +37,7 @@ class LaneWorker(threading.Thread):
         spec = daemon.devices[device]
         self.torch_device = torch.device(spec.torch_device)
         self.stream: torch.cuda.Stream | None = None
-        self.pool: object | None = None
+        self.pool: torch.cuda.MemPool | None = None
         if spec.kind == "cuda":
             self.stream = torch.cuda.Stream(self.torch_device)
             if hasattr(torch.cuda, "MemPool"):
@@ -52,7 +52,7 @@ class LaneWorker(threading.Thread):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.cuda.stream(self.stream))
             if self.pool is not None:
-                stack.enter_context(torch.cuda.use_mem_pool(self.pool))  # type: ignore[arg-type]
+                stack.enter_context(torch.cuda.use_mem_pool(self.pool, self.torch_device))
             yield
         self.stream.synchronize()
 
