@@ -40,7 +40,7 @@ from salus.daemon.measure import (
     optimizer_state_tensors,
     persistent_bytes,
 )
-from salus.daemon.memory.arena import Arena
+from salus.daemon.memory.arena import ALIGNMENT, Arena
 from salus.daemon.memory.bins import OutOfArenaMemory
 from salus.daemon.service import JobKind
 from salus.daemon.session import Request, Session
@@ -78,7 +78,7 @@ class Daemon:
         self.policy = make_policy(policy)
         self.clock = clock
         self.arenas = [Arena(d.memory_bytes, d.torch_device) for d in self.devices]
-        self.sched = IterationScheduler([d.memory_bytes for d in self.devices], self.policy, clock)
+        self.sched = IterationScheduler([a.capacity for a in self.arenas], self.policy, clock)
         self.events: deque[Event] = deque(maxlen=event_log)
         self.finished: deque[dict[str, Any]] = deque(maxlen=1000)
         # One lock; waiters on `_cond` (state_dict) and one condition per lane share it, so an
@@ -334,7 +334,7 @@ class Daemon:
             pbytes = persistent_bytes(model, optimizer)
         except Exception as exc:
             raise BadRequest(f"cannot measure the model: {type(exc).__name__}: {exc}") from None
-        biggest = max(d.memory_bytes for d in self.devices)
+        biggest = max(a.capacity for a in self.arenas)
         if pbytes > biggest:
             raise DoesNotFit(
                 f"the model's persistent state needs {pbytes} bytes; the largest device has "
@@ -343,6 +343,7 @@ class Daemon:
         with self._cond:
             session.attach(model, optimizer, loss_fn)
             session.persistent_bytes = pbytes
+            session.persistent_reserve = _arena_reservation(pbytes, model)
             return self._info(session)
 
     def _enqueue(
@@ -382,11 +383,12 @@ class Daemon:
             log.warning("job %d: no estimate (%s: %s); admitting by persistent size",
                         session.job_id, type(exc).__name__, exc)
             peak = session.persistent_bytes
+        peak = _aligned(peak)
         job = Job(
             job_id=session.job_id,
             submit_s=self.clock(),
             total_iterations=max(1, session.planned_iterations),
-            persistent_bytes=session.persistent_bytes,
+            persistent_bytes=session.persistent_reserve,
             ephemeral_bytes=peak,
             owner=session.owner,
             name=session.name,
@@ -408,6 +410,7 @@ class Daemon:
     def _check_peak(self, session: Session, worker: LaneWorker, peak: int) -> list[Placement]:
         """The first real iteration measured `peak`; a job over its lane is moved or re-queued."""
         session.measured_peak = peak
+        peak = _aligned(peak)
         lane = self.sched.lanes.lane(worker.device, worker.lane_id)
         job = self.sched.jobs[session.job_id]
         if lane is None or peak <= lane.size:
@@ -589,6 +592,19 @@ class Daemon:
                 for ln in lanes
             ],
         }
+
+
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to the arena's allocation granularity."""
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def _arena_reservation(persistent: int, model: torch.nn.Module) -> int:
+    """Bytes admission books for a job's persistent state: the exact bytes plus the rounding of
+    every tensor the arena will hold (a parameter, its gradient and up to four optimizer-state
+    tensors, and each buffer), so placement never fails for want of alignment slack."""
+    tensors = 6 * sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+    return persistent + tensors * ALIGNMENT
 
 
 def _parse_id(job_id: str | int) -> int:

@@ -61,6 +61,7 @@ class Session:
         self.measured_peak: int | None = None
         self.estimated_peak: int | None = None
         self.persistent_bytes = 0
+        self.persistent_reserve = 0
         self.last_loss: float | None = None
         self.closed = False
         self._touched: set[torch.nn.Parameter] = set()

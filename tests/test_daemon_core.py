@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from workloads import batches, cnn, mlp, train_direct
 
+from salus.daemon.core import Daemon
+from salus.daemon.devices import DeviceSpec
 from salus.daemon.errors import (
     BadRequest,
     DoesNotFit,
@@ -267,3 +269,39 @@ def test_a_measured_peak_beyond_any_device_fails_only_that_job(daemon_factory):
         daemon.step(j, "alice", x, y).result(timeout=60)
     state, _, _ = _train_through(daemon, lambda: mlp("sgd"), batches("mlp", 3))
     _assert_same(state, train_direct(lambda: mlp("sgd"), batches("mlp", 3)))
+
+
+class _ManyBuffers(nn.Module):
+    """A linear layer with 100 one-element buffers: under 1 KiB of state that takes 26 KiB of
+    arena chunks once every tensor is rounded up to the arena's 256-byte granularity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+        for i in range(100):
+            self.register_buffer(f"b{i}", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_admission_books_arena_alignment_so_placement_never_fails(daemon_factory):
+    """Twelve such jobs fit a 256 KiB device by exact bytes but not by arena chunks: admission
+    must count the rounding, admit only what the arena holds, and run the rest later."""
+    daemon = Daemon([DeviceSpec(0, "cpu", "cpu", "cpu0", 2**18)], "pack")
+    jobs, futures = [], []
+    for i in range(12):
+        model = _ManyBuffers()
+        j = daemon.open_job("alice", f"b{i}", 1, "training")
+        daemon.setup_training(j, "alice", model, torch.optim.SGD(model.parameters(), 0.1),
+                              nn.MSELoss())
+        jobs.append(j)
+        futures.append(daemon.step(j, "alice", torch.randn(4, 1), torch.randn(4, 1)))
+    admitted = [j for j, f in zip(jobs, futures, strict=True) if f.done()]
+    assert 0 < len(admitted) < len(jobs)  # the device is full: some jobs wait
+    for j, f in zip(jobs, futures, strict=True):
+        f.result(timeout=60)  # raises JobFailed if a placement ran out of arena
+        daemon.close_job(j, "alice")
+    assert daemon.arenas[0].stats().peak <= daemon.arenas[0].capacity
+    daemon.arenas[0].allocator.check_invariants()
+    daemon.shutdown()
