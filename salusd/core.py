@@ -190,25 +190,32 @@ class Daemon:
             self._end(session, JobState.FINISHED, JobCancelled(f"job {job_id} was closed"))
 
     # ---- control (REST, benchmarks) -------------------------------------------------------
-    def suspend(self, job_id: str, owner: str) -> None:
-        """Stop scheduling the job from its next iteration boundary; its state stays resident.
-        A job not yet admitted is held from the start."""
+    def suspend(self, job_id: str, owner: str, *, swap: bool = False) -> None:
+        """Stop scheduling the job from its next iteration boundary. Its state stays resident
+        (a switch costs no copy) unless `swap`: then it moves to host memory at the boundary
+        and its device memory goes to other jobs until it resumes. A job not yet admitted is
+        held from the start."""
         session = self._session(job_id, owner)
         with self._cond:
             session.held = True
             if session.submitted:
                 self.sched.suspend(session.job_id)
+                if swap:
+                    session.swap_requested = True
+                    self._swap_if_idle(session)
             self._event("suspend", session.job_id)
             self._wake()
 
     def resume(self, job_id: str, owner: str) -> None:
+        """Schedule the job again (a swapped-out job first waits for admission)."""
         session = self._session(job_id, owner)
         with self._cond:
             if not session.held:
                 raise BadRequest(f"job {job_id} is not suspended")
             session.held = False
+            session.swap_requested = False
             if session.submitted:
-                self.sched.resume(session.job_id)
+                self._apply(self.sched.resume(session.job_id))
             self._event("resume", session.job_id)
             self._wake()
 
@@ -312,6 +319,8 @@ class Daemon:
                     made += self._check_peak(session, worker, result.peak_bytes)
             if session.closed:
                 self._finalize(session)
+            elif session.swap_requested:
+                self._swap_if_idle(session)
             if made or job.done or result.peak_bytes is not None:  # lanes may have changed
                 self._apply(made)
                 self._wake()
@@ -464,6 +473,15 @@ class Daemon:
         region = self._regions.pop(key, None)
         if region is not None:
             self.arenas[key[0]].free(region[0])
+
+    def _swap_if_idle(self, session: Session) -> None:
+        """Carry out a requested swap-out once the job is between iterations."""
+        if not session.swap_requested or session.job_id in self._running:
+            return
+        session.swap_requested = False
+        self._event("swap_out", session.job_id)
+        self._apply(self.sched.swap_out(session.job_id))  # evicts the session's arena state
+        self._wake()
 
     def _wake(self, job_id: int | None = None) -> None:
         """Wake the lane of `job_id` (its new batch can only change that lane's decision), or

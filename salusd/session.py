@@ -58,6 +58,7 @@ class Session:
         self.resident_device: int | None = None
         self.submitted = False
         self.held = False
+        self.swap_requested = False
         self.measured_peak: int | None = None
         self.estimated_peak: int | None = None
         self.persistent_bytes = 0

@@ -34,6 +34,7 @@ class IterationScheduler:
         self.clock = clock
         self.lanes = LaneManager(capacities, policy.lane_mode)
         self.jobs: dict[int, Job] = {}
+        self.swapped: set[int] = set()
 
     def submit(self, job: Job) -> list[Placement]:
         """Add a job (ValueError if it can never fit); returns the placements made now."""
@@ -88,7 +89,11 @@ class IterationScheduler:
         job = self.jobs[job_id]
         if job.done:
             return []
-        made = self.lanes.release(job_id)
+        if job_id in self.swapped:  # holds no memory
+            self.swapped.discard(job_id)
+            made = []
+        else:
+            made = self.lanes.release(job_id)
         job.state = state
         job.finish_s = self.clock()
         self._mark_started(made)
@@ -104,11 +109,30 @@ class IterationScheduler:
             raise ValueError(f"job {job_id} is {job.state.value}; it cannot be suspended")
         job.state = JobState.SUSPENDED
 
-    def resume(self, job_id: int) -> None:
+    def resume(self, job_id: int) -> list[Placement]:
+        """Schedule a suspended job again; a swapped-out job asks for admission anew at its
+        place in submit order. Returns the placements that made."""
         job = self.jobs[job_id]
         if job.state != JobState.SUSPENDED:
             raise ValueError(f"job {job_id} is {job.state.value}, not suspended")
+        if job_id in self.swapped:
+            self.swapped.discard(job_id)
+            return self._started(self.lanes.submit(job))
         job.state = JobState.ADMITTED if self.lanes.placements(job_id) else JobState.PENDING
+        return []
+
+    def swap_out(self, job_id: int) -> list[Placement]:
+        """Give a suspended job's memory back (its state goes to host memory); other jobs may be
+        admitted into it. Returns the placements that made."""
+        job = self.jobs[job_id]
+        if job.state != JobState.SUSPENDED:
+            raise ValueError(f"job {job_id} must be suspended before it is swapped out")
+        if job_id in self.swapped:
+            return []
+        self.swapped.add(job_id)
+        made = self.lanes.release(job_id)
+        job.state = JobState.SUSPENDED
+        return self._started(made)
 
     def set_priority(self, job_id: int, priority: float) -> None:
         if priority <= 0:

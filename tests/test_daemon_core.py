@@ -305,3 +305,42 @@ def test_admission_books_arena_alignment_so_placement_never_fails(daemon_factory
     assert daemon.arenas[0].stats().peak <= daemon.arenas[0].capacity
     daemon.arenas[0].allocator.check_invariants()
     daemon.shutdown()
+
+
+def test_swap_out_gives_memory_to_a_waiting_job_and_resume_continues_exactly(daemon_factory):
+    """Two jobs that cannot both fit: swapping the first out admits the second; after the
+    second closes, the first resumes from host memory and ends as direct training does."""
+    daemon = daemon_factory("pack", memory=4 * 2**20)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(400, 400), nn.Tanh(), nn.Linear(400, 4))
+        return m, torch.optim.Adam(m.parameters(), lr=1e-3), nn.CrossEntropyLoss()
+
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 400, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(6)]
+    a_model, a_opt, loss = build()
+    a = daemon.open_job("alice", "a", 6, "training")
+    daemon.setup_training(a, "alice", a_model, a_opt, loss)
+    for x, y in data[:3]:
+        daemon.step(a, "alice", x, y).result(timeout=60)
+    b_model, b_opt, _ = build()
+    b = daemon.open_job("bob", "b", 1, "training")
+    daemon.setup_training(b, "bob", b_model, b_opt, loss)
+    fb = daemon.step(b, "bob", *data[0])
+    with pytest.raises(TimeoutError):
+        fb.result(timeout=0.5)  # b does not fit beside a
+    used_with_a = daemon.arenas[0].stats().used
+    daemon.suspend(a, "alice", swap=True)
+    assert isinstance(fb.result(timeout=60), float)
+    assert daemon.job_info(a, "alice")["memory"]["resident"] is False
+    daemon.close_job(b, "bob")
+    assert daemon.arenas[0].stats().used < used_with_a
+    daemon.resume(a, "alice")
+    for x, y in data[3:]:
+        daemon.step(a, "alice", x, y).result(timeout=60)
+    state = daemon.state_dict(a, "alice")
+    _assert_same(state, train_direct(build, data))
+    assert [e.kind for e in daemon.events if e.job_id == int(a) and e.kind in
+            ("swap_out", "admit")] == ["admit", "swap_out", "admit"]
