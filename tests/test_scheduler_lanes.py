@@ -189,3 +189,22 @@ def test_pending_queue_matches_linear_scan(
             None,
         )
         assert (q.at(pos) if pos is not None else None) is expect
+
+
+def test_swap_out_frees_memory_and_resume_readmits_in_order() -> None:
+    sched = IterationScheduler([100], make_policy("pack"), clock=lambda: 0.0)
+    a, b = _job(1, 0.0, 40, 40), _job(2, 1.0, 40, 40)
+    assert [p.job_id for p in sched.submit(a)] == [1]
+    assert sched.submit(b) == []  # 80 + 80 > 100
+    sched.suspend(1)
+    with pytest.raises(ValueError):
+        sched.swap_out(2)  # only a suspended job can be swapped out
+    assert [p.job_id for p in sched.swap_out(1)] == [2]
+    sched.lanes.check_invariants()
+    assert sched.resume(1) == [] and a.state == JobState.PENDING  # waits for b's memory
+    assert [p.job_id for p in sched.finish(2)] == [1]
+    assert a.state == JobState.ADMITTED
+    sched.suspend(1)
+    sched.swap_out(1)
+    assert sched.cancel(1) == [] and a.state == JobState.CANCELLED
+    sched.lanes.check_invariants()
