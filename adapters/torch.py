@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from salus.daemon.errors import SalusError
+from salus.daemon.ipc import compact
 from salus.daemon.ipc.wire import (
     VERSION,
     Channel,
@@ -101,6 +102,7 @@ class Job:
         self.owner: str | None = None
         self._closed = False
         self._broken = False
+        self._compact = False  # whether the daemon takes compact step/infer frames (from ping)
 
     def train_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    loss_fn: Callable[..., torch.Tensor]) -> TrainStep:
@@ -175,6 +177,7 @@ class Job:
                                     f"({reply!r}); install matching versions")
         self._channel.peer_max_frame_bytes = int(reply["max_frame_bytes"])
         self.owner = reply.get("owner")
+        self._compact = reply.get("compact") == compact.REVISION
 
     def _open(self, kind: str) -> str:
         if self.id is not None:
@@ -194,15 +197,29 @@ class Job:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"job {self.name!r} is closed")
-            return self._exchange({"op": op, **fields})
+            return _result(self._exchange({"op": op, **fields}))
 
-    def _exchange(self, request: dict[str, Any]) -> Any:
-        """One request and its reply; the caller holds the lock."""
+    def _call_compact(self, request: compact.Message, answer: int) -> Any:
+        """Send a compact request; the reply's message when it is op `answer`, else the result
+        of a JSON reply (errors raise)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"job {self.name!r} is closed")
+            reply = self._exchange(request)
+        if type(reply) is compact.Message:
+            if reply.op != answer:
+                raise FrameError(f"salusd answered a compact {compact.OP_NAMES[request.op]} "
+                                 f"with {reply!r}")
+            return reply
+        return _result(reply)
+
+    def _exchange(self, request: dict[str, Any] | compact.Message) -> Any:
+        """One request and its raw reply; the caller holds the lock."""
         if self._broken:
             raise DaemonUnavailable(f"the connection to salusd at {self.path} was lost")
         try:
             self._channel.send(request)
-            reply = self._channel.recv()
+            return self._channel.recv()
         except (ConnectionClosed, OSError) as exc:
             self._broken = True
             raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
@@ -215,11 +232,15 @@ class Job:
             # Interrupted between request and reply: a late reply would answer the next call.
             self._broken = True
             raise
-        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-            raise FrameError(f"salusd sent a malformed reply: {reply!r}")
-        if reply["ok"]:
-            return reply.get("result")
-        raise error_from_reply(reply.get("code"), reply.get("message"))
+
+
+def _result(reply: Any) -> Any:
+    """The result of a JSON reply; raises the salus error of an error reply."""
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise FrameError(f"salusd sent a malformed reply: {reply!r}")
+    if reply["ok"]:
+        return reply.get("result")
+    raise error_from_reply(reply.get("code"), reply.get("message"))
 
 
 class TrainStep:
@@ -233,7 +254,14 @@ class TrainStep:
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             raise TypeError(f"step(x, y) takes two tensors, got {type(x).__name__} and "
                             f"{type(y).__name__}")
-        return float(self.job._call("step", job=self.job_id, x=x, y=y))
+        job = self.job
+        if job._compact:
+            request = compact.Message(compact.OP_STEP, self.job_id, (x, y))
+            reply = job._call_compact(request, compact.OP_LOSS)
+            if type(reply) is not compact.Message:
+                raise FrameError(f"salusd answered a step with {reply!r}")
+            return reply.value
+        return float(job._call("step", job=self.job_id, x=x, y=y))
 
 
 class Inference:
@@ -246,5 +274,11 @@ class Inference:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"infer(x) takes a tensor, got {type(x).__name__}")
-        out: torch.Tensor = self.job._call("infer", job=self.job_id, x=x)
+        job = self.job
+        if job._compact:
+            reply = job._call_compact(compact.Message(compact.OP_INFER, self.job_id, (x,)),
+                                      compact.OP_OUTPUT)
+            out: torch.Tensor = reply.tensors[0] if type(reply) is compact.Message else reply
+            return out
+        out = job._call("infer", job=self.job_id, x=x)
         return out

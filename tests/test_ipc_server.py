@@ -27,8 +27,11 @@ import torch
 
 import salus.adapters.torch as salus
 from salus.daemon.errors import JobFailed, NotOwner, UnknownJob
+from salus.daemon.ipc import compact
+from salus.daemon.ipc.handlers import RequestHandler
 from salus.daemon.ipc.server import SocketServer
 from salus.daemon.ipc.wire import (
+    FLAG_COMPACT,
     MAGIC,
     VERSION,
     Channel,
@@ -424,3 +427,112 @@ def test_a_non_salus_peer_gets_one_error_reply_and_a_hang_up(server: SocketServe
     with pytest.raises(ConnectionClosed):
         channel.recv()
     channel.close()
+
+
+# ---- compact step / infer frames --------------------------------------------------------------
+
+def test_compact_and_json_frames_train_alike(server: SocketServer) -> None:
+    data = batches(15)
+    losses: dict[bool, list[float]] = {}
+    states: dict[bool, dict[str, torch.Tensor]] = {}
+    for use_compact in (True, False):
+        model = make_mlp(2)
+        with salus.connect("mlp", len(data), address=server.address) as job:
+            assert job._compact  # the daemon offered compact frames in its ping reply
+            job._compact = use_compact
+            step = job.train_step(model, torch.optim.Adam(model.parameters(), lr=0.01),
+                                  torch.nn.functional.mse_loss)
+            losses[use_compact] = [step(x.t().contiguous().t(), y) for x, y in data]
+            states[use_compact] = job.state_dict()
+    assert losses[True] == losses[False]
+    for name, value in states[False].items():
+        assert torch.equal(states[True][name], value)
+
+
+class Pair(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + 1, x.sum()
+
+
+def test_compact_inference_with_a_non_tensor_output_falls_back_to_json(
+    server: SocketServer,
+) -> None:
+    x = torch.randn(3, 4)
+    with salus.connect("pair", 2, address=server.address) as job:
+        assert job._compact
+        plus, total = job.inference(Pair())(x)
+    torch.testing.assert_close(plus, x + 1)
+    torch.testing.assert_close(total, x.sum())
+
+
+def test_a_daemon_without_compact_frames_gets_json(server: SocketServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    ping = RequestHandler._ping
+
+    def old_ping(self: RequestHandler, request: dict[str, Any]) -> dict[str, Any]:
+        reply = ping(self, request)
+        del reply["compact"]
+        return reply
+
+    monkeypatch.setattr(RequestHandler, "_ping", old_ping)
+    sent: list[object] = []
+    send = Channel.send
+
+    def recording_send(self: Channel, message: Any) -> None:
+        sent.append(message)
+        send(self, message)
+
+    monkeypatch.setattr(Channel, "send", recording_send)
+    model = make_mlp(0)
+    with salus.connect("old", 2, address=server.address) as job:
+        assert not job._compact
+        step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              torch.nn.functional.mse_loss)
+        assert step(torch.randn(4, 8), torch.randn(4, 2)) > 0
+    assert not any(isinstance(m, compact.Message) for m in sent)
+
+
+def compact_request(op: int, job: str, header_tail: bytes = b"", count: int = 0) -> bytes:
+    header = struct.pack("<BBHId", op, count, len(job), 0, 0.0) + job.encode() + header_tail
+    header += bytes(-len(header) % 64)
+    return struct.pack("<4sBBHIQ", MAGIC, VERSION, FLAG_COMPACT, 0, len(header), 64) + header + \
+        bytes(64)
+
+
+def test_bad_compact_frames_get_error_replies_and_disturb_no_one(server: SocketServer) -> None:
+    data = batches(40)
+    reference = make_mlp(6)
+    local_losses = train_locally(reference, lambda ps: torch.optim.SGD(ps, lr=0.1), data)
+    model = make_mlp(6)
+    losses: list[float] = []
+    with salus.connect("steady", len(data), address=server.address) as job:
+        step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              torch.nn.functional.mse_loss)
+        thread = threading.Thread(target=lambda: losses.extend(step(x, y) for x, y in data))
+        thread.start()
+        channel = Channel(raw_client(server))
+        x = torch.ones(2, 8)
+        f32 = struct.pack("<BBBBIQ2q", 1, 2, 0, 0, 0, 0, 2, 8)
+        cases = [
+            (compact_request(0x55, "999"), "bad_frame", "unknown compact op"),
+            (compact_request(compact.OP_STEP, "999", f32, count=1), "bad_frame", "2 belong"),
+            (compact_request(compact.OP_INFER, "9" * 48, count=1), "bad_frame",
+             "descriptor runs past"),
+            (compact_request(compact.OP_INFER, "999", struct.pack("<BBBBIQ1q", 1, 1, 0, 0, 0, 0,
+                                                                   1000), count=1),
+             "bad_frame", "runs past the end"),
+            (compact_request(compact.OP_LOSS, ""), "bad_request", "is a reply"),
+        ]
+        for _ in range(3):
+            for frame, code, words in cases:
+                channel.sock.sendall(frame)
+                reply = channel.recv()
+                assert (reply["code"], words in reply["message"]) == (code, True), reply
+            channel.send(compact.Message(compact.OP_STEP, "999", (x, x)))
+            reply = channel.recv()
+            assert reply["code"] == "unknown_job" and "no job" in reply["message"]
+            channel.send({"op": "ping"})
+            assert channel.recv()["ok"] is True  # the connection is still in step
+        channel.close()
+        thread.join(60)
+    assert losses == pytest.approx(local_losses, abs=1e-6)

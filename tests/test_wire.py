@@ -1,4 +1,5 @@
-"""The data plane wire: frames, inline and shared-memory tensors, pickled objects, bad input."""
+"""The data plane wire: frames, inline and shared-memory tensors, pickled objects, bad input,
+and the compact frames of the per-iteration ops."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from salus.daemon.errors import BadRequest, UnknownJob
-from salus.daemon.ipc import segment
+from salus.daemon.ipc import compact, segment
+from salus.daemon.ipc.codec import DTYPE_CODES, DTYPES
 from salus.daemon.ipc.wire import (
     DEFAULT_SHM_THRESHOLD,
+    FLAG_COMPACT,
     HEADER_BYTES,
     MAGIC,
     VERSION,
@@ -360,3 +363,239 @@ def test_frame_layout_is_as_documented(pair: tuple[Channel, Channel]) -> None:
     body = raw[HEADER_BYTES + header_len:]
     assert ref["dtype"] == "int32" and ref["shape"] == [3]
     assert body[ref["off"]:ref["off"] + 12] == torch.arange(3, dtype=torch.int32).numpy().tobytes()
+
+
+# ---- compact frames (step / infer) ------------------------------------------------------------
+
+HEAD = struct.Struct("<BBHId")  # compact head and tensor descriptor, written out independently
+DESC = struct.Struct("<BBBBIQ")
+
+
+def compact_frame(header: bytes, body: bytes = b"", flags: int = FLAG_COMPACT) -> bytes:
+    header = header + bytes(-len(header) % 64)
+    return FIXED.pack(MAGIC, VERSION, flags, 0, len(header), len(body)) + header + body
+
+
+def descriptor(code: int, shape: list[int], seg: int = 0, off: int = 0, flags: int = 0,
+               reserved: int = 0, strides: list[int] | None = None) -> bytes:
+    dims = [*shape, *(strides or [])]
+    return DESC.pack(code, len(shape), seg, flags, reserved, off) + struct.pack(
+        f"<{len(dims)}q", *dims)
+
+
+def infer_request(x: torch.Tensor) -> compact.Message:
+    return compact.Message(compact.OP_INFER, "42", (x,))
+
+
+def every_dtype_sample(dtype: torch.dtype) -> torch.Tensor:
+    raw = torch.arange(-6, 6, dtype=torch.int64).view(3, 4)
+    if dtype.is_complex:
+        return torch.complex(raw.float(), -raw.float()).to(dtype)
+    if dtype.is_floating_point:
+        return (raw.float() / 4).to(dtype)
+    if dtype == torch.bool:
+        return raw > 0
+    return raw.to(dtype) if dtype.is_signed else raw.abs().to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_compact_round_trips_every_dtype(pair: tuple[Channel, Channel], name: str) -> None:
+    left, right = pair
+    sent = every_dtype_sample(DTYPES[name])
+    got = roundtrip(left, right, compact.Message(compact.OP_STEP, "7", (sent, sent[0])))
+    assert type(got) is compact.Message and got.op == compact.OP_STEP and got.job == "7"
+    for received, expected in zip(got.tensors, (sent, sent[0]), strict=True):
+        assert received.dtype == expected.dtype and received.shape == expected.shape
+        assert received.view(torch.uint8).equal(expected.contiguous().view(torch.uint8))
+
+
+def test_compact_tensors_keep_layout_and_values(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    channels_last = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    cases = {**SAMPLES, "channels_last": channels_last, "size1": torch.randn(4, 1).t()}
+    for name, sent in cases.items():
+        got = roundtrip(left, right, infer_request(sent)).tensors[0]
+        expected = sent.detach().resolve_conj()
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got, expected), name
+        assert not got.requires_grad, name
+    # A permuted dense layout arrives as it was sent; a slice or an expansion arrives contiguous.
+    for name in ("transposed", "channels_last"):
+        sent = cases[name]
+        got = roundtrip(left, right, infer_request(sent)).tensors[0]
+        assert got.stride() == sent.stride(), name
+    for name in ("strided", "expanded"):
+        assert roundtrip(left, right, infer_request(cases[name])).tensors[0].is_contiguous()
+
+
+def test_compact_loss_reply_and_received_tensors_are_writable(
+    pair: tuple[Channel, Channel],
+) -> None:
+    left, right = pair
+    got = roundtrip(left, right, compact.Message(compact.OP_LOSS, value=0.1 + 0.2))
+    assert got.op == compact.OP_LOSS and got.value == 0.1 + 0.2 and got.tensors == ()
+    sent = torch.zeros(4, 3)
+    out = roundtrip(left, right, compact.Message(compact.OP_OUTPUT, tensors=(sent,)))
+    out.tensors[0].add_(1)
+    assert torch.equal(sent, torch.zeros(4, 3)) and torch.equal(out.tensors[0], sent + 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.int16, torch.float64, torch.bool, torch.uint8]),
+    threshold=st.sampled_from([1, 64, DEFAULT_SHM_THRESHOLD]),
+    permute=st.randoms(use_true_random=False),
+)
+def test_compact_any_shape_and_permutation_round_trips(
+    shape: list[int], dtype: torch.dtype, threshold: int, permute: Any
+) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    left, right = Channel(a, shm_threshold=threshold), Channel(b)
+    try:
+        order = list(range(len(shape)))
+        permute.shuffle(order)
+        sent = (torch.rand(shape) * 100).to(dtype).permute(order)
+        got = roundtrip(left, right, compact.Message(compact.OP_STEP, "j", (sent, sent.sum())))
+        assert torch.equal(got.tensors[0], sent) and got.tensors[0].shape == sent.shape
+        assert torch.equal(got.tensors[1], sent.sum()) and got.tensors[1].dim() == 0
+    finally:
+        left.close()
+        right.close()
+
+
+@needs_memfd
+def test_compact_large_tensors_travel_in_shared_memory(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    fds_before, maps_before = open_fds(), memfd_mappings()
+    big = torch.randn(256, 512).t()  # 512 KiB, transposed: sent with its strides, no copy
+    got = roundtrip(left, right, compact.Message(compact.OP_STEP, "1", (big, torch.ones(3))))
+    x = got.tensors[0]
+    assert torch.equal(x, big) and x.stride() == big.stride()
+    assert memfd_mappings() == maps_before + 1
+    del got, x
+    gc.collect()
+    assert memfd_mappings() == maps_before and open_fds() == fds_before
+
+
+def test_compact_refuses_unsendable_tensors_before_sending(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    with pytest.raises(TypeError, match="only dense tensors with data"):
+        left.send(infer_request(torch.eye(3).to_sparse()))
+    with pytest.raises(TypeError, match="carries tensors"):
+        left.send(compact.Message(compact.OP_INFER, "1", ([1.0],)))
+    with pytest.raises(ValueError, match="takes 2 tensors"):
+        left.send(compact.Message(compact.OP_STEP, "1", (torch.ones(1),)))
+    left.send({"still": "in step"})
+    assert right.recv() == {"still": "in step"}
+
+
+def test_compact_frame_layout_is_as_documented(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    x = torch.arange(6, dtype=torch.int32).view(2, 3)
+    left.send(compact.Message(compact.OP_STEP, "12", (x, x.t())))
+    raw = right.sock.recv(1 << 16)
+    _, _, flags, _, header_len, body_len = FIXED.unpack_from(raw)
+    assert flags == FLAG_COMPACT and header_len % 64 == 0
+    assert len(raw) == HEADER_BYTES + header_len + body_len
+    header = raw[HEADER_BYTES:HEADER_BYTES + header_len]
+    assert HEAD.unpack_from(header) == (compact.OP_STEP, 2, 2, 0, 0.0)
+    assert header[16:18] == b"12"
+    code, ndim, seg, tflags, _, off = DESC.unpack_from(header, 18)
+    assert (code, ndim, seg, tflags) == (DTYPE_CODES[torch.int32], 2, 0, 0)
+    assert struct.unpack_from("<2q", header, 34) == (2, 3)
+    body = raw[HEADER_BYTES + header_len:]
+    assert body[off:off + 24] == x.numpy().tobytes()
+    _, ndim, _, tflags, _, off2 = DESC.unpack_from(header, 50)
+    assert (ndim, tflags) == (2, 1) and struct.unpack_from("<4q", header, 66) == (3, 2, 1, 3)
+    assert body[off2:off2 + 24] == x.numpy().tobytes()  # the transpose's storage, as it lies
+
+
+F32 = DTYPE_CODES[torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("header", "reason"),
+    [
+        (HEAD.pack(9, 0, 0, 0, 0.0), "unknown compact op 9"),
+        (HEAD.pack(compact.OP_STEP, 1, 1, 0, 0.0) + b"1" + descriptor(F32, [1]),
+         "1 tensors where 2 belong"),
+        (HEAD.pack(compact.OP_LOSS, 0, 0, 7, 0.0), "reserved field 0x7"),
+        (HEAD.pack(compact.OP_INFER, 1, 500, 0, 0.0), "job id .500 bytes. runs past"),
+        (HEAD.pack(compact.OP_INFER, 1, 2, 0, 0.0) + b"\xff\xfe" + descriptor(F32, [1]),
+         "could not be decoded: UnicodeDecodeError"),
+        (HEAD.pack(compact.OP_INFER, 1, 48, 0, 0.0) + b"j" * 48, "descriptor runs past"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(250, [1]), "dtype code 250"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + DESC.pack(F32, 65, 0, 0, 0, 0),
+         "ndim 65"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], flags=4), "flags 0x4"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], reserved=1),
+         "reserved 0x1"),
+        (HEAD.pack(compact.OP_INFER, 1, 32, 0, 0.0) + b"j" * 32 + DESC.pack(F32, 3, 0, 0, 0, 0),
+         "sizes run past"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [2, -1]), "non-negative"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [4]), "runs past the end"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1 << 40, 1 << 40]),
+         "runs past the end"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], seg=1), "segment 1"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], off=2), "aligned"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0)
+         + descriptor(F32, [2], flags=1, strides=[0]), "densely"),
+        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0)
+         + descriptor(F32, [2, 1], flags=1, strides=[1, -3]), "densely"),
+        (HEAD.pack(compact.OP_LOSS, 0, 0, 0, 0.0) + bytes(64) + b"\x01", "fields end at byte 16"),
+        (b"", "shorter than its 16-byte head"),
+    ],
+)
+def test_malformed_compact_headers_are_recoverable_errors(
+    pair: tuple[Channel, Channel], header: bytes, reason: str
+) -> None:
+    left, right = pair
+    left.sock.sendall(compact_frame(header, body=bytes(8)))
+    with pytest.raises(FrameError, match=reason) as info:
+        right.recv()
+    assert info.value.recoverable
+    left.send(compact.Message(compact.OP_LOSS, value=2.0))
+    assert right.recv().value == 2.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(header=st.binary(min_size=0, max_size=200), body=st.binary(max_size=64),
+       op=st.sampled_from(sorted(compact.OP_NAMES)))
+def test_random_compact_headers_give_frame_errors_or_messages(header: bytes, body: bytes,
+                                                              op: int) -> None:
+    data = bytearray(HEAD.pack(op, header[0] % 3 if header else 0, min(len(header), 3), 0, 0.0)
+                     + header)
+    data += bytes(-len(data) % 64)
+    header_len = len(data)
+    data += body
+    try:
+        got = compact.decode(data, header_len, None)
+    except FrameError as exc:
+        assert exc.recoverable
+    else:
+        assert type(got) is compact.Message and all(isinstance(t, torch.Tensor)
+                                                    for t in got.tensors)
+
+
+@needs_memfd
+def test_compact_segment_must_be_announced_and_sealed(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    header = HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [4], seg=1)
+    left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 1))
+    with pytest.raises(FrameError, match="no descriptor"):
+        right.recv()
+    with tempfile.TemporaryFile() as unsealed:
+        unsealed.write(bytes(64))
+        unsealed.flush()
+        left.sock.sendmsg([compact_frame(header, flags=FLAG_COMPACT | 1)],
+                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                            struct.pack("i", unsealed.fileno()))])
+        with pytest.raises(FrameError, match="not sealed"):
+            right.recv()
+    left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 4))
+    with pytest.raises(FrameError, match="malformed frame .flags 0x6"):
+        right.recv()
+    left.send(compact.Message(compact.OP_LOSS, value=1.0))
+    assert right.recv().value == 1.0

@@ -24,7 +24,6 @@ import json
 import math
 import mmap
 import pickle
-from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -34,7 +33,7 @@ from salus.daemon.errors import BadRequest
 
 ALIGN = 64
 _PAD = bytes(ALIGN)
-_MAX_DIMS = 64
+MAX_DIMS = 64
 _DTYPE_NAMES = (
     "float16", "float32", "float64", "bfloat16", "complex32", "complex64", "complex128",
     "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
@@ -44,6 +43,10 @@ DTYPES: dict[str, torch.dtype] = {
     n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
 }
 _DTYPE_NAME = {d: n for n, d in DTYPES.items()}
+# Compact headers name a dtype by its index in _DTYPE_NAMES: append new dtypes, never reorder.
+DTYPE_CODES: dict[torch.dtype, int] = {DTYPES[n]: i for i, n in enumerate(_DTYPE_NAMES)
+                                       if n in DTYPES}
+DTYPES_BY_CODE: dict[int, torch.dtype] = {i: d for d, i in DTYPE_CODES.items()}
 
 
 class FrameError(BadRequest):
@@ -86,17 +89,36 @@ class PickledPayload:
             ) from exc
 
 
-@dataclass
 class Encoded:
-    """An encoded message: header (JSON padded to ALIGN bytes), inline body buffers, and the
-    (offset, bytes) parts of the shared-memory segment; `keepalive` holds what the views borrow."""
+    """An encoded message: header (padded to ALIGN bytes), inline body buffers, and the
+    (offset, bytes) parts of the shared-memory segment; `keepalive` holds what the views borrow.
+    Sizes are in bytes."""
 
-    header: bytes
-    inline: list[bytes | memoryview] = field(default_factory=list)
-    inline_size: int = 0
-    segment: list[tuple[int, memoryview]] = field(default_factory=list)
-    segment_size: int = 0
-    keepalive: list[object] = field(default_factory=list)
+    __slots__ = ("header", "inline", "inline_size", "segment", "segment_size", "keepalive")
+
+    def __init__(self, header: bytes = b"") -> None:
+        self.header = header
+        self.inline: list[bytes | memoryview] = []
+        self.inline_size = 0
+        self.segment: list[tuple[int, memoryview]] = []
+        self.segment_size = 0
+        self.keepalive: list[object] = []
+
+    def add_part(self, view: memoryview, shm_threshold: float) -> tuple[int, int]:
+        """Place `view` in the segment (at least `shm_threshold` bytes) or inline; returns
+        (segment number, byte offset): 1 is the shared-memory segment, 0 the inline body."""
+        n = len(view)
+        if n >= shm_threshold:
+            off = self.segment_size
+            self.segment.append((off, view))
+            self.segment_size = round_up(off + n)
+            return 1, off
+        off = round_up(self.inline_size)
+        if off > self.inline_size:
+            self.inline.append(_PAD[: off - self.inline_size])
+        self.inline.append(view)
+        self.inline_size = off + n
+        return 0, off
 
 
 def encode(message: Any, *, shm_threshold: float) -> Encoded:
@@ -123,49 +145,79 @@ def decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Any:
                          f"{exc}") from None
 
 
-def _round_up(n: int) -> int:
+def round_up(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN."""
     return n + (-n % ALIGN)
 
 
-def _raw_bytes(t: torch.Tensor, nbytes: int) -> memoryview:
+def raw_bytes(t: torch.Tensor, nbytes: int) -> memoryview:
     """The bytes of contiguous CPU tensor `t` without a copy (ctypes keeps torch-only clients
     free of a numpy requirement); the caller keeps `t` alive."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+def sendable(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a strided CPU tensor with its conjugate and negative bits resolved (copied only
+    when it is not one already; it may still be non-contiguous). TypeError for a tensor that
+    cannot be sent."""
+    if t.dtype not in _DTYPE_NAME:  # the allow-list also keeps quantized tensors out
+        raise TypeError(f"tensors of dtype {t.dtype} cannot be sent")
+    if t.layout is not torch.strided or t.is_nested or t.is_meta:
+        raise TypeError(f"only dense tensors with data can be sent, got {t.layout} on "
+                        f"{t.device}")
+    if not t.is_cpu or t.is_conj() or t.is_neg():
+        t = t.detach().cpu().resolve_conj().resolve_neg()
+    return t
+
+
+def part_region(data: bytearray, base: int, segment: mmap.mmap | None, seg: object,
+                off: object, nbytes: int) -> tuple[bytearray | mmap.mmap, int]:
+    """Where a part of `nbytes` bytes at offset `off` of segment `seg` lies: (buffer, absolute
+    byte offset). `data` holds the header (`base` bytes) then the inline body. Raises
+    FrameError when the part is not inside a segment the frame carries."""
+    if type(off) is not int or off < 0:
+        raise FrameError(f"bad part offset {off!r}")
+    if seg == 0:
+        buf: bytearray | mmap.mmap = data
+        size = len(data) - base
+    elif seg == 1 and segment is not None:
+        buf, base, size = segment, 0, len(segment)
+    else:
+        raise FrameError(f"part refers to segment {seg!r}, which the frame does not carry")
+    if off + nbytes > size:
+        raise FrameError(f"a part of {nbytes} bytes at offset {off} runs past the end of "
+                         f"its {size}-byte segment")
+    return buf, base + off
+
+
+def tensor_view(buf: bytearray | mmap.mmap, off: int, dtype: torch.dtype,
+                numel: int) -> torch.Tensor:
+    """A flat tensor of `numel` elements viewing `buf` from byte `off` (no copy); FrameError
+    when `off` is not aligned to the element size."""
+    if off % dtype.itemsize:
+        raise FrameError(f"tensor offset {off} is not aligned to its {dtype.itemsize}-byte "
+                         "elements")
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=off)
+
+
 class _Encoder:
     def __init__(self, shm_threshold: float) -> None:
         self.threshold = shm_threshold
-        self.out = Encoded(header=b"")
+        self.out = Encoded()
 
     def place(self, view: memoryview) -> dict[str, int]:
-        out, n = self.out, len(view)
-        if n >= self.threshold:
-            off = out.segment_size
-            out.segment.append((off, view))
-            out.segment_size = _round_up(off + n)
-            return {"seg": 1, "off": off}
-        off = _round_up(out.inline_size)
-        if off > out.inline_size:
-            out.inline.append(_PAD[: off - out.inline_size])
-        out.inline.append(view)
-        out.inline_size = off + n
-        return {"seg": 0, "off": off}
+        seg, off = self.out.add_part(view, self.threshold)
+        return {"seg": seg, "off": off}
 
     def tensor(self, t: torch.Tensor) -> dict[str, Any]:
-        name = _DTYPE_NAME.get(t.dtype)  # the allow-list also keeps quantized tensors out
-        if name is None:
-            raise TypeError(f"tensors of dtype {t.dtype} cannot be sent")
-        if t.layout is not torch.strided or t.is_nested or t.is_meta:
-            raise TypeError(f"only dense tensors with data can be sent, got {t.layout} on "
-                            f"{t.device}")
-        if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
-            t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        ref: dict[str, Any] = {"$": "t", "dtype": name, "shape": [*t.shape]}
+        t = sendable(t)
+        if not t.is_contiguous():
+            t = t.contiguous()
+        ref: dict[str, Any] = {"$": "t", "dtype": _DTYPE_NAME[t.dtype], "shape": [*t.shape]}
         nbytes = t.nbytes
         if nbytes:
             self.out.keepalive.append(t)
-            ref.update(self.place(_raw_bytes(t, nbytes)))
+            ref.update(self.place(raw_bytes(t, nbytes)))
         return ref
 
     def blob(self, data: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -245,37 +297,22 @@ class _Decoder:
         self.data, self.base, self.segment = data, header_len, segment
 
     def region(self, ref: dict[str, Any], nbytes: int) -> tuple[bytearray | mmap.mmap, int]:
-        seg, off = ref.get("seg"), ref.get("off")
-        if type(off) is not int or off < 0:
-            raise FrameError(f"bad part offset {off!r}")
-        if seg == 0:
-            buf: bytearray | mmap.mmap = self.data
-            base, size = self.base, len(self.data) - self.base
-        elif seg == 1 and self.segment is not None:
-            buf, base, size = self.segment, 0, len(self.segment)
-        else:
-            raise FrameError(f"part refers to segment {seg!r}, which the frame does not carry")
-        if off + nbytes > size:
-            raise FrameError(f"a part of {nbytes} bytes at offset {off} runs past the end of "
-                             f"its {size}-byte segment")
-        return buf, base + off
+        return part_region(self.data, self.base, self.segment, ref.get("seg"), ref.get("off"),
+                           nbytes)
 
     def tensor(self, ref: dict[str, Any]) -> torch.Tensor:
         name, shape = ref.get("dtype"), ref.get("shape")
         dtype = DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise FrameError(f"unknown tensor dtype {name!r}")
-        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
                 and all(type(d) is int and d >= 0 for d in shape)):
             raise FrameError(f"tensor shape must be a list of non-negative ints, got {shape!r}")
         numel = math.prod(shape)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         buf, off = self.region(ref, numel * dtype.itemsize)
-        if off % dtype.itemsize:
-            raise FrameError(f"tensor offset {off} is not aligned to its {dtype.itemsize}-byte "
-                             "elements")
-        flat = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off)
+        flat = tensor_view(buf, off, dtype, numel)
         if len(shape) == 1:
             return flat
         return flat.view(*shape) if shape else flat.view(())  # view(*dims) parses fastest

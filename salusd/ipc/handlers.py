@@ -13,6 +13,11 @@ Requests are dicts with an "op"; replies are `{"ok": true, "result": ...}` or
     state_dict       job                                       {name: tensor}
     info             job                                       the job_info dict
     close            job                                       None
+
+`step` and `infer` also come as compact messages (`compact.py`), which skip JSON: OP_STEP is
+answered with OP_LOSS, OP_INFER with OP_OUTPUT (a JSON reply when the output is not a single
+tensor), and errors with the JSON error reply. `ping`
+announces `compact` (the compact revision this side speaks) so that clients know they may use it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from salus.daemon.errors import BadRequest, JobCancelled, JobFailed, SalusError
+from salus.daemon.ipc import compact
 from salus.daemon.ipc.codec import PickledPayload
 from salus.daemon.ipc.wire import VERSION
 from salus.daemon.service import JobService
@@ -74,9 +80,11 @@ class RequestHandler:
             "state_dict": self._state_dict, "info": self._info, "close": self._close,
         }
 
-    def handle(self, request: Any) -> dict[str, Any]:
+    def handle(self, request: Any) -> dict[str, Any] | compact.Message:
         """The reply to one request; never raises."""
         try:
+            if type(request) is compact.Message:
+                return self._compact(request)
             if not isinstance(request, dict):
                 raise BadRequest("a request must be a JSON object with an 'op' field")
             op = request.get("op")
@@ -90,6 +98,20 @@ class RequestHandler:
             log.exception("request from %s failed inside salusd", self.owner)
             return error_reply(SalusError.code, f"internal error in salusd ({type(exc).__name__}:"
                                                 f" {exc}); the daemon log has the traceback")
+
+    def _compact(self, request: compact.Message) -> dict[str, Any] | compact.Message:
+        """A compact step or inference call (the decoder checked its tensor count); an output
+        that is not one tensor goes back in a JSON reply."""
+        job_id, tensors = request.job, request.tensors
+        if request.op == compact.OP_STEP:
+            loss = _wait(self.service.step(job_id, self.owner, tensors[0], tensors[1]), job_id)
+            return compact.Message(compact.OP_LOSS, value=float(loss))
+        if request.op == compact.OP_INFER:
+            out = _wait(self.service.infer(job_id, self.owner, tensors[0]), job_id)
+            if isinstance(out, torch.Tensor):
+                return compact.Message(compact.OP_OUTPUT, tensors=(out,))
+            return {"ok": True, "result": out}
+        raise BadRequest(f"compact op {compact.OP_NAMES[request.op]!r} is a reply, not a request")
 
     def close_all(self) -> list[str]:
         """Close every job this connection opened and did not close; returns their ids."""
@@ -109,7 +131,8 @@ class RequestHandler:
         peer_max = request.get("max_frame_bytes")
         if isinstance(peer_max, int) and not isinstance(peer_max, bool) and peer_max >= 1024:
             self.peer_max_frame_bytes = peer_max
-        return {"version": VERSION, "max_frame_bytes": self.max_frame_bytes, "owner": self.owner}
+        return {"version": VERSION, "max_frame_bytes": self.max_frame_bytes, "owner": self.owner,
+                "compact": compact.REVISION}
 
     def _open(self, request: dict[str, Any]) -> dict[str, str]:
         name = _field(request, "name", str, "the job's name")

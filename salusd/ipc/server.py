@@ -24,6 +24,7 @@ import struct
 import threading
 from functools import lru_cache
 
+from salus.daemon.ipc import compact
 from salus.daemon.ipc.handlers import RequestHandler, error_reply
 from salus.daemon.ipc.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -235,7 +236,7 @@ class SocketServer:
                 return
 
 
-def _send_reply(channel: Channel, reply: dict[str, object]) -> None:
+def _send_reply(channel: Channel, reply: dict[str, object] | compact.Message) -> None:
     """Send `reply`, or an error reply when it cannot be encoded or is over the peer's limit."""
     try:
         channel.send(reply)

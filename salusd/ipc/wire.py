@@ -7,13 +7,17 @@ A frame (all integers little endian):
 
     bytes 0-3    magic b"SLUS"
     byte  4      version (1)
-    byte  5      flags: bit 0 = a shared-memory segment descriptor travels with the frame
+    byte  5      flags: bit 0 = a shared-memory segment descriptor travels with the frame,
+                 bit 1 = the header is compact (binary, `compact.py`) rather than JSON
     bytes 6-7    reserved, 0
-    bytes 8-11   header length in bytes (uint32): JSON, space-padded to a multiple of 64
+    bytes 8-11   header length in bytes (uint32): JSON space-padded, or compact zero-padded,
+                 to a multiple of 64
     bytes 12-19  body length in bytes (uint64): the inline binary parts
     then the header, then the body.
 
-What the header and parts mean is `codec.py`; the segment is `segment.py`. A frame whose
+What a JSON header and its parts mean is `codec.py`; the compact header of the per-iteration
+ops is `compact.py`; the segment is `segment.py`. `Channel.send` picks the compact form for a
+`compact.Message` and JSON for anything else; `recv` returns what was sent. A frame whose
 header + body exceeds `max_frame_bytes` is read and discarded (up to DRAIN_LIMIT_BYTES) and
 reported as FrameTooLarge, so the connection stays usable; a bad magic or version, or a stream
 that ends mid-frame, cannot be resynchronised and the connection must be dropped.
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from salus.daemon.errors import ERRORS_BY_CODE, SalusError
-from salus.daemon.ipc import codec, segment
+from salus.daemon.ipc import codec, compact, segment
 from salus.daemon.ipc.codec import FrameError, Pickled, PickledPayload
 
 __all__ = [
@@ -44,6 +48,8 @@ __all__ = [
 MAGIC = b"SLUS"
 VERSION = 1
 FLAG_SEGMENT = 0x1
+FLAG_COMPACT = 0x2
+_KNOWN_FLAGS = FLAG_SEGMENT | FLAG_COMPACT
 _FIXED = struct.Struct("<4sBBHIQ")
 HEADER_BYTES = _FIXED.size
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -145,9 +151,15 @@ class Channel:
 
     # ---- sending ---------------------------------------------------------------------------
     def send(self, message: Any) -> None:
-        """Send one message. TypeError for values that cannot be sent; FrameTooLarge (before
-        anything is written) when the inline part exceeds the peer's limit."""
-        enc = codec.encode(message, shm_threshold=self.shm_threshold)
+        """Send one message: a `compact.Message` with a compact header, anything else as JSON.
+        TypeError for values that cannot be sent; FrameTooLarge (before anything is written)
+        when the inline part exceeds the peer's limit."""
+        if type(message) is compact.Message:
+            enc = compact.encode(message, shm_threshold=self.shm_threshold)
+            flags = FLAG_COMPACT
+        else:
+            enc = codec.encode(message, shm_threshold=self.shm_threshold)
+            flags = 0
         size = len(enc.header) + enc.inline_size
         if size > self.peer_max_frame_bytes:
             raise FrameTooLarge(
@@ -156,20 +168,25 @@ class Channel:
                 "memory and do not count); send fewer or smaller values per call")
         fd = segment.create(enc.segment, enc.segment_size) if enc.segment_size else None
         try:
-            flags = FLAG_SEGMENT if fd is not None else 0
+            if fd is not None:
+                flags |= FLAG_SEGMENT
             fixed = _FIXED.pack(MAGIC, VERSION, flags, 0, len(enc.header), enc.inline_size)
-            self._send_all([fixed, enc.header, *enc.inline], fd)
+            self._send_all([fixed, enc.header, *enc.inline], HEADER_BYTES + size, fd)
         finally:
             if fd is not None:
                 os.close(fd)
 
-    def _send_all(self, buffers: list[bytes | memoryview], fd: int | None) -> None:
+    def _send_all(self, buffers: list[bytes | memoryview], total: int, fd: int | None) -> None:
+        """One sendmsg of `buffers` (`total` bytes) with `fd` attached, then the rest if the
+        kernel took only part."""
         if len(buffers) > _IOV_LIMIT:
             buffers = [b"".join(buffers)]
         ancillary = []
         if fd is not None:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         sent = self.sock.sendmsg(buffers, ancillary)
+        if sent == total:
+            return
         # A blocking send may still stop early (a signal); the descriptor went with byte 0.
         for buf in buffers:
             n = memoryview(buf).nbytes
@@ -181,7 +198,7 @@ class Channel:
 
     # ---- receiving -------------------------------------------------------------------------
     def recv(self) -> Any:
-        """Receive one message.
+        """Receive one message: JSON data, or a `compact.Message` for a compact frame.
 
         Raises ConnectionClosed when the peer closed between frames, FrameError when a frame is
         bad (its `recoverable` says whether the next frame can still be read; FrameTooLarge
@@ -210,7 +227,7 @@ class Channel:
                     f"frame of {size} bytes exceeds this side's {self.max_frame_bytes}-byte "
                     "limit; large tensors go through shared memory, so split the data")
             data = self._read(size)
-            if flags & ~FLAG_SEGMENT or header_len % codec.ALIGN:
+            if flags & ~_KNOWN_FLAGS or header_len % codec.ALIGN:
                 raise FrameError(f"malformed frame (flags {flags:#x}, header {header_len} bytes)")
             mapping = None
             if flags & FLAG_SEGMENT:
@@ -225,6 +242,8 @@ class Channel:
         finally:
             if fd is not None:
                 os.close(fd)
+        if flags & FLAG_COMPACT:
+            return compact.decode(data, header_len, mapping)
         return codec.decode(data, header_len, mapping)
 
     def _recv_some(self) -> int:

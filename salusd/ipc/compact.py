@@ -1,0 +1,215 @@
+"""Compact frames: a struct-packed header for the data plane's per-iteration requests and replies.
+
+A training step or an inference call crosses the socket thousands of times per job, so these
+skip JSON: the frame's flags carry FLAG_COMPACT (`wire.py`) and the header is, little endian,
+
+    bytes 0-15   op (u8), tensor count (u8), job-id length in bytes (u16), reserved u32 (0),
+                 value (f64)
+    then         the job id, UTF-8
+    then         per tensor 16 bytes: dtype code (u8, `codec.DTYPE_CODES`), ndim (u8),
+                 segment (u8: 0 inline body, 1 shared memory), flags (u8: bit 0 = strides
+                 follow), reserved u32 (0), byte offset in its segment (u64);
+                 then ndim i64 sizes, then ndim i64 strides (in elements) when flagged
+    zero-padded to a multiple of 64 bytes (`codec.ALIGN`).
+
+Ops and what they carry:
+
+    OP_STEP    request  job, tensors (x, y)        one training iteration
+    OP_INFER   request  job, tensors (x,)          one inference call
+    OP_LOSS    reply    value = the loss           answer to OP_STEP
+    OP_OUTPUT  reply    tensors (output,)          answer to OP_INFER
+
+Errors, and every other request, use the JSON header of `codec.py`. A peer sends compact frames
+only after the other side's `ping` reply announced `"compact": REVISION`.
+
+A contiguous tensor goes out as its bytes (no copy) and arrives as a `torch.frombuffer` view of
+the frame. A tensor whose strides are a permutation of a contiguous layout (a transpose,
+channels-last) goes out the same way with its strides, so it arrives with its layout; any other
+strided tensor (a slice, an expansion) is made contiguous first. Decoding checks every field
+against the frame and raises a recoverable FrameError, never anything else.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+
+import torch
+
+from salus.daemon.ipc.codec import (
+    ALIGN,
+    DTYPE_CODES,
+    DTYPES_BY_CODE,
+    MAX_DIMS,
+    Encoded,
+    FrameError,
+    part_region,
+    raw_bytes,
+    sendable,
+    tensor_view,
+)
+
+REVISION = 1
+OP_STEP, OP_INFER, OP_LOSS, OP_OUTPUT = 1, 2, 0x81, 0x82
+OP_NAMES = {OP_STEP: "step", OP_INFER: "infer", OP_LOSS: "loss", OP_OUTPUT: "output"}
+_TENSOR_COUNT = {OP_STEP: 2, OP_INFER: 1, OP_LOSS: 0, OP_OUTPUT: 1}
+_STRIDED = 0x1
+_HEAD = struct.Struct("<BBHId")
+_TENSOR = struct.Struct("<BBBBIQ")
+# One struct per (ndim, strided): a descriptor packs and unpacks in one call.
+_DESC = [struct.Struct(f"<BBBBIQ{n}q") for n in range(MAX_DIMS + 1)]
+_DESC_STRIDED = [struct.Struct(f"<BBBBIQ{2 * n}q") for n in range(MAX_DIMS + 1)]
+_MAX_JOB_BYTES = 0xFFFF
+
+
+class Message:
+    """A compact request or reply: `op` (OP_*), `job` id (empty in replies), `tensors`, and a
+    float `value` (the loss of OP_LOSS, else 0.0)."""
+
+    __slots__ = ("op", "job", "tensors", "value")
+
+    def __init__(self, op: int, job: str = "", tensors: tuple[torch.Tensor, ...] = (),
+                 value: float = 0.0) -> None:
+        self.op = op
+        self.job = job
+        self.tensors = tensors
+        self.value = value
+
+    def __repr__(self) -> str:
+        return (f"Message({OP_NAMES.get(self.op, self.op)}, job={self.job!r}, "
+                f"{len(self.tensors)} tensors, value={self.value!r})")
+
+
+def encode(message: Message, *, shm_threshold: float) -> Encoded:
+    """Encode `message`; tensors of at least `shm_threshold` bytes go to the segment.
+
+    Raises TypeError for a tensor that cannot be sent and ValueError for a message that does
+    not match its op.
+    """
+    op, tensors = message.op, message.tensors
+    if _TENSOR_COUNT.get(op) != len(tensors):
+        raise ValueError(f"compact op {op} takes {_TENSOR_COUNT.get(op)} tensors, "
+                         f"got {len(tensors)}")
+    job = message.job.encode()
+    if len(job) > _MAX_JOB_BYTES:
+        raise ValueError(f"a job id is at most {_MAX_JOB_BYTES} bytes, got {len(job)}")
+    out = Encoded()
+    parts = [_HEAD.pack(op, len(tensors), len(job), 0, message.value), job]
+    for t in tensors:
+        _describe(t, out, shm_threshold, parts)
+    header = b"".join(parts)
+    out.header = header + bytes(-len(header) % ALIGN)
+    return out
+
+
+def _describe(t: torch.Tensor, out: Encoded, shm_threshold: float, parts: list[bytes]) -> None:
+    """Append `t`'s descriptor to `parts` and its bytes to `out`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"a compact message carries tensors, got {type(t).__name__}")
+    t = sendable(t)
+    shape = t.shape
+    strides = None
+    if not t.is_contiguous():
+        strides = t.stride()
+        if not dense_permutation(shape, strides):
+            t, strides = t.contiguous(), None
+    nbytes = t.nbytes
+    seg = off = 0
+    if nbytes:
+        out.keepalive.append(t)
+        seg, off = out.add_part(raw_bytes(t, nbytes), shm_threshold)
+    code, ndim = DTYPE_CODES[t.dtype], len(shape)
+    if strides is None or not nbytes:
+        parts.append(_DESC[ndim].pack(code, ndim, seg, 0, 0, off, *shape))
+    else:
+        parts.append(_DESC_STRIDED[ndim].pack(code, ndim, seg, _STRIDED, 0, off, *shape,
+                                              *strides))
+
+
+def dense_permutation(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when `strides` (in elements) lay `shape` out densely without overlap: contiguous up
+    to an order of the dimensions, so its elements fill exactly prod(shape) slots from the
+    first."""
+    expected = 1
+    for stride, size in sorted(zip(strides, shape, strict=True)):
+        if size == 1:
+            continue  # a size-1 dimension's stride never addresses memory
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Message:
+    """Decode a compact frame: `data` is the header (`header_len` bytes) then the inline body;
+    tensors are views of `data` and of `segment` (no copy). Raises FrameError (recoverable) on
+    any inconsistency."""
+    try:
+        return _decode(data, header_len, segment)
+    except FrameError:
+        raise
+    except Exception as exc:
+        raise FrameError(f"compact frame header could not be decoded: {type(exc).__name__}: "
+                         f"{exc}") from None
+
+
+def _decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Message:
+    if header_len < _HEAD.size:
+        raise FrameError(f"compact header of {header_len} bytes is shorter than its "
+                         f"{_HEAD.size}-byte head")
+    op, count, job_len, reserved, value = _HEAD.unpack_from(data, 0)
+    want = _TENSOR_COUNT.get(op)
+    if want is None:
+        raise FrameError(f"unknown compact op {op}; expected one of "
+                         f"{sorted(OP_NAMES.values())}")
+    if count != want or reserved:
+        raise FrameError(f"malformed compact {OP_NAMES[op]} header ({count} tensors where "
+                         f"{want} belong, reserved field {reserved:#x})")
+    pos = _HEAD.size + job_len
+    if pos > header_len:
+        raise FrameError(f"the job id ({job_len} bytes) runs past the {header_len}-byte header")
+    job = data[_HEAD.size:pos].decode()
+    tensors = []
+    for _ in range(count):
+        tensor, pos = _tensor(data, pos, header_len, segment)
+        tensors.append(tensor)
+    if pos + (-pos % ALIGN) != header_len:
+        raise FrameError(f"compact header is {header_len} bytes but its fields end at byte {pos}")
+    return Message(op, job, tuple(tensors), value)
+
+
+def _tensor(data: bytearray, pos: int, header_len: int,
+            segment: mmap.mmap | None) -> tuple[torch.Tensor, int]:
+    """The tensor described at byte `pos` of the header, and the position after it."""
+    if pos + _TENSOR.size > header_len:
+        raise FrameError("a tensor descriptor runs past the end of the header")
+    code, ndim, seg, flags, reserved, off = _TENSOR.unpack_from(data, pos)
+    dtype = DTYPES_BY_CODE.get(code)
+    if dtype is None:
+        raise FrameError(f"unknown tensor dtype code {code}")
+    if ndim > MAX_DIMS or flags & ~_STRIDED or reserved:
+        raise FrameError(f"malformed tensor descriptor (ndim {ndim}, flags {flags:#x}, "
+                         f"reserved {reserved:#x})")
+    desc = (_DESC_STRIDED if flags else _DESC)[ndim]
+    end = pos + desc.size
+    if end > header_len:
+        raise FrameError("a tensor's sizes run past the end of the header")
+    fields = desc.unpack_from(data, pos)
+    shape = fields[6:6 + ndim]
+    if ndim and min(shape) < 0:
+        raise FrameError(f"tensor sizes must be non-negative, got {list(shape)}")
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype), end
+    buf, at = part_region(data, header_len, segment, seg, off, numel * dtype.itemsize)
+    flat = tensor_view(buf, at, dtype, numel)
+    if flags:
+        strides = fields[6 + ndim:]
+        if any(s < 0 for s in strides) or not dense_permutation(shape, strides):
+            raise FrameError(f"tensor strides {list(strides)} do not lay out sizes "
+                             f"{list(shape)} densely")
+        return flat.as_strided(shape, strides), end
+    if ndim == 1:
+        return flat, end
+    return (flat.view(*shape) if ndim else flat.view(())), end
