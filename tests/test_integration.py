@@ -34,15 +34,17 @@ def daemon_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
          "--policy", "pack"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    while line and "salusd listening on" not in line:
+    try:
+        assert proc.stdout is not None
         line = proc.stdout.readline()
-    assert f"unix://{sock}" in line, "salusd did not print where it listens"
-    yield proc, f"unix://{sock}"
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        while line and "salusd listening on" not in line:
+            line = proc.stdout.readline()
+        assert f"unix://{sock}" in line, "salusd did not print where it listens"
+        yield proc, f"unix://{sock}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 CLIENT = textwrap.dedent("""
@@ -86,11 +88,17 @@ def test_clients_in_separate_processes_match_direct_training(daemon_proc, tmp_pa
     clients = [subprocess.Popen([sys.executable, str(script), str(seed)], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                for seed in (1, 2, 3)]
-    for c in clients:
-        out, err = c.communicate(timeout=240)
-        assert c.returncode == 0, err
-        result = json.loads(out.strip().splitlines()[-1])
-        assert result["max_abs_diff"] <= 1e-6
+    try:
+        for c in clients:
+            out, err = c.communicate(timeout=240)
+            assert c.returncode == 0, err
+            result = json.loads(out.strip().splitlines()[-1])
+            assert result["max_abs_diff"] <= 1e-6
+    finally:
+        for c in clients:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
     assert proc.poll() is None
 
 
