@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-memory", metavar="SIZE", default=None,
                        help="memory budget per CPU device, e.g. 2G (default: a quarter of the "
                        "available memory split across devices, at most 8 GiB each)")
+    serve.add_argument("--cpu-threads", metavar="N", type=int, default=None,
+                       help="intra-op threads per torch op on CPU devices (default: half the "
+                       "cores per CPU device, at least 1: lanes run in parallel and share them)")
     serve.add_argument("--policy", default="pack", choices=["fifo", "srtf", "fair", "pack"],
                        help="iteration scheduling policy (default: pack)")
     serve.add_argument("--group", metavar="NAME", default=None,
@@ -74,10 +77,13 @@ def serve(args: argparse.Namespace) -> int:
     )
     log = logging.getLogger("salusd")
 
+    import torch
+
     from salus.daemon.core import Daemon
-    from salus.daemon.devices import discover, format_size, parse_size
+    from salus.daemon.devices import cpu_threads_default, discover, format_size, parse_size
     from salus.daemon.ipc.server import SocketServer
     from salus.daemon.ipc.wire import default_socket_path, default_state_dir
+    from salus.daemon.measure import warm_up
 
     try:
         memory = parse_size(args.cpu_memory) if args.cpu_memory else None
@@ -90,6 +96,9 @@ def serve(args: argparse.Namespace) -> int:
     socket_path = args.socket or default_socket_path()
     Path(socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
 
+    if devices[0].kind == "cpu":
+        torch.set_num_threads(args.cpu_threads or cpu_threads_default(len(devices)))
+    warm_up()  # the first job's admission should not pay for importing the estimator
     daemon = Daemon(devices, args.policy)
     server = SocketServer(socket_path, daemon, group=args.group)
     try:
@@ -101,6 +110,8 @@ def serve(args: argparse.Namespace) -> int:
     for d in devices:
         log.info("device %d: %s (%s), arena %s", d.index, d.name, d.kind,
                  format_size(d.memory_bytes))
+    if devices[0].kind == "cpu":
+        log.info("%d intra-op thread(s) per op on CPU", torch.get_num_threads())
     log.info("policy %s; state in %s", args.policy, state_dir)
     print(f"salusd listening on unix://{socket_path}", flush=True)
 

@@ -68,7 +68,8 @@ def main() -> None:
     console.print(
         f"makespan through salusd ({policy}): {makespan:.2f} s; one after another without the "
         f"daemon: {sequential:.2f} s; ratio {makespan / sequential:.2f}x "
-        f"({os.cpu_count()} CPU cores; lanes run in parallel and share them)"
+        f"({os.cpu_count()} CPU cores: the four lanes run in parallel and share them, while "
+        f"each job alone gets every core; on a GPU the lanes overlap on the device)"
     )
 
 

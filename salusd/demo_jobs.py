@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import salus.adapters.torch as salus
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -38,14 +40,14 @@ def _mlp(width: int, depth: int, inputs: int = 64, classes: int = 10) -> nn.Modu
 
 def _cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16 * 7 * 7, 10),
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 7 * 7, 10),
     )
 
 
 def _mlp_sgd() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
-    m = _mlp(256, 2)
+    m = _mlp(1024, 2)
     return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), nn.CrossEntropyLoss()
 
 
@@ -55,7 +57,7 @@ def _cnn_adam() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
 
 
 def _mlp_adam() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
-    m = _mlp(512, 1)
+    m = _mlp(1024, 2)
     return m, torch.optim.Adam(m.parameters(), lr=1e-3), nn.CrossEntropyLoss()
 
 
@@ -69,7 +71,7 @@ def _wide_infer() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
 
 
 def _mlp_infer() -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
-    return _mlp(512, 3).eval(), None, None
+    return _mlp(1024, 3).eval(), None, None
 
 
 def _vectors(g: torch.Generator, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,17 +80,17 @@ def _vectors(g: torch.Generator, n: int = 64) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _images(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(32, 1, 28, 28, generator=g)
+    x = torch.randn(64, 1, 28, 28, generator=g)
     return x, (x.mean(dim=(1, 2, 3)) > 0).long()
 
 
 WORKLOADS = {
     w.name: w
     for w in (
-        Workload("mlp-sgd", "training", 150, _mlp_sgd, _vectors),
+        Workload("mlp-sgd", "training", 100, _mlp_sgd, lambda g: _vectors(g, 256)),
         Workload("cnn-adam", "training", 60, _cnn_adam, _images),
-        Workload("mlp-adam", "training", 120, _mlp_adam, _vectors),
-        Workload("mlp-infer", "inference", 200, _mlp_infer, lambda g: _vectors(g, 128)),
+        Workload("mlp-adam", "training", 100, _mlp_adam, lambda g: _vectors(g, 256)),
+        Workload("mlp-infer", "inference", 150, _mlp_infer, lambda g: _vectors(g, 512)),
         Workload("small-mlp", "training", 200, _small_mlp, lambda g: _vectors(g, 32)),
         Workload("infer-mlp", "inference", 20, _wide_infer, lambda g: _vectors(g, 32)),
     )
@@ -112,17 +114,21 @@ def _loop(w: Workload, step: Callable[[torch.Tensor, torch.Tensor], float | None
     return loss
 
 
-def _setup(w: Workload) -> tuple[nn.Module, torch.optim.Optimizer | None, Any, list[Any]]:
+Prepared = tuple[nn.Module, torch.optim.Optimizer | None, Any, list[Any]]
+
+
+def _setup(w: Workload) -> Prepared:
     torch.manual_seed(0)
     model, opt, loss_fn = w.build()
     g = torch.Generator().manual_seed(1)
     return model, opt, loss_fn, [w.batch(g) for _ in range(w.iterations)]
 
 
-def run_direct(w: Workload, hold: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def run_direct(w: Workload, hold: Callable[[], None] = lambda: None,
+               prepared: Prepared | None = None) -> dict[str, Any]:
     """The job's loop in this process, without the daemon (the baseline); `hold` runs while
-    the model is still alive."""
-    model, opt, loss_fn, batches = _setup(w)
+    the model is still alive; `prepared` is the model and batches built beforehand."""
+    model, opt, loss_fn, batches = prepared or _setup(w)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
         if opt is None:
@@ -144,13 +150,11 @@ def run_direct(w: Workload, hold: Callable[[], None] = lambda: None) -> dict[str
             "rss_bytes": _rss_bytes()}
 
 
-def run_client(w: Workload, address: str, hold: Callable[[], None] = lambda: None
-               ) -> dict[str, Any]:
+def run_client(w: Workload, address: str, hold: Callable[[], None] = lambda: None,
+               prepared: Prepared | None = None) -> dict[str, Any]:
     """The same loop through the daemon, as a training script would write it; `hold` runs
     before the job closes (benchmarks read memory figures then)."""
-    import salus.adapters.torch as salus
-
-    model, opt, loss_fn, batches = _setup(w)
+    model, opt, loss_fn, batches = prepared or _setup(w)
     start_wall, start = time.time(), time.perf_counter()
     with salus.connect(name=w.name, iterations=w.iterations, address=address) as job:
         if opt is None:
@@ -250,6 +254,7 @@ def main() -> None:
     name, target = sys.argv[1], sys.argv[2]
     holding = "--hold" in sys.argv
     workload = WORKLOADS[name]
+    prepared = _setup(workload)  # built before the start signal: only the loop is timed
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -259,9 +264,9 @@ def main() -> None:
             sys.stdin.readline()
 
     if target == "direct":
-        result = run_direct(workload, hold)
+        result = run_direct(workload, hold, prepared)
     else:
-        result = run_client(workload, target, hold)
+        result = run_client(workload, target, hold, prepared)
     if not holding:
         print(json.dumps(result), flush=True)
 

@@ -7,6 +7,7 @@ the CPU devices and capped at 8 GiB each, so a laptop run never pushes the host 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -78,6 +79,13 @@ def cpu_devices(count: int = 1, memory_bytes: int | None = None) -> list[DeviceS
     if memory_bytes < 2**20:
         raise ValueError(f"--cpu-memory must be at least 1 MiB, got {memory_bytes} bytes")
     return [DeviceSpec(i, "cpu", "cpu", f"cpu{i}", memory_bytes) for i in range(count)]
+
+
+def cpu_threads_default(cpu_device_count: int) -> int:
+    """Intra-op threads per torch op when serving CPU devices: half the cores per device, at
+    least 1. Lanes run in parallel, so ops that each took every core would oversubscribe them
+    (and OpenMP's spinning workers would waste what is left)."""
+    return max(1, (os.cpu_count() or 1) // (2 * cpu_device_count))
 
 
 def cuda_devices(memory_fraction: float = 0.9) -> list[DeviceSpec]:

@@ -341,3 +341,16 @@ def estimate_forward_peak(model: nn.Module, example_inputs: tuple[Tensor, ...]) 
         return tracker.peak_bytes
 
     return _run_fake("estimate the inference call", estimate)
+
+
+def warm_up() -> None:
+    """Run one tiny estimate and measurement so the fake-tensor machinery is imported and
+    initialised now: on a cold start that takes seconds, which the first job's admission would
+    otherwise pay."""
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = nn.MSELoss()
+    x, y = torch.zeros(2, 4), torch.zeros(2, 2)
+    estimate_iteration_peak(model, optimizer, loss_fn, (x,), y)
+    estimate_forward_peak(model, (x,))
+    measure_iteration(lambda: train_step(model, optimizer, loss_fn, (x,), y))
