@@ -22,14 +22,13 @@ Needs torch, cloudpickle and the standard library only.
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from salus.daemon.errors import SalusError
+from salus.daemon.errors import DaemonUnavailable, SalusError
 from salus.daemon.ipc import compact
 from salus.daemon.ipc.wire import (
     VERSION,
@@ -37,18 +36,13 @@ from salus.daemon.ipc.wire import (
     ConnectionClosed,
     FrameError,
     Pickled,
+    connect_unix,
     default_socket_path,
-    error_from_reply,
     parse_address,
+    reply_result,
 )
 
 __all__ = ["DaemonUnavailable", "Inference", "Job", "TrainStep", "connect"]
-
-
-class DaemonUnavailable(SalusError, ConnectionError):
-    """salusd cannot be reached, or the connection to it was lost."""
-
-    code = "unavailable"
 
 
 def connect(name: str, iterations: int, *, address: str | None = None,
@@ -63,21 +57,7 @@ def connect(name: str, iterations: int, *, address: str | None = None,
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
         raise ValueError(f"iterations must be a positive int, got {iterations!r}")
     path = parse_address(address) if address is not None else default_socket_path()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout_s)
-        sock.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        sock.close()
-        raise DaemonUnavailable(f"no salusd listening at {path}: start it with `salusd serve` "
-                                "or set SALUS_ADDRESS") from None
-    except PermissionError:
-        sock.close()
-        raise DaemonUnavailable(f"permission denied on {path}: your user must be in the "
-                                "socket's group (see `ls -l` of it)") from None
-    except OSError as exc:
-        sock.close()
-        raise DaemonUnavailable(f"cannot connect to salusd at {path}: {exc}") from None
+    sock = connect_unix(path, timeout_s)
     job = Job(Channel(sock), name, iterations, path)
     try:
         job._hello()
@@ -197,7 +177,7 @@ class Job:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"job {self.name!r} is closed")
-            return _result(self._exchange({"op": op, **fields}))
+            return reply_result(self._exchange({"op": op, **fields}))
 
     def _call_compact(self, request: compact.Message, answer: int) -> Any:
         """Send a compact request; the reply's message when it is op `answer`, else the result
@@ -211,7 +191,7 @@ class Job:
                 raise FrameError(f"salusd answered a compact {compact.OP_NAMES[request.op]} "
                                  f"with {reply!r}")
             return reply
-        return _result(reply)
+        return reply_result(reply)
 
     def _exchange(self, request: dict[str, Any] | compact.Message) -> Any:
         """One request and its raw reply; the caller holds the lock."""
@@ -232,15 +212,6 @@ class Job:
             # Interrupted between request and reply: a late reply would answer the next call.
             self._broken = True
             raise
-
-
-def _result(reply: Any) -> Any:
-    """The result of a JSON reply; raises the salus error of an error reply."""
-    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-        raise FrameError(f"salusd sent a malformed reply: {reply!r}")
-    if reply["ok"]:
-        return reply.get("result")
-    raise error_from_reply(reply.get("code"), reply.get("message"))
 
 
 class TrainStep:

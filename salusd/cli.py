@@ -15,6 +15,9 @@ examples:
   salusd serve --cpu-devices 2 --cpu-memory 4G --policy srtf
   SALUS_ADDRESS=unix:///tmp/s.sock salusd serve  # clients find it through the same variable
 
+  salusd status                                  # devices, lanes and jobs of a running daemon
+  salusd suspend 3 --swap                        # job 3 leaves the device until `salusd resume 3`
+
 Training scripts connect with:
   import salus.adapters.torch as salus
   job = salus.connect(name="mlp", iterations=500)
@@ -56,16 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
                        help="group that may use the socket (mode 0660)")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
+    for name, text in (("status", "show a running daemon's devices, lanes and jobs"),
+                       ("suspend", "stop scheduling a job at its next iteration boundary"),
+                       ("resume", "schedule a suspended job again"),
+                       ("cancel", "end a job at its next iteration boundary"),
+                       ("priority", "set a job's weight under the fair policy")):
+        cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        cmd.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: as for "
+                         "clients: $SALUS_ADDRESS or the default socket)")
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", help="print the raw JSON")
+        else:
+            cmd.add_argument("job", help="the job id (as `salusd status` shows it)")
+        if name == "suspend":
+            cmd.add_argument("--swap", action="store_true", help="also move the job's state to "
+                             "host memory so waiting jobs can use its device memory")
+        if name == "priority":
+            cmd.add_argument("value", type=float, help="the new weight (> 0; default is 1)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "serve":
+    if args.command is None:
         parser.print_help()
-        return 0 if args.command is None else 2
-    return serve(args)
+        return 0
+    if args.command == "serve":
+        return serve(args)
+    from salus.daemon.control_cli import run_control
+
+    return run_control(args)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -45,7 +45,14 @@ class JobCancelled(SalusError):
     code = "job_cancelled"
 
 
+class DaemonUnavailable(SalusError, ConnectionError):
+    """salusd cannot be reached, or the connection to it was lost."""
+
+    code = "unavailable"
+
+
 ERRORS_BY_CODE: dict[str, type[SalusError]] = {
     cls.code: cls
-    for cls in (SalusError, BadRequest, UnknownJob, NotOwner, DoesNotFit, JobFailed, JobCancelled)
+    for cls in (SalusError, BadRequest, UnknownJob, NotOwner, DoesNotFit, JobFailed, JobCancelled,
+                DaemonUnavailable)
 }

@@ -58,3 +58,24 @@ class JobService(Protocol):
     def close_job(self, job_id: str, owner: str) -> None:
         """Finish the job and free its memory; idempotent for a job already closed by this owner."""
         ...
+
+    def suspend(self, job_id: str, owner: str, *, swap: bool = False) -> None:
+        """Stop scheduling the job from its next iteration boundary (`swap`: move its state to
+        host memory and give its device memory to waiting jobs)."""
+        ...
+
+    def resume(self, job_id: str, owner: str) -> None:
+        """Schedule a suspended job again."""
+        ...
+
+    def cancel(self, job_id: str, owner: str) -> None:
+        """End the job at its next boundary; its client's queued and later calls fail."""
+        ...
+
+    def set_priority(self, job_id: str, owner: str, priority: float) -> None:
+        """Change the job's weight under the fair policy (> 0)."""
+        ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """Devices, arenas, lanes and jobs as JSON-able data."""
+        ...

@@ -19,7 +19,7 @@ import torch
 from workloads import batches, mlp, train_direct
 
 import salus.adapters.torch as salus
-from salus.daemon.errors import JobCancelled
+from salus.daemon.errors import JobCancelled, SalusError
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +142,40 @@ def test_sigterm_finishes_running_iterations_and_exits_cleanly(daemon_proc):
             step(x, y)
             time.sleep(0.1)
     job.close()
+
+
+def _salusd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "salus.daemon.cli", *args], text=True,
+                          capture_output=True, timeout=120)
+
+
+def test_control_commands_show_and_steer_a_running_job(daemon_proc):
+    proc, address = daemon_proc
+    sock = address.removeprefix("unix://")
+    model, opt, loss_fn = mlp("sgd")
+    x, y = batches("mlp", 1)[0]
+    with salus.connect(name="steered", iterations=100, address=address) as job:
+        step = job.train_step(model, opt, loss_fn)
+        step(x, y)
+        status = json.loads(_salusd("status", "--socket", sock, "--json").stdout)
+        (mine,) = [j for j in status["jobs"] if j["name"] == "steered"]
+        assert mine["iterations_done"] == 1 and mine["state"] == "admitted"
+        assert status["devices"][0]["arena"]["used_bytes"] > 0
+        table = _salusd("status", "--socket", sock)
+        assert table.returncode == 0 and "steered" in table.stdout
+
+        assert _salusd("suspend", job.id, "--swap", "--socket", sock).returncode == 0
+        (after,) = [j for j in json.loads(_salusd("status", "--socket", sock, "--json").stdout)
+                    ["jobs"] if j["name"] == "steered"]
+        assert after["state"] == "suspended" and after["memory"]["resident"] is False
+        assert _salusd("resume", job.id, "--socket", sock).returncode == 0
+        assert isinstance(step(x, y), float)  # runs again after resume
+
+        bad = _salusd("priority", job.id, "-1", "--socket", sock)
+        assert bad.returncode == 1 and "priority" in bad.stdout
+        missing = _salusd("cancel", "999", "--socket", sock)
+        assert missing.returncode == 1 and "no job 999" in missing.stdout
+        assert _salusd("cancel", job.id, "--socket", sock).returncode == 0
+        with pytest.raises(SalusError):
+            step(x, y)
+    assert proc.poll() is None

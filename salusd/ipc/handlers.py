@@ -78,6 +78,8 @@ class RequestHandler:
             "ping": self._ping, "open": self._open, "setup_training": self._setup_training,
             "setup_inference": self._setup_inference, "step": self._step, "infer": self._infer,
             "state_dict": self._state_dict, "info": self._info, "close": self._close,
+            "status": self._status, "suspend": self._suspend, "resume": self._resume,
+            "cancel": self._cancel, "priority": self._priority,
         }
 
     def handle(self, request: Any) -> dict[str, Any] | compact.Message:
@@ -180,3 +182,24 @@ class RequestHandler:
         job_id = self._job(request)
         self.service.close_job(job_id, self.owner)
         self.jobs.discard(job_id)
+
+    def _status(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self.service.snapshot()
+
+    def _suspend(self, request: dict[str, Any]) -> None:
+        swap = request.get("swap", False)
+        if not isinstance(swap, bool):
+            raise BadRequest("'suspend' field 'swap' must be true or false")
+        self.service.suspend(self._job(request), self.owner, swap=swap)
+
+    def _resume(self, request: dict[str, Any]) -> None:
+        self.service.resume(self._job(request), self.owner)
+
+    def _cancel(self, request: dict[str, Any]) -> None:
+        self.service.cancel(self._job(request), self.owner)
+
+    def _priority(self, request: dict[str, Any]) -> None:
+        priority = request.get("priority")
+        if isinstance(priority, bool) or not isinstance(priority, int | float) or priority <= 0:
+            raise BadRequest(f"'priority' needs a number > 0, got {priority!r}")
+        self.service.set_priority(self._job(request), self.owner, float(priority))

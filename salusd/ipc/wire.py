@@ -34,7 +34,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from salus.daemon.errors import ERRORS_BY_CODE, SalusError
+from salus.daemon.errors import ERRORS_BY_CODE, DaemonUnavailable, SalusError
 from salus.daemon.ipc import codec, compact, segment
 from salus.daemon.ipc.codec import FrameError, Pickled, PickledPayload
 
@@ -83,6 +83,36 @@ def error_from_reply(code: object, message: object) -> SalusError:
     """The salus error a remote error reply stands for (SalusError for an unknown code)."""
     cls = _ERRORS.get(code, SalusError) if isinstance(code, str) else SalusError
     return cls(str(message))
+
+
+def reply_result(reply: Any) -> Any:
+    """The result of a JSON reply; raises the salus error of an error reply."""
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise FrameError(f"salusd sent a malformed reply: {reply!r}")
+    if reply["ok"]:
+        return reply.get("result")
+    raise error_from_reply(reply.get("code"), reply.get("message"))
+
+
+def connect_unix(path: str, timeout_s: float | None) -> socket.socket:
+    """A socket connected to salusd at `path` (`timeout_s` seconds to connect; the socket keeps
+    that timeout); DaemonUnavailable with what to do when it cannot be reached."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        raise DaemonUnavailable(f"no salusd listening at {path}: start it with `salusd serve` "
+                                "or set SALUS_ADDRESS") from None
+    except PermissionError:
+        sock.close()
+        raise DaemonUnavailable(f"permission denied on {path}: your user must be in the "
+                                "socket's group (see `ls -l` of it)") from None
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(f"cannot connect to salusd at {path}: {exc}") from None
+    return sock
 
 
 def default_state_dir() -> Path:
