@@ -4,6 +4,7 @@ tested elsewhere)."""
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import itertools
 import json
@@ -254,17 +255,27 @@ def test_inference_and_large_batches_use_shared_memory(server: SocketServer) -> 
         torch.testing.assert_close(again, model(x[:4]))
 
 
-def test_garbage_on_one_connection_does_not_disturb_another(server: SocketServer) -> None:
+@contextlib.contextmanager
+def steady_training(server: SocketServer, seed: int) -> Iterator[None]:
+    """A client training in the background while the body attacks the server; afterwards its
+    losses must equal training locally."""
     data = batches(40)
-    reference = make_mlp(5)
+    reference = make_mlp(seed)
     local_losses = train_locally(reference, lambda ps: torch.optim.SGD(ps, lr=0.1), data)
-    model = make_mlp(5)
+    model = make_mlp(seed)
     losses: list[float] = []
     with salus.connect("steady", len(data), address=server.address) as job:
         step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               torch.nn.functional.mse_loss)
         thread = threading.Thread(target=lambda: losses.extend(step(x, y) for x, y in data))
         thread.start()
+        yield
+        thread.join(60)
+    assert losses == pytest.approx(local_losses, abs=1e-6)
+
+
+def test_garbage_on_one_connection_does_not_disturb_another(server: SocketServer) -> None:
+    with steady_training(server, 5):
         for _ in range(5):
             garbage = raw_client(server)
             garbage.sendall(b"GET / HTTP/1.1\r\nHost: salusd\r\n\r\n" + os.urandom(512))
@@ -279,8 +290,6 @@ def test_garbage_on_one_connection_does_not_disturb_another(server: SocketServer
             confused.send({"op": "ping"})
             assert confused.recv()["ok"] is True
             confused.close()
-        thread.join(60)
-    assert losses == pytest.approx(local_losses, abs=1e-6)
 
 
 def raw_frame(header: bytes, body: bytes = b"") -> bytes:
@@ -500,16 +509,7 @@ def compact_request(op: int, job: str, header_tail: bytes = b"", count: int = 0)
 
 
 def test_bad_compact_frames_get_error_replies_and_disturb_no_one(server: SocketServer) -> None:
-    data = batches(40)
-    reference = make_mlp(6)
-    local_losses = train_locally(reference, lambda ps: torch.optim.SGD(ps, lr=0.1), data)
-    model = make_mlp(6)
-    losses: list[float] = []
-    with salus.connect("steady", len(data), address=server.address) as job:
-        step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                              torch.nn.functional.mse_loss)
-        thread = threading.Thread(target=lambda: losses.extend(step(x, y) for x, y in data))
-        thread.start()
+    with steady_training(server, 6):
         channel = Channel(raw_client(server))
         x = torch.ones(2, 8)
         f32 = struct.pack("<BBBBIQ2q", 1, 2, 0, 0, 0, 0, 2, 8)
@@ -534,5 +534,3 @@ def test_bad_compact_frames_get_error_replies_and_disturb_no_one(server: SocketS
             channel.send({"op": "ping"})
             assert channel.recv()["ok"] is True  # the connection is still in step
         channel.close()
-        thread.join(60)
-    assert losses == pytest.approx(local_losses, abs=1e-6)
