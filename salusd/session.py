@@ -65,7 +65,6 @@ class Session:
         self.persistent_reserve = 0
         self.last_loss: float | None = None
         self.closed = False
-        self._touched: set[torch.nn.Parameter] = set()
         self._optimizer_adopted = False
 
     @property
@@ -78,12 +77,8 @@ class Session:
         optimizer: torch.optim.Optimizer | None,
         loss_fn: Callable[..., torch.Tensor] | None,
     ) -> None:
-        """Take the job's objects; hooks record which parameters receive a gradient."""
+        """Take the job's objects."""
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        if self.kind == "training":
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._touched.add)
 
     # ---- memory --------------------------------------------------------------------------
     def make_resident(self, arena: Arena, device: int) -> None:
@@ -132,11 +127,13 @@ class Session:
         model, optimizer, loss_fn = self.model, self.optimizer, self.loss_fn
         assert model is not None and optimizer is not None and loss_fn is not None
         optimizer.zero_grad(set_to_none=False)
-        self._touched.clear()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # Backward adds into a gradient in place (bumping its version) or replaces it.
+        before = [(p.grad, p.grad._version if p.grad is not None else -1) for p in params]
         loss = loss_fn(model(inputs), target)
         loss.backward()
-        idle = [p for g in optimizer.param_groups for p in g["params"]
-                if p.grad is not None and p not in self._touched]
+        idle = [p for p, (grad, version) in zip(params, before, strict=True)
+                if grad is not None and p.grad is grad and grad._version == version]
         saved = [p.grad for p in idle]
         for p in idle:
             p.grad = None

@@ -344,3 +344,30 @@ def test_swap_out_gives_memory_to_a_waiting_job_and_resume_continues_exactly(dae
     _assert_same(state, train_direct(build, data))
     assert [e.kind for e in daemon.events if e.job_id == int(a) and e.kind in
             ("swap_out", "admit")] == ["admit", "swap_out", "admit"]
+
+
+class _Branchy(nn.Module):
+    """Uses its second layer only on some batches: on the others that layer gets no gradient,
+    and a direct loop's Adam leaves it alone (grad None), which the daemon must match."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        return out + self.b(x) if x[0, 0] > 0 else out
+
+
+def test_parameters_without_a_gradient_are_left_alone_as_in_a_direct_loop(daemon_factory):
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
+        torch.manual_seed(0)
+        m = _Branchy()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), \
+            nn.CrossEntropyLoss()
+
+    data = batches("mlp", 12, seed=3)
+    assert len({bool(x[0, 0] > 0) for x, _ in data}) == 2  # both branches occur
+    state, _, _ = _train_through(daemon_factory(), build, data)
+    _assert_same(state, train_direct(build, data))
