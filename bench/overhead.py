@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 import salus.adapters.torch as salus
+from salus.daemon.launch import running_daemon
 
 
 def _model(width: int) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
@@ -106,25 +106,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    with tempfile.TemporaryDirectory(prefix="salusd-bench-") as tmp:
-        sock = Path(tmp) / "salusd.sock"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
-             "--state-dir", tmp, "--cpu-devices", "1", "--cpu-memory", "1G",
-             "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL)
-        try:
-            while not sock.exists():
-                if proc.poll() is not None:
-                    raise SystemExit("salusd failed to start")
-                time.sleep(0.05)
-            address = f"unix://{sock}"
-            tiny = _compare(address, 16, x, y, args.iterations, args.blocks)
-            width = _width_for(0.002, x, y)
-            two_ms = _compare(address, width, x, y, args.iterations // 2, args.blocks)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    with (tempfile.TemporaryDirectory(prefix="salusd-bench-") as tmp,
+          running_daemon(Path(tmp) / "salusd.sock", state_dir=Path(tmp), cpu_memory="1G",
+                         cpu_threads=1) as daemon):
+        tiny = _compare(daemon.address, 16, x, y, args.iterations, args.blocks)
+        width = _width_for(0.002, x, y)
+        two_ms = _compare(daemon.address, width, x, y, args.iterations // 2, args.blocks)
     print(json.dumps({
         "bench": "overhead",
         "unit": "microseconds per training iteration",

@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from salus.daemon.demo_jobs import Launched, launch
+from salus.daemon.launch import DaemonProcess, running_daemon
 
 
 def _rss(pid: int) -> int:
@@ -36,25 +36,9 @@ def _rss(pid: int) -> int:
     return 0
 
 
-class _Daemon:
-    def __init__(self, tmp: Path, policy: str, devices: int) -> None:
-        self.sock = tmp / f"salusd-{policy}.sock"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(self.sock),
-             "--state-dir", str(tmp), "--cpu-devices", str(devices), "--cpu-memory", "2G",
-             "--policy", policy, "--log-level", "warning"], stdout=subprocess.DEVNULL)
-        while not self.sock.exists():
-            if self.proc.poll() is not None:
-                raise SystemExit("salusd failed to start")
-            time.sleep(0.05)
-        self.address = f"unix://{self.sock}"
-
-    def __enter__(self) -> _Daemon:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+def _daemon(tmp: Path, policy: str, devices: int) -> AbstractContextManager[DaemonProcess]:
+    return running_daemon(tmp / f"salusd-{policy}.sock", state_dir=tmp, policy=policy,
+                          cpu_devices=devices)
 
 
 def _makespan(results: list[dict[str, Any]]) -> float:
@@ -72,8 +56,8 @@ def main() -> None:
         spans = {}
         for policy in ("pack", "fifo"):
             print(f"8 training jobs through salusd ({policy}) ...", file=sys.stderr)
-            with _Daemon(Path(tmp), policy, args.devices) as d:
-                spans[policy] = _makespan(launch(train, d.address))
+            with _daemon(Path(tmp), policy, args.devices) as daemon:
+                spans[policy] = _makespan(launch(train, daemon.address))
         print("8 training jobs as separate processes ...", file=sys.stderr)
         spans["processes"] = _makespan(launch(train, "direct"))
         out["training"] = {
@@ -85,9 +69,9 @@ def main() -> None:
 
         print("16 inference models in one daemon ...", file=sys.stderr)
         infer = ["infer-mlp"] * 16
-        with (_Daemon(Path(tmp), "pack", args.devices) as d,
-              Launched(infer, d.address, hold=True) as group):
-            daemon_rss = _rss(d.proc.pid)
+        with (_daemon(Path(tmp), "pack", args.devices) as daemon,
+              Launched(infer, daemon.address, hold=True) as group):
+            daemon_rss = _rss(daemon.pid)
             client_rss = sum(r["rss_bytes"] for r in group.results)
         print("16 inference models as separate processes ...", file=sys.stderr)
         with Launched(infer, "direct", hold=True) as group:

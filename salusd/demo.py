@@ -5,32 +5,17 @@ without the daemon."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from salus.daemon.demo_jobs import DEMO_JOBS, WORKLOADS, launch, run_direct
+from salus.daemon.launch import running_daemon
 
 console = Console(width=max(100, Console().width))
-
-
-def start_daemon(socket: Path, policy: str, log_file: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(socket),
-           "--state-dir", str(socket.parent / "state"), "--cpu-devices", "1",
-           "--cpu-memory", "2G", "--policy", policy]
-    with open(log_file, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not socket.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"salusd did not start; its log:\n{log_file.read_text()}")
-        time.sleep(0.1)
-    return proc
 
 
 def main() -> None:
@@ -40,13 +25,10 @@ def main() -> None:
         log_file = Path(tmp) / "salusd.log"
         console.rule(f"salusd demo: 3 training jobs + 1 inference job, policy {policy}")
         console.print("starting salusd on the CPU ...")
-        daemon = start_daemon(socket, policy, log_file)
-        try:
+        with running_daemon(socket, state_dir=Path(tmp) / "state", policy=policy,
+                            log_file=log_file, log_level="info") as daemon:
             console.print("running 4 client processes at once through the daemon ...")
-            results = launch(list(DEMO_JOBS), f"unix://{socket}")
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=60)
+            results = launch(list(DEMO_JOBS), daemon.address)
         console.print("running the same 4 jobs one after another without the daemon ...")
         direct = [run_direct(WORKLOADS[n]) for n in DEMO_JOBS]
 
