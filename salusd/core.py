@@ -106,8 +106,7 @@ class Daemon:
         with self._cond:
             self._refuse_if_stopping()
             job_id = next(self._ids)
-            session = Session(job_id, owner, name, kind)
-            session.planned_iterations = iterations
+            session = Session(job_id, owner, name, kind, iterations)
             self._sessions[job_id] = session
             self._event("open", job_id)
         log.info("job %d %r opened by %s (%s, %d iterations planned)",
@@ -225,13 +224,14 @@ class Daemon:
             self._end(session, JobState.CANCELLED, JobCancelled(f"job {job_id} was cancelled"))
 
     def set_priority(self, job_id: str, owner: str, priority: float) -> None:
+        """The job's weight under fair (> 0); a job not yet admitted gets it at admission."""
+        if not priority > 0:
+            raise BadRequest(f"priority must be > 0, got {priority}")
         session = self._session(job_id, owner)
         with self._cond:
-            if session.job_id in self.sched.jobs:
-                try:
-                    self.sched.set_priority(session.job_id, priority)
-                except ValueError as exc:
-                    raise BadRequest(str(exc)) from None
+            session.priority = priority
+            if session.submitted:
+                self.sched.set_priority(session.job_id, priority)
             self._wake()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -401,6 +401,7 @@ class Daemon:
             ephemeral_bytes=peak,
             owner=session.owner,
             name=session.name,
+            priority=session.priority,
         )
         with self._cond:
             if session.submitted:
@@ -565,7 +566,8 @@ class Daemon:
     def _info(self, session: Session) -> dict[str, Any]:
         job = self.sched.jobs.get(session.job_id)
         placed = self.sched.lanes.placements(session.job_id)
-        accounted = "accounted"
+        # A single-mode lane resizes as residents come and go: report its size now.
+        lane = self.sched.lanes.lane(placed[0].device, placed[0].lane_id) if placed else None
         return {
             "job_id": session.job_id,
             "owner": session.owner,
@@ -586,8 +588,8 @@ class Daemon:
                 "persistent_limit": "enforced",
                 "ephemeral_estimate_bytes": session.estimated_peak,
                 "ephemeral_measured_bytes": session.measured_peak,
-                "lane_bytes": placed[0].lane_bytes if placed else None,
-                "ephemeral_limit": accounted,
+                "lane_bytes": lane.size if lane else None,
+                "ephemeral_limit": "accounted",
                 "resident": session.resident is not None and not session.resident.swapped,
             },
         }

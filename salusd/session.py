@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -31,7 +31,6 @@ class Request:
     op: Literal["step", "infer"]
     tensors: tuple[torch.Tensor, ...]
     future: Future[Any]
-    enqueued_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -44,12 +43,15 @@ class IterationResult:
 class Session:
     """One job's objects and queue; guarded by the daemon's lock except inside `run`."""
 
-    def __init__(self, job_id: int, owner: str, name: str, kind: JobKind) -> None:
+    def __init__(
+        self, job_id: int, owner: str, name: str, kind: JobKind, planned_iterations: int
+    ) -> None:
         self.job_id = job_id
         self.owner = owner
         self.name = name
         self.kind: JobKind = kind
-        self.planned_iterations = 1
+        self.planned_iterations = planned_iterations
+        self.priority = 1.0
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss_fn: Callable[..., torch.Tensor] | None = None

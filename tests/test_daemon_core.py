@@ -371,3 +371,15 @@ def test_parameters_without_a_gradient_are_left_alone_as_in_a_direct_loop(daemon
     assert len({bool(x[0, 0] > 0) for x, _ in data}) == 2  # both branches occur
     state, _, _ = _train_through(daemon_factory(), build, data)
     _assert_same(state, train_direct(build, data))
+
+
+def test_a_priority_set_before_admission_is_kept(daemon_factory):
+    daemon = daemon_factory("fair")
+    model, opt, loss = mlp()
+    j = daemon.open_job("alice", "weighted", 3, "training")
+    daemon.setup_training(j, "alice", model, opt, loss)
+    daemon.set_priority(j, "alice", 3.0)  # before the first batch, so before admission
+    with pytest.raises(BadRequest, match="priority"):
+        daemon.set_priority(j, "alice", 0)
+    daemon.step(j, "alice", *batches("mlp", 1)[0]).result(timeout=60)
+    assert daemon.sched.jobs[int(j)].priority == 3.0
