@@ -1,0 +1,1 @@
+"""Federated jobs: FedAvg and FedProx over simulated clients, synthetic(alpha, beta) data."""

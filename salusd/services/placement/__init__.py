@@ -1,0 +1,1 @@
+"""Sky Computing layer placement: profiles, allocators (even, sky, optimal MILP), pipeline split."""
