@@ -1,61 +1,89 @@
-"""PyTorch adapter: run a script's training and inference iterations inside salusd.
+"""PyTorch adapter: run a script's own iterations, over its own state, inside salusd.
 
     import salus.adapters.torch as salus
 
-    with salus.connect(name="mlp", iterations=500) as job:
-        step = job.train_step(model, optimizer, loss_fn)  # ships the three objects to salusd
-        for x, y in batches:
-            loss = step(x, y)       # one iteration in the daemon; a float
-        state = job.state_dict()    # the trained parameters, CPU tensors
+    with salus.connect(name="mnist", iterations=epochs * len(loader)) as job:
+        remote = job.attach(model=model, opt=opt, sched=sched)   # shipped once, as they are now
 
-    infer = salus.connect(name="serve", iterations=1000).inference(model)
-    out = infer(x)                  # a tensor on the client
+        @remote.iteration                  # one scheduled iteration per call, run in the daemon
+        def train(s, data, target):        # s.model, s.opt, s.sched: the daemon-side objects
+            s.model.train()
+            s.opt.zero_grad()
+            loss = F.nll_loss(s.model(data), target)
+            loss.backward()
+            s.opt.step()
+            return loss                    # any pytree; tensors come back on the CPU
+
+        for epoch in range(epochs):
+            for data, target in loader:
+                loss = train(data, target)
+            remote.call(lambda s: s.sched.step())
+        remote.pull()                      # daemon state -> model, opt, sched (load_state_dict)
+
+Sugar over the same contract: `job.train_step(model, optimizer, loss_fn)` returns
+`step(*inputs, target) -> float`, and `job.inference(model)` returns `infer(*inputs) -> output`.
+
+- **Errors** of the job's own code fail that call only: the client gets the exception (its
+  type and message, with the job's traceback lines as a note) and the job keeps its state.
+- **Random numbers**: the job continues the client's torch generator and hands it back, so
+  what the daemon-side code draws and what the client draws form one stream, in the order of a
+  direct run. With `submit()` the client may draw while a call runs; seed a separate generator
+  for such draws (a `DataLoader(generator=g)`) if the run must be reproducible.
+- **Pickling**: classes and functions of the script, of `__mp_main__` and of modules that are
+  not installed packages (the script's folder) travel by value; an object that cannot be
+  pickled is named in the error.
+- **Pipelining**: `train.submit(...)` returns a `Future` at once, so the client can prepare the
+  next batch while the daemon computes; replies come back in the order calls were made.
 
 The daemon is found at `address=` (`unix:///path`), else `$SALUS_ADDRESS`, else the default
-socket (`salus.daemon.ipc.wire.default_socket_path`). One `Job` is one connection and one daemon
-job, whose kind (training or inference) is fixed by the first `train_step()` or `inference()`;
-closing the job, or the client exiting, frees it in the daemon. Every call holds the job's lock
-for its request and reply, so a job may be shared between threads.
-
-Needs torch, cloudpickle and the standard library only.
+socket. Imports only torch, cloudpickle and the wire package of salusd.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import sysconfig
 import threading
+import types
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+import cloudpickle
 import torch
+from torch import nn
 
-from salus.daemon.errors import DaemonUnavailable, SalusError
-from salus.daemon.ipc import compact
-from salus.daemon.ipc.wire import (
-    VERSION,
+from salus.daemon.wire import compact
+from salus.daemon.wire.address import connect_unix, default_socket_path, parse_address
+from salus.daemon.wire.channel import (
     Channel,
     ConnectionClosed,
     FrameError,
     Pickled,
-    connect_unix,
-    default_socket_path,
-    parse_address,
-    reply_result,
+    PickledPayload,
+    error_from_reply,
 )
+from salus.daemon.wire.errors import CallFailed, DaemonUnavailable, SalusError
+from salus.daemon.wire.frames import VERSION
 
-__all__ = ["DaemonUnavailable", "Inference", "Job", "TrainStep", "connect"]
+__all__ = ["CallFailed", "DaemonUnavailable", "Future", "Job", "Remote", "RemoteFunction",
+           "connect"]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def connect(name: str, iterations: int, *, address: str | None = None,
             timeout_s: float | None = 10.0) -> Job:
-    """Connect to salusd for a job called `name` that plans `iterations` iterations.
+    """Open a job called `name` that plans `iterations` iterations in salusd.
 
-    `timeout_s` (seconds) bounds connecting and the first exchange; iterations themselves wait
-    as long as the daemon's scheduler makes them.
+    `timeout_s` (seconds) bounds connecting and opening; calls themselves wait as long as the
+    daemon's scheduler makes them.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
-        raise ValueError(f"iterations must be a positive int, got {iterations!r}")
+    if type(iterations) is not int or not 1 <= iterations <= 2**53:
+        raise ValueError(f"iterations must be an int from 1 to 2**53, got {iterations!r}")
     path = parse_address(address) if address is not None else default_socket_path()
     sock = connect_unix(path, timeout_s)
     job = Job(Channel(sock), name, iterations, path)
@@ -68,63 +96,123 @@ def connect(name: str, iterations: int, *, address: str | None = None,
     return job
 
 
+class Future:
+    """The pending reply of one request on a job's connection."""
+
+    def __init__(self, job: Job, decode: Callable[[Any], Any]) -> None:
+        self._job = job
+        self._decode = decode
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> Any:
+        """Wait for the reply and return the call's result (or raise its error)."""
+        if not self._done:
+            self._job._wait_for(self)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _resolve(self, reply: Any) -> None:
+        try:
+            self._value = self._decode(reply)
+        except BaseException as exc:
+            self._error = exc
+        self._done = True
+
+
 class Job:
     """A connection to salusd carrying one job; use `connect()` to make one."""
 
     def __init__(self, channel: Channel, name: str, iterations: int, path: str) -> None:
         self._channel = channel
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._pending: deque[Future] = deque()
         self.name = name
         self.iterations = iterations
         self.path = path
         self.id: str | None = None
-        self.kind: str | None = None
         self.owner: str | None = None
+        self.threads: int | None = None
+        self.remote: Remote | None = None
         self._closed = False
         self._broken = False
-        self._compact = False  # whether the daemon takes compact step/infer frames (from ping)
+        self._compact = False
+        self._rng_synced: torch.Tensor | None = None
 
-    def train_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   loss_fn: Callable[..., torch.Tensor]) -> TrainStep:
-        """Ship `model`, `optimizer` and `loss_fn` to the daemon; returns `step(x, y) -> loss`
-        which runs `loss_fn(model(x), y)`, backward and `optimizer.step()` there."""
-        if not isinstance(model, torch.nn.Module):
+    # ---- the contract -----------------------------------------------------------------------
+    def attach(self, **objects: Any) -> Remote:
+        """Ship the named objects to the job in the daemon, with their current state; returns
+        the `Remote` handle to define and call functions over them."""
+        if self.remote is not None:
+            raise RuntimeError(f"job {self.name!r} already has its state in salusd; open "
+                               "another job with salus.connect() for other objects")
+        if not objects:
+            raise ValueError("attach needs at least one named object, e.g. attach(model=model)")
+        payload = _pickled(objects)
+        try:
+            future = self._request({"op": "attach", "job": self._require_id(),
+                                    "objects": payload, "rng": self._rng_to_send()})
+        except TypeError as exc:
+            self._rng_synced = None
+            raise _unpicklable(objects, exc) from exc
+        future.result()
+        self.remote = Remote(self, objects)
+        return self.remote
+
+    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   loss_fn: Callable[..., torch.Tensor]) -> Callable[..., float]:
+        """Ship `model`, `optimizer` and `loss_fn`; returns `step(*inputs, target) -> loss`
+        which runs `loss_fn(model(*inputs), target)`, backward and `optimizer.step()` in the
+        daemon. Train/eval switches of `model` on the client are followed."""
+        if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(output, target)")
-        owned = {id(p) for p in model.parameters()}
-        if any(id(p) not in owned for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError("the optimizer must be built over model.parameters()")
-        job_id = self._open("training")
-        self._call("setup_training", job=job_id,
-                   objects=Pickled((model, optimizer, loss_fn), "model, optimizer and loss"))
-        return TrainStep(self, job_id)
+        remote = self.attach(model=model, optimizer=optimizer, loss_fn=loss_fn)
+        step = remote.iteration(_train_step)
+        modes = _ModeSync(remote, model)
 
-    def inference(self, model: torch.nn.Module) -> Inference:
-        """Ship `model` to the daemon; returns `infer(x) -> output` run there without grad."""
-        if not isinstance(model, torch.nn.Module):
+        def run(*batch: Any) -> float:
+            if len(batch) < 2:
+                raise TypeError("step(*inputs, target) takes the model's inputs and a target")
+            modes.sync()
+            return float(step(*batch))
+
+        return run
+
+    def inference(self, model: nn.Module, *, train_mode: bool = False) -> Callable[..., Any]:
+        """Ship `model`; returns `infer(*inputs) -> output` run in the daemon under
+        `torch.inference_mode()` with the model in eval mode (train mode if `train_mode`).
+        The output is the model's own pytree (a tensor, tuple, dict or `ModelOutput`)."""
+        if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        job_id = self._open("inference")
-        self._call("setup_inference", job=job_id, model=Pickled(model, "model"))
-        return Inference(self, job_id)
+        remote = self.attach(model=model)
+        return remote.iteration(functools.partial(_infer, train_mode=train_mode))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The job's current parameters and buffers, as CPU tensors."""
-        result: dict[str, torch.Tensor] = self._call("state_dict", job=self._require_id())
-        return result
+        """The job's model parameters and buffers now, as CPU tensors (the attached object
+        called `model`)."""
+        if self.remote is None:
+            raise RuntimeError(f"job {self.name!r} has no state in salusd yet")
+        state: dict[str, torch.Tensor] = self.remote.fetch("model")["model"]
+        return state
 
     def info(self) -> dict[str, Any]:
-        """The daemon's view of the job: placement, progress, memory figures."""
-        result: dict[str, Any] = self._call("info", job=self._require_id())
+        """The daemon's view of the job: state, progress, placement, memory, threads."""
+        result: dict[str, Any] = self._request({"op": "info",
+                                                "job": self._require_id()}).result()
         return result
 
     def ping(self) -> dict[str, Any]:
-        """One round trip to the daemon; returns its protocol version, frame limit (bytes) and
-        the user name it knows this client as."""
-        result: dict[str, Any] = self._call("ping")
+        result: dict[str, Any] = self._request({"op": "ping"}).result()
         return result
 
     def close(self) -> None:
@@ -132,13 +220,13 @@ class Job:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
             try:
                 if self.id is not None and not self._broken:
-                    self._exchange({"op": "close", "job": self.id})
+                    self._request({"op": "close", "job": self.id}).result()
             except (DaemonUnavailable, SalusError):
                 pass
             finally:
+                self._closed = True
                 self._channel.close()
 
     def __enter__(self) -> Job:
@@ -148,108 +236,335 @@ class Job:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Job(name={self.name!r}, id={self.id!r}, kind={self.kind!r}, path={self.path!r})"
+        return f"Job(name={self.name!r}, id={self.id!r}, path={self.path!r})"
 
+    # ---- requests ---------------------------------------------------------------------------
     def _hello(self) -> None:
-        reply = self._call("ping", max_frame_bytes=self._channel.max_frame_bytes)
+        reply = self._request({"op": "ping", "max_frame_bytes":
+                               self._channel.max_frame_bytes}).result()
         if not isinstance(reply, dict) or reply.get("version") != VERSION:
             raise DaemonUnavailable(f"salusd at {self.path} speaks another protocol version "
                                     f"({reply!r}); install matching versions")
+        if reply.get("refused"):
+            raise DaemonUnavailable(str(reply["refused"]))
         self._channel.peer_max_frame_bytes = int(reply["max_frame_bytes"])
         self.owner = reply.get("owner")
         self._compact = reply.get("compact") == compact.REVISION
-
-    def _open(self, kind: str) -> str:
-        if self.id is not None:
-            raise RuntimeError(f"job {self.name!r} already runs {self.kind} in salusd; open "
-                               "another with salus.connect() for a second model")
-        result = self._call("open", name=self.name, iterations=self.iterations, kind=kind)
-        self.id, self.kind = str(result["job"]), kind
-        return self.id
+        opened = self._request({"op": "open", "name": self.name, "iterations": self.iterations,
+                                "cwd": os.getcwd()}).result()
+        self.id, self.threads = str(opened["job"]), opened.get("threads")
 
     def _require_id(self) -> str:
         if self.id is None:
-            raise RuntimeError(f"job {self.name!r} has no model in salusd yet: call "
-                               "train_step() or inference() first")
+            raise RuntimeError(f"job {self.name!r} is not open")
         return self.id
 
-    def _call(self, op: str, **fields: Any) -> Any:
+    def _request(self, message: Any, decode: Callable[[Any], Any] | None = None) -> Future:
+        """Send one request; its Future resolves when its reply (they come in order) arrives."""
+        future = Future(self, decode or _json_result)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"job {self.name!r} is closed")
-            return reply_result(self._exchange({"op": op, **fields}))
+            if self._broken:
+                raise DaemonUnavailable(f"the connection to salusd at {self.path} was lost")
+            try:
+                self._channel.send(message)
+            except (ConnectionClosed, OSError) as exc:
+                self._broken = True
+                raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
+                                        f"{exc}") from None
+            self._pending.append(future)
+        return future
 
-    def _call_compact(self, request: compact.Message, answer: int) -> Any:
-        """Send a compact request; the reply's message when it is op `answer`, else the result
-        of a JSON reply (errors raise)."""
+    def _wait_for(self, future: Future) -> None:
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"job {self.name!r} is closed")
-            reply = self._exchange(request)
+            while not future.done():
+                head = self._pending[0]
+                try:
+                    reply = self._channel.recv()
+                except (ConnectionClosed, OSError) as exc:
+                    self._broken = True
+                    error = DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
+                                              f"{exc}")
+                    while self._pending:
+                        self._pending.popleft()._resolve(_Raise(error))
+                    break
+                except FrameError as exc:
+                    self._broken = self._broken or not exc.recoverable
+                    reply = _Raise(exc)
+                except BaseException:
+                    self._broken = True  # interrupted mid-reply: the stream is out of step
+                    raise
+                self._pending.popleft()
+                head._resolve(reply)
+
+    def _rng_to_send(self) -> torch.Tensor | None:
+        """The client's generator state when it changed since the job last had it."""
+        state = torch.get_rng_state()
+        if self._rng_synced is not None and torch.equal(state, self._rng_synced):
+            return None
+        self._rng_synced = state
+        return state
+
+    def _rng_back(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            state = state.clone()
+            torch.set_rng_state(state)
+            self._rng_synced = state
+
+
+class Remote:
+    """The job's state in the daemon: define functions over it, call them, pull it back."""
+
+    def __init__(self, job: Job, objects: dict[str, Any]) -> None:
+        self.job = job
+        self.objects = dict(objects)
+        self._next_fid = 0
+
+    def iteration(self, fn: F) -> RemoteFunction:
+        """Decorator: `fn(s, *args, **kwargs)` runs in the daemon, one scheduled iteration per
+        call (it counts toward the job's iterations and the scheduler's accounting)."""
+        return self._define(fn, "iteration")
+
+    def function(self, fn: F) -> RemoteFunction:
+        """Decorator: like `iteration`, scheduled in the job's lane, not counted as one."""
+        return self._define(fn, "function")
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(s, *args, **kwargs)` once in the daemon (not counted as an iteration)."""
+        job = self.job
+        return job._request({"op": "call", "job": job._require_id(),
+                             "fn": _pickled(fn, "function"),
+                             "args": _pickled((args, kwargs), "call arguments"),
+                             "rng": job._rng_to_send()}, self._decode_result).result()
+
+    def fetch(self, *names: str) -> dict[str, Any]:
+        """The daemon-side state of the named objects (all when none are named): a
+        `state_dict()` for objects that have one, the tensor or object itself otherwise."""
+        job = self.job
+        result: dict[str, Any] = job._request(
+            {"op": "pull", "job": job._require_id(), "names": list(names) or None},
+            _pickled_result).result()
+        return result
+
+    def pull(self, *names: str) -> dict[str, Any]:
+        """Copy the daemon-side state into the client's objects (`load_state_dict` for modules,
+        optimizers, schedulers and scalers, `copy_` for tensors); returns what was fetched
+        (plain objects cannot be updated in place: take them from the returned dict)."""
+        fetched = self.fetch(*names)
+        for name, value in fetched.items():
+            obj = self.objects[name]
+            if isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.copy_(value)
+            elif callable(getattr(obj, "load_state_dict", None)):
+                obj.load_state_dict(value)
+        return fetched
+
+    def _define(self, fn: Callable[..., Any], kind: str) -> RemoteFunction:
+        if not callable(fn):
+            raise TypeError(f"a {type(fn).__name__} is not a function")
+        job = self.job
+        fid = self._next_fid
+        self._next_fid += 1
+        job._request({"op": "define", "job": job._require_id(), "fid": fid, "kind": kind,
+                      "fn": _pickled(fn, f"function {getattr(fn, '__name__', fn)!r}")}).result()
+        return RemoteFunction(self, fid, fn)
+
+    def _decode_result(self, reply: Any) -> Any:
         if type(reply) is compact.Message:
-            if reply.op != answer:
-                raise FrameError(f"salusd answered a compact {compact.OP_NAMES[request.op]} "
-                                 f"with {reply!r}")
-            return reply
-        return reply_result(reply)
+            tensors = reply.tensors
+            if reply.aux & compact.AUX_RNG:
+                self.job._rng_back(tensors[-1])
+                tensors = tensors[:-1]
+            kind = reply.aux & compact.KIND_MASK
+            if kind == compact.KIND_TENSOR:
+                return tensors[0]
+            if kind == compact.KIND_FLOAT:
+                return reply.value
+            if kind == compact.KIND_NONE:
+                return None
+            return tuple(tensors)
+        if isinstance(reply, dict) and reply.get("ok") is True:
+            rng = reply.get("rng")
+            self.job._rng_back(rng if isinstance(rng, torch.Tensor) else None)
+        return _pickled_result(reply)
 
-    def _exchange(self, request: dict[str, Any] | compact.Message) -> Any:
-        """One request and its raw reply; the caller holds the lock."""
-        if self._broken:
-            raise DaemonUnavailable(f"the connection to salusd at {self.path} was lost")
+
+class RemoteFunction:
+    """A function of the job, defined in the daemon: call it like the function itself."""
+
+    def __init__(self, remote: Remote, fid: int, fn: Callable[..., Any]) -> None:
+        self.remote = remote
+        self.fid = fid
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "function")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(*args, **kwargs).result()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        """Send the call and return at once; `.result()` waits for it."""
+        remote = self.remote
+        job = remote.job
+        rng = job._rng_to_send()
+        if (job._compact and not kwargs and len(args) < compact.MAX_TENSORS
+                and all(type(a) is torch.Tensor for a in args)):
+            aux = self.fid
+            tensors = args
+            if rng is not None:
+                aux |= compact.AUX_RNG
+                tensors = (*args, rng)
+            message: Any = compact.Message(compact.OP_CALL, job._require_id(), tensors, aux)
+        else:
+            message = {"op": "call", "job": job._require_id(), "fid": self.fid,
+                       "args": _pickled((args, kwargs), "call arguments"), "rng": rng}
+        return job._request(message, remote._decode_result)
+
+
+class _ModeSync:
+    """Follows the client's train/eval switches of a shipped model: before a call, if any
+    submodule's `training` flag changed since the last call, the new flags are sent first."""
+
+    def __init__(self, remote: Remote, model: nn.Module) -> None:
+        self.remote = remote
+        self.model = model
+        self.sent = _modes(model)
+
+    def sync(self) -> None:
+        modes = _modes(self.model)
+        if modes != self.sent:
+            self.remote.call(_set_modes, modes)
+            self.sent = modes
+
+
+def _modes(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(m.training for m in model.modules())
+
+
+def _set_modes(s: Any, modes: tuple[bool, ...]) -> None:
+    for module, mode in zip(s.model.modules(), modes, strict=True):
+        module.training = mode
+
+
+def _train_step(s: Any, *batch: Any) -> torch.Tensor:
+    *inputs, target = batch
+    s.optimizer.zero_grad()
+    loss = s.loss_fn(s.model(*inputs), target)
+    loss.backward()
+    s.optimizer.step()
+    return loss.detach()
+
+
+def _infer(s: Any, *inputs: Any, train_mode: bool) -> Any:
+    s.model.train(train_mode)
+    with torch.inference_mode():
+        return s.model(*inputs)
+
+
+# ---- replies --------------------------------------------------------------------------------
+class _Raise:
+    """A reply that is an error raised on this side (connection lost, bad frame)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _json_result(reply: Any) -> Any:
+    if isinstance(reply, _Raise):
+        raise reply.error
+    if type(reply) is compact.Message:
+        raise FrameError(f"salusd answered with an unexpected compact frame {reply!r}")
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise FrameError(f"salusd sent a malformed reply: {reply!r}")
+    if reply["ok"]:
+        return reply.get("result")
+    if reply.get("code") == CallFailed.code:
+        raise _call_error(reply)
+    raise error_from_reply(reply.get("code"), reply.get("message"))
+
+
+def _pickled_result(reply: Any) -> Any:
+    result = _json_result(reply)
+    return result.load("result") if isinstance(result, PickledPayload) else result
+
+
+def _call_error(reply: dict[str, Any]) -> BaseException:
+    """The job's own exception, re-raised here with its remote traceback as a note (or a
+    CallFailed carrying its type, message and traceback when it cannot be rebuilt)."""
+    text = str(reply.get("traceback", ""))
+    exc_type, message = str(reply.get("type", "")), str(reply.get("message", ""))
+    payload = reply.get("exception")
+    exc: BaseException | None = None
+    if isinstance(payload, PickledPayload):
         try:
-            self._channel.send(request)
-            return self._channel.recv()
-        except (ConnectionClosed, OSError) as exc:
-            self._broken = True
-            raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
-                                    f"{exc}") from None
-        except (FrameError, TypeError) as exc:
-            # Encoding errors and skipped frames leave the stream in step; anything else not.
-            self._broken = self._broken or not getattr(exc, "recoverable", True)
-            raise
-        except BaseException:
-            # Interrupted between request and reply: a late reply would answer the next call.
-            self._broken = True
-            raise
+            exc = payload.load("exception")
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException) or isinstance(exc, SystemExit | KeyboardInterrupt):
+        exc = CallFailed(f"the job's code raised {message}", exc_type, text)
+    exc.add_note(f"--- raised in salusd, in the job's code ---\n{text.rstrip()}")
+    return exc
 
 
-class TrainStep:
-    """`step(x, y) -> loss`: one training iteration of a job inside salusd."""
-
-    def __init__(self, job: Job, job_id: str) -> None:
-        self.job = job
-        self.job_id = job_id
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-            raise TypeError(f"step(x, y) takes two tensors, got {type(x).__name__} and "
-                            f"{type(y).__name__}")
-        job = self.job
-        if job._compact:
-            request = compact.Message(compact.OP_STEP, self.job_id, (x, y))
-            reply = job._call_compact(request, compact.OP_LOSS)
-            if type(reply) is not compact.Message:
-                raise FrameError(f"salusd answered a step with {reply!r}")
-            return reply.value
-        return float(job._call("step", job=self.job_id, x=x, y=y))
+# ---- pickling -------------------------------------------------------------------------------
+_INSTALLED = tuple(os.path.realpath(p) + os.sep for p in {
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 
 
-class Inference:
-    """`infer(x) -> output`: one inference call of a job inside salusd."""
+def _register_by_value(obj: Any) -> None:
+    """Have cloudpickle send by value the classes and functions that the executor could not
+    import: those of `__mp_main__` and of modules outside installed packages (the script's
+    folder). `__main__` is sent by value by cloudpickle already."""
+    seen: set[int] = set()
+    stack = [obj]
+    names: set[str] = set()
+    while stack and len(seen) < 100_000:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, str | bytes | int | float | torch.Tensor):
+            continue
+        seen.add(id(item))
+        names.add(getattr(type(item), "__module__", "") or "")
+        if callable(item):
+            names.add(getattr(item, "__module__", "") or "")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple | set):
+            stack.extend(item)
+        elif isinstance(item, functools.partial):
+            stack.extend((item.func, *item.args, *item.keywords.values()))
+        elif hasattr(item, "__dict__") and not isinstance(item, type | types.ModuleType):
+            stack.extend(vars(item).values())
+    for name in names:
+        module = sys.modules.get(name)
+        if module is None or name in ("__main__", "builtins") or name.startswith(
+                ("salus.", "torch")):
+            continue
+        path = getattr(module, "__file__", None)
+        if name == "__mp_main__" or (path and not os.path.realpath(path).startswith(
+                _INSTALLED)):
+            cloudpickle.register_pickle_by_value(module)
 
-    def __init__(self, job: Job, job_id: str) -> None:
-        self.job = job
-        self.job_id = job_id
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"infer(x) takes a tensor, got {type(x).__name__}")
-        job = self.job
-        if job._compact:
-            reply = job._call_compact(compact.Message(compact.OP_INFER, self.job_id, (x,)),
-                                      compact.OP_OUTPUT)
-            out: torch.Tensor = reply.tensors[0] if type(reply) is compact.Message else reply
-            return out
-        out = job._call("infer", job=self.job_id, x=x)
-        return out
+def _pickled(obj: Any, what: str = "attached objects") -> Pickled:
+    """`obj` to be pickled when its request is sent (by value where the executor could not
+    import it)."""
+    _register_by_value(obj)
+    return Pickled(obj, what)
+
+
+def _unpicklable(objects: dict[str, Any], exc: Exception) -> TypeError:
+    """The error for attached objects that cannot be pickled: which one, and what to do."""
+    culprit = ""
+    for name, value in objects.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception:
+            culprit = f" {name!r} (a {type(value).__name__})"
+            break
+    return TypeError(f"cannot send the attached object{culprit} to salusd: {exc}. Make it "
+                     "picklable (e.g. define __getstate__), or create it inside a "
+                     "@remote.function")
+

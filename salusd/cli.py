@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
+import os
 import sys
-import threading
 from pathlib import Path
 
 EPILOG = """\
@@ -59,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="group that may use the socket (mode 0660)")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--max-connections", metavar="N", type=int, default=1024,
+                       help="clients served at once; one more is refused clearly (default 1024)")
+    serve.add_argument("--frame-timeout", metavar="SECONDS", type=float, default=30.0,
+                       help="a request must arrive whole within this time of its first byte "
+                       "(default 30)")
+    serve.add_argument("--cancel-grace", metavar="SECONDS", type=float, default=5.0,
+                       help="a cancelled job's running call may finish within this time, then "
+                       "its executor is killed (default 5)")
+    serve.add_argument("--standby-executors", metavar="N", type=int, default=2,
+                       help="executor processes kept forked and ready for new jobs (default 2)")
     for name, text in (("status", "show a running daemon's devices, lanes and jobs"),
                        ("suspend", "stop scheduling a job at its next iteration boundary"),
                        ("resume", "schedule a suspended job again"),
@@ -101,13 +110,9 @@ def serve(args: argparse.Namespace) -> int:
     )
     log = logging.getLogger("salusd")
 
-    import torch
-
-    from salus.daemon.core import Daemon
+    from salus.daemon.daemon import Daemon, DaemonConfig
     from salus.daemon.devices import cpu_threads_default, discover, format_size, parse_size
-    from salus.daemon.ipc.server import SocketServer
-    from salus.daemon.ipc.wire import default_socket_path, default_state_dir
-    from salus.daemon.measure import warm_up
+    from salus.daemon.wire.address import default_socket_path, default_state_dir
 
     try:
         memory = parse_size(args.cpu_memory) if args.cpu_memory else None
@@ -118,35 +123,27 @@ def serve(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or default_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     socket_path = args.socket or default_socket_path()
-    Path(socket_path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-
-    if devices[0].kind == "cpu":
-        torch.set_num_threads(args.cpu_threads or cpu_threads_default(len(devices)))
-    warm_up()  # the first job's admission should not pay for importing the estimator
-    daemon = Daemon(devices, args.policy)
-    server = SocketServer(socket_path, daemon, group=args.group)
+    threads = args.cpu_threads or cpu_threads_default(len(devices))
+    config = DaemonConfig(socket_path, devices, args.policy, threads=threads, group=args.group,
+                          max_connections=args.max_connections,
+                          frame_timeout_s=args.frame_timeout, cancel_grace_s=args.cancel_grace,
+                          standby_executors=args.standby_executors)
     try:
-        server.start()
-    except OSError as exc:
-        log.error("cannot listen on %s: %s", socket_path, exc)
-        daemon.shutdown()
+        daemon = Daemon(config)
+        daemon.start()
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
         return 1
     for d in devices:
-        log.info("device %d: %s (%s), arena %s", d.index, d.name, d.kind,
+        log.info("device %d: %s (%s), budget %s", d.index, d.name, d.kind,
                  format_size(d.memory_bytes))
-    if devices[0].kind == "cpu":
-        log.info("%d intra-op thread(s) per op on CPU", torch.get_num_threads())
-    log.info("policy %s; state in %s", args.policy, state_dir)
+    log.info("policy %s; %d intra-op thread(s) per job; state in %s; running as %s",
+             args.policy, threads, state_dir,
+             "root: each job runs as its owner" if os.geteuid() == 0 else
+             "an ordinary user: jobs accepted from this user and root only")
     print(f"salusd listening on unix://{socket_path}", flush=True)
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("shutting down: finishing running iterations")
-    server.stop()
-    daemon.shutdown()
-    log.info("stopped")
+    daemon.install_signal_handlers()
+    daemon.run()
     return 0
 
 

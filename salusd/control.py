@@ -1,43 +1,47 @@
 """A control client for operators: the daemon's status, and suspend / resume / cancel /
-priority of jobs the caller owns, over the same unix socket as the data plane.
+priority of jobs the caller owns (root: any job), over the same unix socket as the data plane.
 
     from salus.daemon.control import Control
     with Control() as ctl:              # SALUS_ADDRESS or the default socket
         print(ctl.status()["jobs"])
         ctl.suspend("3", swap=True)
+
+Standard library only (no torch): it speaks JSON frames and nothing else.
 """
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
-from salus.daemon.errors import DaemonUnavailable
-from salus.daemon.ipc.wire import (
-    VERSION,
-    Channel,
-    ConnectionClosed,
-    connect_unix,
-    default_socket_path,
-    parse_address,
-    reply_result,
-)
+from salus.daemon.wire.address import connect_unix, default_socket_path, parse_address
+from salus.daemon.wire.errors import ERRORS_BY_CODE, DaemonUnavailable, SalusError
+from salus.daemon.wire.frames import VERSION, FrameReader, json_frame
 
 
 class Control:
-    """One connection to salusd for control requests (not thread-safe: one caller at a time)."""
+    """One connection to salusd for control requests (one caller at a time)."""
 
     def __init__(self, address: str | None = None, *, timeout_s: float = 30.0) -> None:
         self.path = parse_address(address) if address is not None else default_socket_path()
-        self._channel = Channel(connect_unix(self.path, timeout_s))
+        self._sock = connect_unix(self.path, timeout_s)
+        self._reader = FrameReader(self._sock)
         hello = self._call("ping")
         if hello.get("version") != VERSION:
             self.close()
             raise DaemonUnavailable(f"salusd at {self.path} speaks another protocol version")
+        if hello.get("refused"):
+            self.close()
+            raise DaemonUnavailable(str(hello["refused"]))
         self.owner: str = hello.get("owner", "")
 
     def status(self) -> dict[str, Any]:
-        """Devices (arena figures, lanes) and jobs (state, progress, memory)."""
+        """Devices (budget, lanes) and jobs (state, progress, memory)."""
         result: dict[str, Any] = self._call("status")
+        return result
+
+    def info(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("info", job=str(job_id))
         return result
 
     def suspend(self, job_id: str, *, swap: bool = False) -> None:
@@ -53,7 +57,8 @@ class Control:
         self._call("priority", job=str(job_id), priority=priority)
 
     def close(self) -> None:
-        self._channel.close()
+        self._reader.close()
+        self._sock.close()
 
     def __enter__(self) -> Control:
         return self
@@ -63,8 +68,20 @@ class Control:
 
     def _call(self, op: str, **fields: Any) -> Any:
         try:
-            self._channel.send({"op": op, **fields})
-            return reply_result(self._channel.recv())
-        except (ConnectionClosed, OSError) as exc:
+            self._sock.sendall(b"".join(json_frame({"op": op, **fields}).buffers()))
+            while True:
+                frames, closed = self._reader.read(0.0)
+                if frames:
+                    reply = frames[0].json()
+                    break
+                if closed:
+                    raise ConnectionError("salusd closed the connection")
+        except (ConnectionError, OSError, socket.timeout) as exc:
             raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
                                     f"{exc}") from None
+        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+            raise DaemonUnavailable(f"salusd sent a malformed reply: {reply!r}")
+        if reply["ok"]:
+            return reply.get("result")
+        cls = ERRORS_BY_CODE.get(str(reply.get("code")), SalusError)
+        raise cls(str(reply.get("message")))

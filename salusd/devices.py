@@ -1,6 +1,6 @@
 """Devices the daemon owns: every CUDA device when there are some, else `--cpu-devices` CPU devices.
 
-A CPU device is a first-class backend: it gets an arena of `--cpu-memory` bytes and runs lanes
+A CPU device is a first-class backend: it gets a budget of `--cpu-memory` bytes and runs lanes
 like a GPU does. Its default size is a quarter of the memory available at start, split across
 the CPU devices and capped at 8 GiB each, so a laptop run never pushes the host into swap.
 """
@@ -11,8 +11,6 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Literal
-
-import torch
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -91,31 +89,53 @@ def cpu_threads_default(cpu_device_count: int) -> int:
 def cuda_devices(memory_fraction: float = 0.9) -> list[DeviceSpec]:
     """Every visible CUDA device with `memory_fraction` of its free memory as the budget.
 
-    Names and free memory come from nvidia-ml-py when it is installed, else from torch.cuda."""
+    Found with nvidia-ml-py when it is installed (the daemon then never imports torch), else with
+    torch.cuda where the NVIDIA driver's device node exists."""
+    found = _nvml_devices(memory_fraction)
+    if found is not None:
+        return found
+    if not os.path.exists("/dev/nvidiactl"):
+        return []
+    import torch
+
     if not torch.cuda.is_available():
         return []
     specs = []
     for i in range(torch.cuda.device_count()):
         free, _total = torch.cuda.mem_get_info(i)
-        specs.append(
-            DeviceSpec(i, "cuda", f"cuda:{i}", _nvml_name(i) or torch.cuda.get_device_name(i),
-                       int(free * memory_fraction))
-        )
+        specs.append(DeviceSpec(i, "cuda", f"cuda:{i}", torch.cuda.get_device_name(i),
+                                int(free * memory_fraction)))
     return specs
 
 
-def _nvml_name(index: int) -> str | None:
+def _nvml_devices(memory_fraction: float) -> list[DeviceSpec] | None:
+    """CUDA devices as NVML sees them (honouring CUDA_VISIBLE_DEVICES given as indices), or
+    None when nvidia-ml-py or the driver is missing."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return name.decode() if isinstance(name, bytes) else str(name)
+        count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError:
         return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    indices = list(range(count))
+    if visible is not None:
+        try:
+            indices = [int(v) for v in visible.split(",") if v.strip()]
+        except ValueError:
+            return None  # UUIDs: let torch resolve them
+    specs = []
+    for i, physical in enumerate(indices):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        name = pynvml.nvmlDeviceGetName(handle)
+        free = pynvml.nvmlDeviceGetMemoryInfo(handle).free
+        specs.append(DeviceSpec(i, "cuda", f"cuda:{i}",
+                                name.decode() if isinstance(name, bytes) else str(name),
+                                int(free * memory_fraction)))
+    return specs
 
 
 def discover(

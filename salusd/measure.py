@@ -12,6 +12,7 @@ allocator rounds to 512 bytes) nor scratch memory inside kernels (cuBLAS/cuDNN w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import weakref
@@ -25,7 +26,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 T = TypeVar("T")
 
@@ -354,3 +355,95 @@ def warm_up() -> None:
     estimate_iteration_peak(model, optimizer, loss_fn, (x,), y)
     estimate_forward_peak(model, (x,))
     measure_iteration(lambda: train_step(model, optimizer, loss_fn, (x,), y))
+
+
+def _tensors_of(obj: object) -> list[Tensor]:
+    """The tensors a job object holds: a module's parameters, their gradients and buffers; an
+    optimizer's state; a tensor itself; the tensors in an object's `state_dict()`."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, nn.Module):
+        params = list(obj.parameters())
+        return [*params, *(p.grad for p in params if p.grad is not None), *obj.buffers()]
+    if isinstance(obj, Optimizer):
+        return optimizer_state_tensors(obj)
+    state_dict = getattr(obj, "state_dict", None)
+    if callable(state_dict) and not isinstance(obj, type):
+        try:
+            return [t for t in tree_leaves(state_dict()) if isinstance(t, Tensor)]
+        except Exception:
+            return []
+    return []
+
+
+def state_bytes(objects: Iterable[object]) -> int:
+    """Bytes of a job's persistent state: every distinct tensor storage its objects hold, one
+    gradient per requires-grad parameter that has none yet, and the optimizer state that each
+    optimizer's first `step()` will create (predicted on fake tensors, as `persistent_bytes`
+    does)."""
+    objects = list(objects)
+    seen: dict[int, int] = {}
+    for obj in objects:
+        for t in _tensors_of(obj):
+            key = _storage_key(t)
+            if key is not None:
+                seen[key] = t.untyped_storage().nbytes()
+    total = sum(seen.values())
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            total += sum(_nbytes(p) for p in obj.parameters() if p.requires_grad and p.grad is None)
+        if isinstance(obj, Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            stateless = [p for p in params if p.requires_grad and not obj.state.get(p)]
+            if stateless:
+                def predict(mode: FakeTensorMode, opt: Optimizer = obj,
+                            todo: list[Tensor] = stateless) -> int:
+                    job = _FakeJob(mode, nn.ParameterList(), opt, device=None)
+                    assert job.optimizer is not None
+                    job.optimizer.step()
+                    return sum(job.state_bytes(p) for p in todo)
+
+                # Otherwise it is counted once it exists: the first call is measured.
+                with contextlib.suppress(EstimationError):
+                    total += _run_fake("predict the optimizer state", predict)
+    return total
+
+
+def _fake_state(mode: FakeTensorMode, state: object) -> object:
+    """A deep copy of the job's state whose tensors are fake (same shapes, no data); shared
+    tensors stay shared and optimizers keep pointing at the copied parameters."""
+    memo: dict[int, Any] = {}
+    for obj in vars(state).values():
+        for t in _tensors_of(obj):
+            if id(t) in memo:
+                continue
+            fake = mode.from_tensor(t.detach())
+            if isinstance(t, nn.Parameter):
+                fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+            memo[id(t)] = fake
+        if isinstance(obj, nn.Module):
+            for p in obj.parameters():
+                if p.grad is not None:
+                    memo[id(p)].grad = memo[id(p.grad)]
+    return copy.deepcopy(state, memo)
+
+
+def estimate_call_peak(fn: Callable[..., Any], state: object, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> int:
+    """Peak ephemeral bytes of `fn(state, *args, **kwargs)`, estimated by running it on fake
+    copies of the state and arguments (no data, no real compute). When an optimizer holds no
+    state yet, the call first runs once untracked so that the measured run is in steady state.
+    The real state is not touched. Raises EstimationError when the call cannot run on fake
+    tensors (data-dependent control flow, objects that cannot be copied)."""
+
+    def estimate(mode: FakeTensorMode) -> int:
+        fake = _fake_state(mode, state)
+        fargs, fkwargs = tree_map_only(Tensor, lambda t: mode.from_tensor(t), (args, kwargs))
+        if any(isinstance(o, Optimizer) and not o.state for o in vars(fake).values()):
+            fn(fake, *fargs, **fkwargs)
+        with StorageTracker() as tracker:
+            out = fn(fake, *fargs, **fkwargs)
+            del out
+        return tracker.peak_bytes
+
+    return _run_fake("estimate the call", estimate)

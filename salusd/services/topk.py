@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
 
+from salus.daemon.services.collectives.execute import Work
 from salus.daemon.services.sparse_allreduce import (
     NodeLayout,
     all_finite,
@@ -44,6 +46,7 @@ __all__ = [
     "Method",
     "choose_method",
     "hitopk_allreduce",
+    "hitopk_shard",
     "mstopk",
     "sampled_topk",
     "topk",
@@ -70,6 +73,7 @@ _MARGIN_SIGMAS = 4.0
 _CPU_CHUNK = 1 << 22
 
 _FLOAT_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_async_worker: ThreadPoolExecutor | None = None
 
 
 def _flatten(x: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, int]:
@@ -303,6 +307,13 @@ def topk(
     return _exact(flat, k, "topk")
 
 
+def hitopk_shard(numel: int, density: float, local_size: int) -> tuple[int, int]:
+    """``(shard_len, k)``: elements in each rank's shard and how many of them it sends."""
+    shard_len = -(-numel // local_size)
+    # The epsilon keeps density * shard_len from rounding up past an exact integer.
+    return shard_len, min(shard_len, max(1, math.ceil(density * shard_len - 1e-9)))
+
+
 def _check_hitopk_args(
     tensor: torch.Tensor,
     density: float,
@@ -338,35 +349,95 @@ def _check_hitopk_args(
         raise RuntimeError(f"{op}: torch.distributed is not initialised; call init_process_group")
 
 
+@overload
+def hitopk_allreduce(
+    tensor: torch.Tensor,
+    density: float,
+    residual: torch.Tensor | None = ...,
+    *,
+    local_size: int,
+    group: dist.ProcessGroup | None = ...,
+    method: Method = ...,
+    dense_below: int = ...,
+    async_op: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def hitopk_allreduce(
+    tensor: torch.Tensor,
+    density: float,
+    residual: torch.Tensor | None = ...,
+    *,
+    local_size: int,
+    group: dist.ProcessGroup | None = ...,
+    method: Method = ...,
+    dense_below: int = ...,
+    async_op: Literal[True],
+) -> Work: ...
+
+
 def hitopk_allreduce(
     tensor: torch.Tensor,
     density: float,
     residual: torch.Tensor | None = None,
     *,
     local_size: int,
+    group: dist.ProcessGroup | None = None,
     method: Method = "auto",
     dense_below: int = DENSE_BELOW_NUMEL,
-) -> torch.Tensor:
-    """Sum ``tensor`` over the default group, sending only its largest entries between nodes.
+    async_op: bool = False,
+) -> torch.Tensor | Work:
+    """Sum ``tensor`` over ``group`` in place, sending only its largest entries between nodes.
 
-    Ranks are node-major (``rank = node * local_size + local_rank``). Steps: reduce-scatter
-    inside the node; top-``ceil(density * shard)`` of this rank's shard (``topk`` with
-    ``method``); all-gather of values and indices among the ranks with the same local rank on
-    every node, summed into a dense shard; all-gather of the shards inside the node. Every rank
-    returns the same new tensor (``tensor`` is not modified); ``density=1`` gives the dense sum.
+    Ranks are node-major within ``group`` (default: the default group; ``rank = node *
+    local_size + local_rank``). Steps: reduce-scatter inside the node; top-``ceil(density *
+    shard)`` of this rank's shard (``topk`` with ``method``); all-gather of values and indices
+    among the ranks with the same local rank on every node, summed into a dense shard;
+    all-gather of the shards inside the node. Every rank ends with the same values in
+    ``tensor``; ``density=1`` gives the dense sum.
 
     ``residual`` (same shape, dtype, device; contiguous) turns on error feedback: it is added
     to ``tensor`` first and then overwritten with what this rank did not send, so the sum over
     calls of the results plus the final residuals of all ranks equals the sum of all inputs.
     Tensors with fewer than ``dense_below`` elements use one dense allreduce (residual cleared).
 
+    The torch.distributed convention: the result is written into ``tensor``; with
+    ``async_op=True`` the call returns at once with a ``Work`` handle whose ``wait()`` returns
+    when ``tensor`` holds the sum (or re-raises the error); until then neither ``tensor`` nor
+    ``residual`` may be touched, and no other collective may be issued on ``group`` (the
+    collectives run on a worker thread, in call order). Without ``async_op`` it returns
+    ``tensor`` itself, so existing ``x = hitopk_allreduce(x, ...)`` code keeps working.
+
     Collective: every rank must call it with the same shape, dtype, density, local_size and
     dense_below. A first tiny all-reduce checks that, and NaN/Inf on any rank, so every rank
-    raises the same ``ValueError`` before any data moves. Blocking calls are bounded by the
-    process group's timeout.
+    raises the same ``ValueError`` before any data moves (``tensor`` and ``residual`` are then
+    unchanged). Blocking calls are bounded by the process group's timeout.
     """
-    op = "hitopk_allreduce"
     _check_hitopk_args(tensor, density, residual, local_size, method, dense_below)
+
+    def run() -> None:
+        _hitopk(tensor, density, residual, local_size, group, method, dense_below)
+
+    if not async_op:
+        run()
+        return tensor
+    global _async_worker
+    if _async_worker is None:
+        _async_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="salus-hitopk")
+    return Work(_async_worker.submit(run))
+
+
+def _hitopk(
+    tensor: torch.Tensor,
+    density: float,
+    residual: torch.Tensor | None,
+    local_size: int,
+    group: dist.ProcessGroup | None,
+    method: Method,
+    dense_below: int,
+) -> None:
+    op = "hitopk_allreduce"
     flat = tensor.reshape(-1)
     n = flat.numel()
     sparse = n >= dense_below
@@ -378,15 +449,15 @@ def hitopk_allreduce(
         "density_ppb": round(density * 1e9),
         "sparse": int(sparse),
     }
-    preflight(op, finite, header, flat.device)
+    preflight(op, finite, header, flat.device, group)
     acc = flat.clone() if residual is None else flat + residual.view(-1)
     if not sparse:
-        dist.all_reduce(acc)
+        dist.all_reduce(acc, group=group)
         if residual is not None:
             residual.zero_()
-        return acc.view(tensor.shape)
-    out = _hierarchical(acc, density, residual, node_layout(local_size), method)
-    return out.view(tensor.shape)
+    else:
+        acc = _hierarchical(acc, density, residual, node_layout(local_size, group), method)
+    tensor.copy_(acc.view(tensor.shape))
 
 
 def _hierarchical(
@@ -397,7 +468,7 @@ def _hierarchical(
     method: Method,
 ) -> torch.Tensor:
     n = acc.numel()
-    shard_len = -(-n // layout.local_size)
+    shard_len, k = hitopk_shard(n, density, layout.local_size)
     padded = acc
     if shard_len * layout.local_size != n:
         padded = torch.cat([acc, acc.new_zeros(shard_len * layout.local_size - n)])
@@ -405,8 +476,6 @@ def _hierarchical(
     if layout.intra is not None:
         shard = padded.new_empty(shard_len)
         reduce_scatter(shard, padded, layout.intra)
-    # The epsilon keeps density * shard_len from rounding up past an exact integer.
-    k = min(shard_len, max(1, math.ceil(density * shard_len - 1e-9)))
     vals, idx = topk(shard, k, method=method)
     if residual is not None:
         _keep_unsent(residual.view(-1), shard, idx, layout.local_rank * shard_len)

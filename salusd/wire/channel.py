@@ -1,26 +1,13 @@
-"""The data plane's wire: addresses, frames and a blocking message channel over a unix socket.
+"""A blocking message channel over a connected unix stream socket (the adapter's and the
+executors' side of the wire; the daemon routes frames with `frames.FrameReader` instead).
 
-Shared by salusd and the client adapter, so it imports only the stdlib, torch and cloudpickle
-(and the stdlib-only `salus.daemon.errors`).
-
-A frame (all integers little endian):
-
-    bytes 0-3    magic b"SLUS"
-    byte  4      version (1)
-    byte  5      flags: bit 0 = a shared-memory segment descriptor travels with the frame,
-                 bit 1 = the header is compact (binary, `compact.py`) rather than JSON
-    bytes 6-7    reserved, 0
-    bytes 8-11   header length in bytes (uint32): JSON space-padded, or compact zero-padded,
-                 to a multiple of 64
-    bytes 12-19  body length in bytes (uint64): the inline binary parts
-    then the header, then the body.
-
-What a JSON header and its parts mean is `codec.py`; the compact header of the per-iteration
-ops is `compact.py`; the segment is `segment.py`. `Channel.send` picks the compact form for a
-`compact.Message` and JSON for anything else; `recv` returns what was sent. A frame whose
-header + body exceeds `max_frame_bytes` is read and discarded (up to DRAIN_LIMIT_BYTES) and
-reported as FrameTooLarge, so the connection stays usable; a bad magic or version, or a stream
-that ends mid-frame, cannot be resynchronised and the connection must be dropped.
+The frame layout is in `frames.py`; what a JSON header and its parts mean is `codec.py`; the
+compact header of the per-iteration calls is `compact.py`; the segment is `segment.py`.
+`Channel.send` picks the compact form for a `compact.Message` and JSON for anything else;
+`recv` returns what was sent. A frame whose header + body exceeds `max_frame_bytes` is read and
+discarded (up to DRAIN_LIMIT_BYTES) and reported as FrameTooLarge, so the connection stays
+usable; a bad magic or version, or a stream that ends mid-frame, cannot be resynchronised and
+the connection must be dropped.
 """
 
 from __future__ import annotations
@@ -29,37 +16,40 @@ import array
 import math
 import os
 import socket
-import struct
 from collections import deque
-from pathlib import Path
 from typing import Any
 
-from salus.daemon.errors import ERRORS_BY_CODE, DaemonUnavailable, SalusError
-from salus.daemon.ipc import codec, compact, segment
-from salus.daemon.ipc.codec import FrameError, Pickled, PickledPayload
+from salus.daemon.wire import codec, compact, segment
+from salus.daemon.wire.codec import Pickled, PickledPayload
+from salus.daemon.wire.errors import ERRORS_BY_CODE, SalusError
+from salus.daemon.wire.frames import ANC_BYTES as _ANC_BYTES
+from salus.daemon.wire.frames import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FIXED,
+    FLAG_COMPACT,
+    FLAG_SEGMENT,
+    HEADER_BYTES,
+    KNOWN_FLAGS,
+    MAGIC,
+    MAX_QUEUED_FDS,
+    RECV_FLAGS,
+    VERSION,
+    FrameError,
+)
 
 __all__ = [
-    "ADDRESS_ENV", "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_SHM_THRESHOLD", "Channel",
-    "ConnectionClosed", "FrameError", "FrameTooLarge", "Pickled", "PickledPayload",
-    "default_socket_path", "default_state_dir", "error_from_reply", "format_address",
-    "parse_address",
+    "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_SHM_THRESHOLD", "Channel", "ConnectionClosed",
+    "FrameError", "FrameTooLarge", "Pickled", "PickledPayload", "error_from_reply",
+    "reply_result",
 ]
 
-MAGIC = b"SLUS"
-VERSION = 1
-FLAG_SEGMENT = 0x1
-FLAG_COMPACT = 0x2
-_KNOWN_FLAGS = FLAG_SEGMENT | FLAG_COMPACT
-_FIXED = struct.Struct("<4sBBHIQ")
-HEADER_BYTES = _FIXED.size
-DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_SHM_THRESHOLD = 256 * 1024
 DRAIN_LIMIT_BYTES = 1024 * 1024 * 1024
-ADDRESS_ENV = "SALUS_ADDRESS"
+_FIXED = FIXED
+_KNOWN_FLAGS = KNOWN_FLAGS
+_RECV_FLAGS = RECV_FLAGS
+_MAX_QUEUED_FDS = MAX_QUEUED_FDS
 _READ_BUFFER_BYTES = 64 * 1024
-_MAX_QUEUED_FDS = 4
-_ANC_BYTES = socket.CMSG_SPACE(_MAX_QUEUED_FDS * array.array("i").itemsize)
-_RECV_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microseconds per frame
 _IOV_LIMIT = 512
 
@@ -92,68 +82,6 @@ def reply_result(reply: Any) -> Any:
     if reply["ok"]:
         return reply.get("result")
     raise error_from_reply(reply.get("code"), reply.get("message"))
-
-
-def connect_unix(path: str, timeout_s: float | None) -> socket.socket:
-    """A socket connected to salusd at `path` (`timeout_s` seconds to connect; the socket keeps
-    that timeout); DaemonUnavailable with what to do when it cannot be reached."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout_s)
-        sock.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        sock.close()
-        raise DaemonUnavailable(f"no salusd listening at {path}: start it with `salusd serve` "
-                                "or set SALUS_ADDRESS") from None
-    except PermissionError:
-        sock.close()
-        raise DaemonUnavailable(f"permission denied on {path}: your user must be in the "
-                                "socket's group (see `ls -l` of it)") from None
-    except OSError as exc:
-        sock.close()
-        raise DaemonUnavailable(f"cannot connect to salusd at {path}: {exc}") from None
-    return sock
-
-
-def default_state_dir() -> Path:
-    """salusd's default state directory: `$XDG_RUNTIME_DIR/salusd` when XDG_RUNTIME_DIR is set,
-    else `~/.local/state/salusd`. The daemon's `--state-dir` default must be this, so that
-    clients find its socket without configuration."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "salusd"
-    return Path.home() / ".local" / "state" / "salusd"
-
-
-def default_socket_path() -> str:
-    """The socket clients connect to and the daemon listens on by default.
-
-    `$SALUS_ADDRESS` (`unix:///absolute/path`) wins; else `default_state_dir()/salusd.sock`,
-    i.e. `$XDG_RUNTIME_DIR/salusd/salusd.sock` or `~/.local/state/salusd/salusd.sock`.
-    """
-    address = os.environ.get(ADDRESS_ENV)
-    if address:
-        return parse_address(address)
-    return str(default_state_dir() / "salusd.sock")
-
-
-def parse_address(address: str) -> str:
-    """The socket path of a `unix:///absolute/path` address; ValueError for anything else."""
-    if not isinstance(address, str):
-        raise TypeError(f"a salusd address is a string, got {type(address).__name__}")
-    scheme, sep, path = address.partition("://")
-    if not sep or scheme != "unix":
-        raise ValueError(f"unsupported salusd address {address!r}: salusd listens on a unix "
-                         "socket; write unix:///absolute/path/to/salusd.sock")
-    if not path.startswith("/"):
-        raise ValueError(f"salusd address {address!r} needs an absolute path after unix:// "
-                         "(three slashes in all, e.g. unix:///run/salusd/salusd.sock)")
-    return path
-
-
-def format_address(path: str | os.PathLike[str]) -> str:
-    """The `unix://` address of a socket path (made absolute)."""
-    return "unix://" + os.path.abspath(os.fspath(path))
 
 
 class Channel:

@@ -34,9 +34,35 @@ class DoesNotFit(SalusError):
 
 
 class JobFailed(SalusError):
-    """The job's own code raised while running an iteration; the job is stopped, others go on."""
+    """The job ended without its owner asking: its executor died, or it outgrew every device.
+    Later calls of the job get this error with the reason until the record expires."""
 
     code = "job_failed"
+
+
+class CallFailed(SalusError):
+    """The job's own code raised in one call; the job and its state stay as they were after the
+    exception, exactly as in a loop that caught it. `exc_type` names the exception's class and
+    `remote_traceback` holds the job's own traceback lines."""
+
+    code = "call_failed"
+
+    def __init__(self, message: str, exc_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+class ShuttingDown(SalusError):
+    """salusd is stopping: queued calls are refused; running ones finish first."""
+
+    code = "shutting_down"
+
+
+class Busy(SalusError):
+    """A bound was reached (connections, queued calls); try again later."""
+
+    code = "busy"
 
 
 class JobCancelled(SalusError):
@@ -53,6 +79,6 @@ class DaemonUnavailable(SalusError, ConnectionError):
 
 ERRORS_BY_CODE: dict[str, type[SalusError]] = {
     cls.code: cls
-    for cls in (SalusError, BadRequest, UnknownJob, NotOwner, DoesNotFit, JobFailed, JobCancelled,
-                DaemonUnavailable)
+    for cls in (SalusError, BadRequest, UnknownJob, NotOwner, DoesNotFit, JobFailed, CallFailed,
+                JobCancelled, ShuttingDown, Busy, DaemonUnavailable)
 }

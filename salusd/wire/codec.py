@@ -29,9 +29,9 @@ from typing import Any
 import cloudpickle
 import torch
 
-from salus.daemon.errors import BadRequest
+from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.frames import ALIGN, FrameError
 
-ALIGN = 64
 _PAD = bytes(ALIGN)
 MAX_DIMS = 64
 _DTYPE_NAMES = (
@@ -47,18 +47,6 @@ _DTYPE_NAME = {d: n for n, d in DTYPES.items()}
 DTYPE_CODES: dict[torch.dtype, int] = {DTYPES[n]: i for i, n in enumerate(_DTYPE_NAMES)
                                        if n in DTYPES}
 DTYPES_BY_CODE: dict[int, torch.dtype] = {i: d for d, i in DTYPE_CODES.items()}
-
-
-class FrameError(BadRequest):
-    """A frame could not be decoded. `recoverable` is False when the stream lost its framing and
-    the connection must be dropped; otherwise the frame was consumed whole and the next one can
-    be read."""
-
-    code = "bad_frame"
-
-    def __init__(self, message: str, *, recoverable: bool = True) -> None:
-        super().__init__(message)
-        self.recoverable = recoverable
 
 
 class Pickled:

@@ -1,26 +1,28 @@
-"""Compact frames: a struct-packed header for the data plane's per-iteration requests and replies.
+"""Compact frames: a struct-packed header for the per-iteration calls and their replies.
 
-A training step or an inference call crosses the socket thousands of times per job, so these
-skip JSON: the frame's flags carry FLAG_COMPACT (`wire.py`) and the header is, little endian,
+A job's iteration crosses the socket thousands of times, so calls whose arguments are a flat
+tuple of tensors, and replies that are a tensor, a float, None or a flat tuple of tensors, skip
+JSON and pickle: the frame's flags carry FLAG_COMPACT (`frames.py`) and the header is, little
+endian,
 
-    bytes 0-15   op (u8), tensor count (u8), job-id length in bytes (u16), reserved u32 (0),
+    bytes 0-15   op (u8), tensor count (u8), job-id length in bytes (u16), aux (u32),
                  value (f64)
     then         the job id, UTF-8
     then         per tensor 16 bytes: dtype code (u8, `codec.DTYPE_CODES`), ndim (u8),
                  segment (u8: 0 inline body, 1 shared memory), flags (u8: bit 0 = strides
                  follow), reserved u32 (0), byte offset in its segment (u64);
                  then ndim i64 sizes, then ndim i64 strides (in elements) when flagged
-    zero-padded to a multiple of 64 bytes (`codec.ALIGN`).
+    zero-padded to a multiple of 64 bytes (`frames.ALIGN`).
 
 Ops and what they carry:
 
-    OP_STEP    request  job, tensors (x, y)        one training iteration
-    OP_INFER   request  job, tensors (x,)          one inference call
-    OP_LOSS    reply    value = the loss           answer to OP_STEP
-    OP_OUTPUT  reply    tensors (output,)          answer to OP_INFER
+    OP_CALL    request  job; aux = function id (bits 0-15) | AUX_RNG; tensors = the arguments
+    OP_RESULT  reply    aux = result kind (bits 0-3: KIND_*) | AUX_RNG; tensors; value
 
-Errors, and every other request, use the JSON header of `codec.py`. A peer sends compact frames
-only after the other side's `ping` reply announced `"compact": REVISION`.
+With AUX_RNG the last tensor is the caller's (request) or the job's (reply) random-generator
+state (`torch.get_rng_state()`), sent only when it changed. Errors, and every other request,
+use the JSON header of `codec.py`. A peer sends compact frames only after the other side's
+`ping` reply announced `"compact": REVISION`.
 
 A contiguous tensor goes out as its bytes (no copy) and arrives as a `torch.frombuffer` view of
 the frame. A tensor whose strides are a permutation of a contiguous layout (a transpose,
@@ -37,8 +39,7 @@ import struct
 
 import torch
 
-from salus.daemon.ipc.codec import (
-    ALIGN,
+from salus.daemon.wire.codec import (
     DTYPE_CODES,
     DTYPES_BY_CODE,
     MAX_DIMS,
@@ -49,13 +50,22 @@ from salus.daemon.ipc.codec import (
     sendable,
     tensor_view,
 )
+from salus.daemon.wire.frames import (
+    ALIGN,
+    COMPACT_HEAD,
+    COMPACT_REVISION,
+    OP_CALL,
+    OP_RESULT,
+)
 
-REVISION = 1
-OP_STEP, OP_INFER, OP_LOSS, OP_OUTPUT = 1, 2, 0x81, 0x82
-OP_NAMES = {OP_STEP: "step", OP_INFER: "infer", OP_LOSS: "loss", OP_OUTPUT: "output"}
-_TENSOR_COUNT = {OP_STEP: 2, OP_INFER: 1, OP_LOSS: 0, OP_OUTPUT: 1}
+REVISION = COMPACT_REVISION
+OP_NAMES = {OP_CALL: "call", OP_RESULT: "result"}
+AUX_RNG = 1 << 16
+KIND_MASK = 0xF
+KIND_TUPLE, KIND_TENSOR, KIND_FLOAT, KIND_NONE = 0, 1, 2, 3
+MAX_TENSORS = 255
 _STRIDED = 0x1
-_HEAD = struct.Struct("<BBHId")
+_HEAD = COMPACT_HEAD
 _TENSOR = struct.Struct("<BBBBIQ")
 # One struct per (ndim, strided): a descriptor packs and unpacks in one call.
 _DESC = [struct.Struct(f"<BBBBIQ{n}q") for n in range(MAX_DIMS + 1)]
@@ -64,16 +74,17 @@ _MAX_JOB_BYTES = 0xFFFF
 
 
 class Message:
-    """A compact request or reply: `op` (OP_*), `job` id (empty in replies), `tensors`, and a
-    float `value` (the loss of OP_LOSS, else 0.0)."""
+    """A compact request or reply: `op` (OP_*), `job` id (empty in replies), `tensors`, `aux`
+    (function id or result kind, with AUX_RNG) and a float `value` (KIND_FLOAT results)."""
 
-    __slots__ = ("op", "job", "tensors", "value")
+    __slots__ = ("op", "job", "tensors", "aux", "value")
 
     def __init__(self, op: int, job: str = "", tensors: tuple[torch.Tensor, ...] = (),
-                 value: float = 0.0) -> None:
+                 aux: int = 0, value: float = 0.0) -> None:
         self.op = op
         self.job = job
         self.tensors = tensors
+        self.aux = aux
         self.value = value
 
     def __repr__(self) -> str:
@@ -88,14 +99,13 @@ def encode(message: Message, *, shm_threshold: float) -> Encoded:
     not match its op.
     """
     op, tensors = message.op, message.tensors
-    if _TENSOR_COUNT.get(op) != len(tensors):
-        raise ValueError(f"compact op {op} takes {_TENSOR_COUNT.get(op)} tensors, "
-                         f"got {len(tensors)}")
+    if op not in OP_NAMES or len(tensors) > MAX_TENSORS:
+        raise ValueError(f"compact op {op} with {len(tensors)} tensors cannot be sent")
     job = message.job.encode()
     if len(job) > _MAX_JOB_BYTES:
         raise ValueError(f"a job id is at most {_MAX_JOB_BYTES} bytes, got {len(job)}")
     out = Encoded()
-    parts = [_HEAD.pack(op, len(tensors), len(job), 0, message.value), job]
+    parts = [_HEAD.pack(op, len(tensors), len(job), message.aux, message.value), job]
     for t in tensors:
         _describe(t, out, shm_threshold, parts)
     header = b"".join(parts)
@@ -158,14 +168,10 @@ def _decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Mess
     if header_len < _HEAD.size:
         raise FrameError(f"compact header of {header_len} bytes is shorter than its "
                          f"{_HEAD.size}-byte head")
-    op, count, job_len, reserved, value = _HEAD.unpack_from(data, 0)
-    want = _TENSOR_COUNT.get(op)
-    if want is None:
+    op, count, job_len, aux, value = _HEAD.unpack_from(data, 0)
+    if op not in OP_NAMES:
         raise FrameError(f"unknown compact op {op}; expected one of "
                          f"{sorted(OP_NAMES.values())}")
-    if count != want or reserved:
-        raise FrameError(f"malformed compact {OP_NAMES[op]} header ({count} tensors where "
-                         f"{want} belong, reserved field {reserved:#x})")
     pos = _HEAD.size + job_len
     if pos > header_len:
         raise FrameError(f"the job id ({job_len} bytes) runs past the {header_len}-byte header")
@@ -176,7 +182,7 @@ def _decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Mess
         tensors.append(tensor)
     if pos + (-pos % ALIGN) != header_len:
         raise FrameError(f"compact header is {header_len} bytes but its fields end at byte {pos}")
-    return Message(op, job, tuple(tensors), value)
+    return Message(op, job, tuple(tensors), aux, value)
 
 
 def _tensor(data: bytearray, pos: int, header_len: int,

@@ -2,5 +2,5 @@
 
 `wire` (with `codec` and `segment`) is shared by the daemon and the client adapter, so this
 package imports nothing heavier than torch and cloudpickle at import time; the server lives in
-`salus.daemon.ipc.server`.
+`salus.daemon.frontend.server`.
 """

@@ -1,0 +1,491 @@
+"""The engine: owns the `IterationScheduler`, turns its decisions into work for executors and
+their results back into accounting.
+
+It runs on the daemon's one I/O thread, so it needs no lock; front ends and executors reach it
+only through that thread. It never runs job code and never decodes a job's tensors or pickles:
+it forwards the client's frames to the job's executor (`ExecutorPort.send`) and the executor's
+replies back (`Answer`). A step of the engine reads like vLLM's `EngineCore.step`: a lane falls
+idle → ask the scheduler → send the chosen job's next call to its executor → on the result,
+account it (iteration time, measured peak) and ask again.
+
+Every message sent to an executor gets exactly one reply, in order, so each executor has a
+queue of what it was asked (`_Sent`); a reply is matched with the head of that queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from salus.daemon.engine.events import Event, EventStream
+from salus.daemon.engine.ledger import DeviceLedger, aligned
+from salus.daemon.engine.registry import (
+    Answer,
+    Call,
+    EndState,
+    JobRecord,
+    Owner,
+    Registry,
+)
+from salus.daemon.wire.errors import (
+    BadRequest,
+    Busy,
+    DoesNotFit,
+    JobCancelled,
+    JobFailed,
+    SalusError,
+    ShuttingDown,
+)
+from salus.daemon.wire.frames import RawFrame, json_frame
+from salus.scheduler import IterationScheduler, Job, JobState, Placement, make_policy
+
+log = logging.getLogger("salusd.engine")
+LaneKey = tuple[int, int]
+RSS_NOISE_BYTES = 16 * 2**20
+"""On the CPU a call's peak is measured from the executor's resident set, which moves in pages
+and includes the allocator's retained memory and torch's lazy start-up (a few MiB on the first
+call); overshoots of a lane below this are noise, not growth."""
+
+
+class ExecutorPort(Protocol):
+    """What the engine needs of the executor supervisor."""
+
+    def acquire(self, record: JobRecord, cwd: str | None) -> object:
+        """An executor process for `record`, running as its owner."""
+        ...
+
+    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+        """Send one message (and the client frame that goes with it) to the executor."""
+        ...
+
+    def kill(self, executor: object) -> None:
+        """End the executor now (SIGKILL)."""
+        ...
+
+    def retire(self, executor: object) -> None:
+        """Ask the executor to exit once it has answered what it was sent."""
+        ...
+
+
+class Timers(Protocol):
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None: ...
+
+
+@dataclass(eq=False)
+class _Sent:
+    """One message an executor has not answered yet."""
+
+    kind: str
+    answer: Answer | None = None
+    lane: LaneKey | None = None
+    counted: bool = False
+
+
+def error_frame(exc: SalusError) -> RawFrame:
+    return json_frame({"ok": False, "code": exc.code, "message": str(exc)})
+
+
+def ok_frame(result: object = None) -> RawFrame:
+    return json_frame({"ok": True, "result": result})
+
+
+class Engine:
+    """Jobs, lanes and executors of one node. `capacities` are the devices' budgets (bytes);
+    `device_kinds` says per device whether it is "cpu" or "cuda" (and `torch_devices` its torch
+    name); times are seconds on `clock`."""
+
+    def __init__(
+        self,
+        capacities: Sequence[int],
+        policy: str,
+        executors: ExecutorPort,
+        *,
+        clock: Callable[[], float],
+        timers: Timers,
+        torch_devices: Sequence[str],
+        threads: int = 1,
+        retention_s: float = 3600.0,
+        cancel_grace_s: float = 5.0,
+        max_queued_calls: int = 64,
+    ) -> None:
+        self.clock = clock
+        self.timers = timers
+        self.executors = executors
+        self.torch_devices = list(torch_devices)
+        self.threads = threads
+        self.cancel_grace_s = cancel_grace_s
+        self.max_queued_calls = max_queued_calls
+        self.ledgers = [DeviceLedger(c) for c in capacities]
+        self.sched = IterationScheduler([ld.capacity for ld in self.ledgers],
+                                        make_policy(policy), clock)
+        self.registry = Registry(clock, retention_s=retention_s)
+        self.events = EventStream()
+        self.busy: dict[LaneKey, int] = {}
+        self._sent: dict[int, deque[_Sent]] = {}  # id(executor) -> what it was asked
+        self._by_executor: dict[int, JobRecord] = {}
+        self.stopping = False
+
+    # ---- client operations (called by the front end on the I/O thread) ----------------------
+    def open(self, owner: Owner, name: object, iterations: object, cwd: str | None) -> JobRecord:
+        if self.stopping:
+            raise ShuttingDown("salusd is shutting down")
+        record = self.registry.open(owner, name, iterations)
+        record.threads = self.threads
+        record.device_kind = "cuda" if self.torch_devices[0].startswith("cuda") else "cpu"
+        record.executor = self.executors.acquire(record, cwd)
+        self._sent[id(record.executor)] = deque()
+        self._by_executor[id(record.executor)] = record
+        self._event("open", record.job_id, owner=owner.name, name=record.name)
+        log.info("job %d %r opened by %s (%d iterations planned)", record.job_id, record.name,
+                 owner.name, record.planned_iterations)
+        return record
+
+    def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
+        """Forward the client's state to the job's executor, which loads and measures it."""
+        self._require_live(record)
+        if record.phase != "open":
+            raise BadRequest(f"job {record.job_id} already holds its state; open another job "
+                             "with salus.connect() for other objects")
+        self._send(record, _Sent("attach", answer), {"op": "attach"}, frame)
+
+    def define(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
+        """Forward a function definition (`@remote.iteration` / `@remote.function`)."""
+        self._require_live(record)
+        self._send(record, _Sent("define", answer), {"op": "define"}, frame)
+
+    def pull(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
+        """Forward a request for the job's state; the executor answers after its current call."""
+        self._require_live(record)
+        self._send(record, _Sent("pull", answer), {"op": "pull"}, frame)
+
+    def call(self, record: JobRecord, frame: RawFrame, answer: Answer, counted: bool) -> None:
+        """Queue one call; it runs when the policy picks the job in its lane."""
+        self._require_live(record)
+        if record.phase == "open":
+            raise BadRequest(f"job {record.job_id} has no state yet: call job.attach(...) first")
+        if self.stopping:
+            raise ShuttingDown("salusd is shutting down")
+        if len(record.calls) >= self.max_queued_calls:
+            raise Busy(f"job {record.job_id} already has {len(record.calls)} calls queued; wait "
+                       "for results before submitting more")
+        record.calls.append(Call(frame, answer, counted))
+        if record.phase == "attached":
+            record.phase = "estimating"
+            self._send(record, _Sent("estimate"), {"op": "estimate"}, frame.duplicate())
+        elif record.phase == "submitted":
+            self._pump_job(record)
+
+    def close(self, record: JobRecord) -> None:
+        """The client is done: the job finishes once its running call (if any) has returned."""
+        if record.live:
+            self._end(record, "finished", f"job {record.job_id} was closed by its client")
+
+    def cancel(self, record: JobRecord) -> None:
+        """End the job at its next boundary; a call that does not return within
+        `cancel_grace_s` seconds has its executor killed."""
+        self._require_live(record)
+        self._end(record, "cancelled", f"job {record.job_id} was cancelled")
+
+    def suspend(self, record: JobRecord, swap: bool) -> None:
+        self._require_live(record)
+        record.held = True
+        if record.phase == "submitted":
+            job = self.sched.jobs[record.job_id]
+            if job.state != JobState.SUSPENDED:
+                self.sched.suspend(record.job_id)
+            if swap:
+                record.swap_requested = True
+                self._swap_if_idle(record)
+        self._event("suspend", record.job_id, swap=swap)
+
+    def resume(self, record: JobRecord) -> None:
+        self._require_live(record)
+        if not record.held:
+            raise BadRequest(f"job {record.job_id} is not suspended")
+        record.held = record.swap_requested = False
+        if record.phase == "submitted":
+            was_swapped = record.swapped
+            record.swapped = False
+            self._apply(self.sched.resume(record.job_id))
+            if not was_swapped:
+                self._pump_job(record)
+        self._event("resume", record.job_id)
+
+    def set_priority(self, record: JobRecord, priority: object) -> None:
+        self._require_live(record)
+        if isinstance(priority, bool) or not isinstance(priority, int | float) or not (
+                0 < priority < 1e12):
+            raise BadRequest(f"priority must be a number in (0, 1e12), got {priority!r}")
+        record.priority = float(priority)
+        if record.phase == "submitted":
+            self.sched.set_priority(record.job_id, float(priority))
+            self._pump_all()
+        self._event("priority", record.job_id, priority=float(priority))
+
+    def begin_shutdown(self) -> None:
+        """Refuse new work and fail queued calls; running calls finish and answer."""
+        self.stopping = True
+        for record in self.registry:
+            while record.calls:
+                call = record.calls.popleft()
+                call.frame.close_fd()
+                call.answer(error_frame(ShuttingDown("salusd is shutting down")))
+
+    @property
+    def idle(self) -> bool:
+        """No executor is running a call (shutdown waits for this)."""
+        return not self.busy
+
+    # ---- executor events -------------------------------------------------------------------
+    def on_executor_reply(self, executor: object, meta: dict[str, Any],
+                          frame: RawFrame | None) -> None:
+        """The executor answered the oldest message it was sent."""
+        record = self._by_executor.get(id(executor))
+        queue = self._sent.get(id(executor))
+        if record is None or not queue:
+            log.warning("unexpected reply from an executor: %r", meta)
+            if frame is not None:
+                frame.close_fd()
+            return
+        sent = queue.popleft()
+        if sent.kind == "run":
+            self._finished_call(record, sent, meta)
+        elif sent.kind == "attach" and meta.get("ok"):
+            record.persistent_bytes = int(meta["persistent_bytes"])
+            record.phase = "attached" if record.live else record.phase
+            self._event("attach", record.job_id, persistent_bytes=record.persistent_bytes)
+        elif sent.kind == "estimate":
+            self._estimated(record, meta)
+        if sent.answer is not None and frame is not None:
+            sent.answer(frame)
+        elif frame is not None:
+            frame.close_fd()
+
+    def on_executor_died(self, executor: object, reason: str) -> None:
+        """The executor is gone: fail its job with `reason` (unless it had already ended) and
+        answer everything it still owed."""
+        record = self._by_executor.pop(id(executor), None)
+        queue = self._sent.pop(id(executor), deque())
+        if record is None:
+            return
+        running = next((s.lane for s in queue if s.kind == "run"), None)
+        where = (f"while running job {record.job_id} in lane {running[0]}.{running[1]}"
+                 if running else f"while job {record.job_id} was between calls")
+        error: SalusError
+        if record.live:
+            error = JobFailed(f"{reason} {where}")
+            log.warning("%s", error)
+            self._end(record, "failed", str(error), executor_gone=True)
+        else:
+            error = JobCancelled(f"job {record.job_id} ended: {record.reason}")
+        for sent in queue:
+            if sent.lane is not None and self.busy.get(sent.lane) == record.job_id:
+                del self.busy[sent.lane]
+                self._pump(sent.lane)
+            if sent.answer is not None:
+                sent.answer(error_frame(error))
+        self._event("executor_died", record.job_id, reason=reason)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _send(self, record: JobRecord, sent: _Sent, meta: dict[str, Any],
+              frame: RawFrame | None) -> None:
+        self._sent[id(record.executor)].append(sent)
+        self.executors.send(record.executor, meta, frame)
+
+    def _estimated(self, record: JobRecord, meta: dict[str, Any]) -> None:
+        if not record.live:
+            return
+        if meta.get("ok"):
+            ephemeral = int(meta["bytes"])
+            record.estimate_method = str(meta.get("method", "fake-tensor"))
+        else:
+            # Data-dependent code: admit with the persistent size as the guess; the first real
+            # call is measured and the job is moved if it needs more.
+            ephemeral = record.persistent_bytes
+            record.estimate_method = ("first call measured (no fake-tensor estimate: "
+                                      f"{str(meta.get('reason', ''))[:300]})")
+        record.estimate_bytes = ephemeral
+        job = Job(job_id=record.job_id, submit_s=self.clock(),
+                  total_iterations=record.planned_iterations,
+                  persistent_bytes=aligned(record.persistent_bytes),
+                  ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
+                  name=record.name, priority=record.priority)
+        try:
+            made = self.sched.submit(job)
+        except ValueError as exc:
+            self._end(record, "failed", str(DoesNotFit(
+                f"job {record.job_id} can never fit: {exc}")))
+            return
+        record.phase = "submitted"
+        if record.held:
+            self.sched.suspend(record.job_id)
+        self._event("submit", record.job_id, persistent=job.persistent_bytes,
+                    ephemeral=job.ephemeral_bytes, method=record.estimate_method)
+        self._apply(made)
+        self._pump_job(record)
+
+    def _ready(self, job: Job) -> bool:
+        record = self.registry.live.get(job.job_id)
+        return record is not None and bool(record.calls) and not record.cancel_requested
+
+    def _pump_job(self, record: JobRecord) -> None:
+        for p in self.sched.lanes.placements(record.job_id):
+            self._pump((p.device, p.lane_id))
+
+    def _pump_all(self) -> None:
+        for lane in self.sched.lanes.lanes():
+            self._pump((lane.device, lane.lane_id))
+
+    def _pump(self, key: LaneKey) -> None:
+        """If lane `key` is idle, start the call of the job the policy picks."""
+        if key in self.busy or self.stopping:
+            return
+        decision = self.sched.next_iteration(*key, ready=self._ready)
+        if decision is None:
+            return
+        record = self.registry.live[decision.job_id]
+        call = record.calls.popleft()
+        if call.counted:
+            self.sched.iteration_started(record.job_id)
+        self.busy[key] = record.job_id
+        self._send(record, _Sent("run", call.answer, key, call.counted),
+                   {"op": "run", "counted": call.counted}, call.frame)
+        call.frame.close_fd()
+
+    def _finished_call(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
+        assert sent.lane is not None
+        self.busy.pop(sent.lane, None)
+        seconds = float(meta.get("seconds", 0.0))
+        record.calls_done += 1
+        record.calls_failed += 0 if meta.get("ok") else 1
+        made: list[Placement] = []
+        if record.live and record.phase == "submitted":
+            job = self.sched.jobs[record.job_id]
+            if sent.counted and not job.done:
+                # Interactive jobs end at close: the planned count only informs SRTF.
+                job.total_iterations = max(job.total_iterations, job.done_iterations + 2)
+                made = self.sched.iteration_done(record.job_id, seconds)
+            peak = meta.get("peak")
+            if isinstance(peak, int):
+                record.measured_peak = max(record.measured_peak or 0, peak)
+                made += self._check_peak(record, sent.lane, peak)
+        elif not record.live:
+            self._finalize(record)
+        self._event("end", record.job_id, *sent.lane, seconds=seconds)
+        if record.live and record.swap_requested:
+            self._swap_if_idle(record)
+        self._apply(made)
+        self._pump(sent.lane)
+
+    def _check_peak(self, record: JobRecord, key: LaneKey, peak: int) -> list[Placement]:
+        """A call measured `peak` bytes above the job's resident state: a job over its lane
+        is re-admitted with that size (moved to a lane that holds it, or queued)."""
+        lane = self.sched.lanes.lane(*key)
+        slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
+        if lane is None or peak <= lane.size + slack:
+            return []
+        job = self.sched.jobs[record.job_id]
+        log.info("job %d measured %d B ephemeral, over its %d B lane: re-admitting",
+                 record.job_id, peak, lane.size)
+        try:
+            made = self.sched.requeue(record.job_id, job.persistent_bytes, aligned(peak))
+        except ValueError as exc:
+            self._end(record, "failed", str(DoesNotFit(
+                f"job {record.job_id} measured {peak} bytes per call above its state, more "
+                f"than any device can hold: {exc}")))
+            return []
+        self._event("requeue", record.job_id, *key, peak=peak)
+        return made
+
+    def _apply(self, made: list[Placement]) -> None:
+        """Reconcile the ledgers with the scheduler's admissions, tell newly placed executors
+        where they run, and start work in the lanes that changed."""
+        for device, ledger in enumerate(self.ledgers):
+            lanes = self.sched.lanes.lanes(device)
+            wanted: dict[tuple[str, int], int] = {("lane", ln.lane_id): ln.size for ln in lanes}
+            for ln in lanes:
+                for job_id in ln.residents:
+                    wanted[("job", job_id)] = self.sched.jobs[job_id].persistent_bytes
+            for key in list(ledger.regions):
+                if wanted.get(key) != ledger.size(key):
+                    ledger.remove(key)
+            for key, size in wanted.items():
+                if ledger.size(key) is None:
+                    ledger.place(key, size)
+        for p in made:
+            self._event("admit", p.job_id, p.device, p.lane_id)
+            record = self.registry.live.get(p.job_id)
+            if record is not None:
+                self._send(record, _Sent("place"), {
+                    "op": "place", "device": self.torch_devices[p.device],
+                    "budget_bytes": self.sched.jobs[p.job_id].persistent_bytes + p.lane_bytes,
+                }, None)
+        for p in made:
+            self._pump((p.device, p.lane_id))
+
+    def _swap_if_idle(self, record: JobRecord) -> None:
+        if not record.swap_requested or record.job_id in self.busy.values():
+            return
+        record.swap_requested = False
+        record.swapped = True
+        self._send(record, _Sent("swap_out"), {"op": "swap_out"}, None)
+        self._event("swap_out", record.job_id)
+        self._apply(self.sched.swap_out(record.job_id))
+
+    def _end(self, record: JobRecord, state: EndState, reason: str, *,
+             executor_gone: bool = False) -> None:
+        """End a live job: answer its queued calls, free its memory now, and retire or kill its
+        executor once its running call (if any) has returned."""
+        error: SalusError = (JobFailed(reason) if state == "failed" else JobCancelled(reason))
+        while record.calls:
+            call = record.calls.popleft()
+            call.frame.close_fd()
+            call.answer(error_frame(error))
+        made: list[Placement] = []
+        if record.job_id in self.sched.jobs and not self.sched.jobs[record.job_id].done:
+            made = self.sched.finish(record.job_id, JobState.FINISHED if state == "finished"
+                                     else JobState.CANCELLED)
+        self.registry.end(record, state, reason)
+        self._event(state if state != "finished" else "finish", record.job_id, reason=reason)
+        log.info("job %d %s: %s", record.job_id, state, reason)
+        running = record.job_id in self.busy.values()
+        if not executor_gone:
+            if running:
+                record.cancel_requested = True
+                self.timers.call_later(self.cancel_grace_s, lambda: self._kill_if_running(record))
+            else:
+                self._finalize(record)
+        self._apply(made)
+        self._pump_all()
+
+    def _kill_if_running(self, record: JobRecord) -> None:
+        if record.job_id in self.busy.values() and id(record.executor) in self._by_executor:
+            log.warning("job %d did not return within %.1f s of its end: killing its executor",
+                        record.job_id, self.cancel_grace_s)
+            self.executors.kill(record.executor)
+
+    def _finalize(self, record: JobRecord) -> None:
+        if id(record.executor) in self._by_executor:
+            self.executors.retire(record.executor)
+
+    def _require_live(self, record: JobRecord) -> None:
+        if not record.live:
+            cls = JobFailed if record.end_state == "failed" else JobCancelled
+            raise cls(f"job {record.job_id} has {record.end_state}: {record.reason}")
+
+    def _event(self, kind: str, job_id: int, device: int = -1, lane_id: int = -1,
+               **detail: Any) -> None:
+        self.events.emit(Event(self.clock(), kind, job_id, device, lane_id, detail))
+
+    def check_invariants(self) -> None:
+        """The scheduler's and every ledger's invariants, and the ledgers equal to the
+        scheduler's bookings (persistent state of placed jobs plus lane sizes)."""
+        self.sched.lanes.check_invariants()
+        for device, ledger in enumerate(self.ledgers):
+            ledger.check_invariants()
+            booked = self.sched.lanes.persistent(device) + sum(
+                ln.size for ln in self.sched.lanes.lanes(device))
+            assert ledger.stats().used == booked, (device, ledger.stats().used, booked)

@@ -1,0 +1,176 @@
+"""The job registry: every job's record and its state machine, and the ended jobs kept for a
+retention period so that late calls get the job's end state and reason, never a bare
+`UnknownJob`.
+
+A job moves through phases (the scheduler's `JobState` refines `submitted`):
+
+    open ──attach──▶ attached ──first call──▶ estimating ──estimate──▶ submitted ──▶ ended
+      └──────────────────────────── close / cancel / executor death ───────────────▶ ended
+
+Ended jobs carry `end_state` (finished, cancelled or failed) and a `reason` a person can read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import unicodedata
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
+from salus.daemon.wire.frames import RawFrame
+
+Phase = Literal["open", "attached", "estimating", "submitted", "ended"]
+EndState = Literal["finished", "cancelled", "failed"]
+Answer = Callable[[RawFrame], None]
+
+MAX_ITERATIONS = 2**53
+MAX_NAME_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a job belongs to: the user name, uid and gid the kernel reported for the client."""
+
+    name: str
+    uid: int
+    gid: int
+
+    @property
+    def is_admin(self) -> bool:
+        return self.uid == 0
+
+
+@dataclass(eq=False)
+class Call:
+    """One queued call from a client: the frame to forward, who to answer, and whether it
+    counts as an iteration (`@remote.iteration`) or not (`@remote.function`)."""
+
+    frame: RawFrame
+    answer: Answer
+    counted: bool
+
+
+@dataclass(eq=False)
+class JobRecord:
+    """One job as the daemon knows it (no tensors: those live in its executor)."""
+
+    job_id: int
+    owner: Owner
+    name: str
+    planned_iterations: int
+    opened_s: float
+    executor: Any = None
+    phase: Phase = "open"
+    calls: deque[Call] = field(default_factory=deque)
+    persistent_bytes: int = 0
+    threads: int = 1
+    estimate_bytes: int | None = None
+    estimate_method: str = ""
+    measured_peak: int | None = None
+    priority: float = 1.0
+    held: bool = False
+    swap_requested: bool = False
+    swapped: bool = False
+    cancel_requested: bool = False
+    end_state: EndState | None = None
+    reason: str = ""
+    ended_s: float | None = None
+    calls_done: int = 0
+    calls_failed: int = 0
+    device_kind: str = "cpu"
+    functions: dict[int, str] = field(default_factory=dict)  # function id -> its kind
+
+    @property
+    def live(self) -> bool:
+        return self.phase != "ended"
+
+
+def check_name(name: object) -> str:
+    """A job name: a string of 1-200 printable characters (no control or format characters,
+    no lone surrogates). BadRequest says what is wrong."""
+    if not isinstance(name, str) or not name:
+        raise BadRequest("a job name must be a non-empty string")
+    if len(name) > MAX_NAME_CHARS:
+        raise BadRequest(f"a job name has at most {MAX_NAME_CHARS} characters, got {len(name)}")
+    for ch in name:
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+            raise BadRequest(f"a job name may hold printable characters only; {ch!r} "
+                             f"(U+{ord(ch):04X}) is not")
+    return name
+
+
+def check_iterations(iterations: object) -> int:
+    """A planned iteration count: an int in [1, 2**53]."""
+    if type(iterations) is not int or not 1 <= iterations <= MAX_ITERATIONS:
+        raise BadRequest(f"iterations must be an integer from 1 to 2**53, got "
+                         f"{str(iterations)[:40]!r}")
+    return iterations
+
+
+class Registry:
+    """Live jobs by id, and ended ones for `retention_s` seconds (at most `keep_ended`)."""
+
+    def __init__(self, clock: Callable[[], float], *, retention_s: float = 3600.0,
+                 keep_ended: int = 10_000, first_id: int = 1) -> None:
+        self.clock = clock
+        self.retention_s = retention_s
+        self.keep_ended = keep_ended
+        self.live: dict[int, JobRecord] = {}
+        self.ended: OrderedDict[int, JobRecord] = OrderedDict()
+        self._ids = itertools.count(first_id)
+
+    def open(self, owner: Owner, name: object, iterations: object) -> JobRecord:
+        record = JobRecord(next(self._ids), owner, check_name(name),
+                           check_iterations(iterations), self.clock())
+        self.live[record.job_id] = record
+        return record
+
+    def get(self, job_id: object, owner: Owner) -> JobRecord:
+        """The record (live or recently ended) of `job_id`, if `owner` may act on it."""
+        jid = parse_id(job_id)
+        self.expire()
+        record = self.live.get(jid) or self.ended.get(jid)
+        if record is None:
+            raise UnknownJob(f"no job {jid} in this daemon (never opened, or ended more than "
+                             f"{self.retention_s:.0f} s ago)")
+        if record.owner.uid != owner.uid and not owner.is_admin:
+            raise NotOwner(f"job {jid} belongs to {record.owner.name}, not {owner.name}")
+        return record
+
+    def end(self, record: JobRecord, state: EndState, reason: str) -> None:
+        """Move a live record to the ended ones."""
+        if not record.live:
+            return
+        record.phase = "ended"
+        record.end_state = state
+        record.reason = reason
+        record.ended_s = self.clock()
+        self.live.pop(record.job_id, None)
+        self.ended[record.job_id] = record
+        self.expire()
+
+    def expire(self) -> None:
+        cutoff = self.clock() - self.retention_s
+        while self.ended:
+            oldest = next(iter(self.ended.values()))
+            if len(self.ended) <= self.keep_ended and (oldest.ended_s or 0.0) >= cutoff:
+                break
+            self.ended.popitem(last=False)
+
+    def __iter__(self) -> Iterator[JobRecord]:
+        return iter(list(self.live.values()))
+
+
+def parse_id(job_id: object) -> int:
+    if isinstance(job_id, bool):
+        raise UnknownJob(f"{job_id!r} is not a job id")
+    try:
+        jid = int(job_id)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise UnknownJob(f"{str(job_id)[:40]!r} is not a job id") from None
+    if not 0 < jid < 2**63:
+        raise UnknownJob(f"{jid} is not a job id")
+    return jid

@@ -1,0 +1,97 @@
+"""What `job.info()`, `salusd status` and (later) REST show: JSON-able views of the engine.
+
+Memory figures say per job what is enforced and what is accounted. On the CPU nothing can cap a
+job's memory reliably (an `RLIMIT_AS` on a process that maps libtorch breaks torch itself, and
+cgroups need a delegated hierarchy), so both parts are accounted: the persistent bytes are the
+exact sum of the job's tensors, the ephemeral bytes the executor's peak resident memory above
+its state during each call. On CUDA the executor's allocations are capped at its budget with
+`torch.cuda.set_per_process_memory_fraction`, which is enforced.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from salus.daemon.engine.engine import RSS_NOISE_BYTES
+from salus.daemon.engine.registry import JobRecord
+
+if TYPE_CHECKING:
+    from salus.daemon.engine.engine import Engine
+
+
+def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
+    """One job: identity, state, progress, placement and memory (bytes, seconds)."""
+    job = engine.sched.jobs.get(record.job_id)
+    placed = engine.sched.lanes.placements(record.job_id)
+    lane = engine.sched.lanes.lane(placed[0].device, placed[0].lane_id) if placed else None
+    if not record.live:
+        state = record.end_state or "ended"
+    elif job is not None:
+        state = job.state.value
+    else:
+        state = record.phase
+    enforced = "enforced" if record.device_kind == "cuda" else "accounted"
+    ephemeral = record.measured_peak
+    slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
+    over = ephemeral is not None and lane is not None and ephemeral > lane.size + slack
+    return {
+        "job_id": record.job_id,
+        "owner": record.owner.name,
+        "name": record.name,
+        "state": state,
+        "reason": record.reason,
+        "iterations_done": job.done_iterations if job else 0,
+        "iterations_planned": record.planned_iterations,
+        "calls_done": record.calls_done,
+        "calls_failed": record.calls_failed,
+        "calls_queued": len(record.calls),
+        "mean_iteration_s": job.iter_s if job else None,
+        "submit_s": job.submit_s if job else None,
+        "start_s": job.start_s if job else None,
+        "finish_s": job.finish_s if job else None,
+        "device": placed[0].device if placed else None,
+        "lane": placed[0].lane_id if placed else None,
+        "threads": record.threads,
+        "executor_pid": getattr(record.executor, "pid", None),
+        "memory": {
+            "persistent_bytes": record.persistent_bytes,
+            "persistent_limit": enforced,
+            "ephemeral_estimate_bytes": record.estimate_bytes,
+            "ephemeral_estimate_method": record.estimate_method,
+            "ephemeral_measured_bytes": ephemeral,
+            "lane_bytes": lane.size if lane else None,
+            "ephemeral_limit": enforced,
+            "over_lane": (f"measured {ephemeral} B over the {lane.size} B lane; being moved"
+                          if over and lane is not None else ""),
+            "measured_by": ("CUDA caching allocator peak" if record.device_kind == "cuda" else
+                            "executor's peak resident memory above its state (VmHWM), every "
+                            f"call; overshoots under {RSS_NOISE_BYTES >> 20} MiB are noise"),
+            "swapped_out": record.swapped,
+        },
+    }
+
+
+def snapshot(engine: Engine) -> dict[str, Any]:
+    """Devices (budget regions, lanes), live jobs and the pending queue."""
+    devices = []
+    for index, ledger in enumerate(engine.ledgers):
+        stats = ledger.stats()
+        devices.append({
+            "index": index,
+            "torch_device": engine.torch_devices[index],
+            "capacity_bytes": stats.capacity,
+            "used_bytes": stats.used,
+            "persistent_bytes": engine.sched.lanes.persistent(index),
+            "unreserved_bytes": engine.sched.lanes.unreserved(index),
+            "largest_free_bytes": stats.largest_free,
+            "compactions": ledger.compactions,
+            "lanes": [{"lane_id": ln.lane_id, "size_bytes": ln.size, "jobs": list(ln.residents),
+                       "busy_job": engine.busy.get((index, ln.lane_id))}
+                      for ln in engine.sched.lanes.lanes(index)],
+        })
+    return {
+        "policy": engine.sched.policy.name,
+        "devices": devices,
+        "jobs": [job_info(engine, r) for r in engine.registry],
+        "pending": [j.job_id for j in engine.sched.lanes.pending],
+    }

@@ -1,0 +1,63 @@
+"""Cheap per-call memory peaks of an executor process (bytes).
+
+One executor holds one job, so its process memory is the job's: on the CPU the peak resident
+set during a call (Linux `VmHWM`, reset before the call through `/proc/self/clear_refs`) minus
+the resident set with the job's state in place sees every byte the call touched, tensors and
+Python objects alike, for two small /proc accesses per call. On CUDA the caching allocator's
+peak (`torch.cuda.max_memory_allocated`, reset before the call) is used instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class _ProcStatus:
+    """`/proc/self/status` kept open: one pread per look-up instead of open, parse, close."""
+
+    def __init__(self) -> None:
+        self.fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+
+    def kib(self, field: bytes) -> int:
+        data = os.pread(self.fd, 8192, 0)
+        at = data.find(field)
+        if at < 0:
+            return 0
+        return int(data[at + len(field):data.index(b"kB", at)])
+
+
+class PeakMeter:
+    """Measures each call's peak above a baseline taken with the job's state in place."""
+
+    def __init__(self) -> None:
+        self.device: torch.device = torch.device("cpu")
+        self.baseline = 0
+        self._status = _ProcStatus()
+        try:
+            self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            self._clear = -1
+
+    def set_baseline(self, device: torch.device) -> None:
+        """Call once the state is in place on `device` (and again after it moves)."""
+        self.device = device
+        if device.type == "cuda":
+            self.baseline = torch.cuda.memory_allocated(device)
+        else:
+            self.baseline = self._status.kib(b"VmRSS:") * 1024
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._clear >= 0:
+            os.write(self._clear, b"5")
+
+    def peak(self) -> int | None:
+        """Bytes above the baseline at the call's peak; None where it cannot be measured."""
+        if self.device.type == "cuda":
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+        if self._clear < 0:
+            return None
+        return max(0, self._status.kib(b"VmHWM:") * 1024 - self.baseline)

@@ -1,0 +1,270 @@
+"""The job contract inside an executor: the job's shipped state, its functions, and one call.
+
+A job is the user's named objects (modules, optimizers, LR schedulers, scalers, tensors, plain
+objects) plus the user's own functions over them. The executor holds them in a `State`
+namespace `s` and runs `fn(s, *args, **kwargs)` for each call. An exception in a call fails that
+call only: the state stays as the exception left it, as in a loop that caught it.
+
+Random numbers: the executor is the job's own process, so torch's generator is the job's own.
+A call that carries the client's generator state sets it first; a reply carries the job's state
+back whenever the call drew from it, so the client and the job share one stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+import types
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from salus.daemon.executor.peak import PeakMeter
+from salus.daemon.measure import EstimationError, estimate_call_peak, state_bytes
+from salus.daemon.wire import compact
+from salus.daemon.wire.codec import Pickled, PickledPayload
+from salus.daemon.wire.frames import FUNCTION_MASK
+
+MAX_FUNCTIONS = 1024
+
+
+class State(types.SimpleNamespace):
+    """The job's objects by the names the client attached them under (`s.model`, `s.opt`)."""
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return obj
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device, non_blocking=True)
+        to = getattr(x, "to", None)
+        return to(device) if callable(to) and not isinstance(x, nn.Module) else x
+
+    return tree_map(move, obj)
+
+
+def to_host(obj: Any) -> Any:
+    """`obj` with every tensor detached and on the CPU; containers the pytree library does not
+    know (a `ModelOutput`, a `BatchEncoding`) are copied and filled the same way."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict) and type(obj) is not dict:
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = to_host(value)
+        return out
+    if isinstance(obj, list | tuple | dict):
+        return tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x,
+                        obj)
+    return obj
+
+
+class JobRuntime:
+    """One job's state and functions in this executor; every method answers one message."""
+
+    def __init__(self) -> None:
+        self.state = State()
+        self.names: list[str] = []
+        self.functions: dict[int, Callable[..., Any]] = {}
+        self.device = torch.device("cpu")
+        self.meter = PeakMeter()
+
+    # ---- messages ---------------------------------------------------------------------------
+    def attach(self, request: dict[str, Any]) -> dict[str, Any]:
+        payload = request.get("objects")
+        if not isinstance(payload, PickledPayload):
+            raise TypeError("'attach' needs 'objects': the pickled named objects")
+        objects = payload.load("attached objects")
+        if not isinstance(objects, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                    for k in objects):
+            raise TypeError("attached objects must be a dict of identifiers to objects")
+        _set_rng(request)
+        self.state = State(**objects)
+        self.names = list(objects)
+        self.meter.set_baseline(self.device)
+        return {"persistent_bytes": state_bytes(objects.values()),
+                "threads": torch.get_num_threads()}
+
+    def define(self, request: dict[str, Any]) -> None:
+        fid, payload = request.get("fid"), request.get("fn")
+        if type(fid) is not int or not 0 <= fid < MAX_FUNCTIONS:
+            raise ValueError(f"function ids are 0..{MAX_FUNCTIONS - 1}, got {fid!r}")
+        if not isinstance(payload, PickledPayload):
+            raise TypeError("'define' needs 'fn': the pickled function")
+        fn = payload.load("function")
+        if not callable(fn):
+            raise TypeError(f"a {type(fn).__name__} is not callable")
+        self.functions[fid] = fn
+
+    def estimate(self, request: Any) -> tuple[int, str]:
+        """Peak ephemeral bytes of the call on fake copies of the state; EstimationError when
+        the call cannot run on fake tensors."""
+        fn, args, kwargs = self._decode_call(request)
+        rng = torch.get_rng_state()
+        try:
+            return estimate_call_peak(fn, self.state, args, kwargs), "fake-tensor"
+        finally:
+            torch.set_rng_state(rng)  # the estimate must not consume the job's stream
+
+    def run(self, request: Any) -> tuple[Any, float, int | None]:
+        """Run one call: (reply message, seconds, peak bytes). The job's own exceptions become
+        an error reply; the state stays."""
+        start = time.perf_counter()
+        try:
+            fn, args, kwargs = self._decode_call(request)
+            before = torch.get_rng_state()
+            args, kwargs = _to_device((args, kwargs), self.device)
+            self.meter.start()
+            result = fn(self.state, *args, **kwargs)
+            peak = self.meter.peak()
+            result = to_host(result)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the call
+            return call_error(exc), time.perf_counter() - start, None
+        after = torch.get_rng_state()
+        rng = None if torch.equal(before, after) else after
+        return result_message(request, result, rng), time.perf_counter() - start, peak
+
+    def pull(self, request: dict[str, Any]) -> Any:
+        names = request.get("names") or self.names
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise KeyError(f"the job has no objects named {unknown}; it has {self.names}")
+        out = {}
+        for name in names:
+            obj = getattr(self.state, name)
+            if isinstance(obj, torch.Tensor):
+                out[name] = obj.detach().to("cpu", copy=True)
+            elif callable(getattr(obj, "state_dict", None)) and not isinstance(obj, type):
+                out[name] = to_host(obj.state_dict())
+            else:
+                out[name] = obj
+        return {"ok": True, "result": Pickled(out, "the job's state")}
+
+    def place(self, device: str, budget_bytes: int) -> None:
+        """Move the state to `device` and, on CUDA, cap this process's allocations at
+        `budget_bytes` (the job's persistent bytes plus its lane)."""
+        target = torch.device(device)
+        if target.type == "cuda":
+            torch.cuda.set_device(target)
+            total = torch.cuda.get_device_properties(target).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), target)
+        if target != self.device:
+            self._move(target)
+        self.meter.set_baseline(target)
+
+    def swap_out(self) -> None:
+        """Move the state to host memory (a no-op for a CPU device, whose budget the daemon
+        has already released)."""
+        if self.device.type != "cpu":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _move(self, device: torch.device) -> None:
+        for name in self.names:
+            obj = getattr(self.state, name)
+            if isinstance(obj, nn.Module):
+                obj.to(device)
+            elif isinstance(obj, torch.Tensor):
+                setattr(self.state, name, obj.to(device))
+            elif isinstance(obj, torch.optim.Optimizer):
+                for entry in obj.state.values():
+                    for key, value in entry.items():
+                        if isinstance(value, torch.Tensor) and key != "step":
+                            entry[key] = value.to(device)
+        self.device = device
+
+    def _decode_call(self, request: Any) -> tuple[Callable[..., Any], tuple[Any, ...],
+                                                  dict[str, Any]]:
+        if type(request) is compact.Message:
+            tensors = request.tensors
+            if request.aux & compact.AUX_RNG:
+                torch.set_rng_state(tensors[-1])
+                tensors = tensors[:-1]
+            return self._function(request.aux & FUNCTION_MASK), tensors, {}
+        _set_rng(request)
+        payload = request.get("args")
+        args, kwargs = payload.load("call arguments") if isinstance(
+            payload, PickledPayload) else ((), {})
+        inline = request.get("fn")
+        fn = (inline.load("function") if isinstance(inline, PickledPayload)
+              else self._function(request.get("fid")))
+        return fn, tuple(args), dict(kwargs)
+
+    def _function(self, fid: object) -> Callable[..., Any]:
+        fn = self.functions.get(fid) if type(fid) is int else None
+        if fn is None:
+            raise LookupError(f"the job has no function {fid!r}; define it first")
+        return fn
+
+
+def _set_rng(request: dict[str, Any]) -> None:
+    rng = request.get("rng")
+    if isinstance(rng, torch.Tensor):
+        torch.set_rng_state(rng)
+
+
+def result_message(request: Any, result: Any, rng: torch.Tensor | None) -> Any:
+    """The reply to a call: compact when the result is a tensor, a float, None or a tuple of
+    tensors and the call came compact; else JSON with the result pickled."""
+    if type(request) is compact.Message:
+        kind, tensors, value = _compact_result(result)
+        if kind is not None:
+            aux = kind
+            if rng is not None:
+                aux |= compact.AUX_RNG
+                tensors = (*tensors, rng)
+            return compact.Message(compact.OP_RESULT, tensors=tensors, aux=aux, value=value)
+    reply: dict[str, Any] = {"ok": True, "result": Pickled(result, "the call's result")}
+    if rng is not None:
+        reply["rng"] = rng
+    return reply
+
+
+def _compact_result(result: Any) -> tuple[int | None, tuple[torch.Tensor, ...], float]:
+    if isinstance(result, torch.Tensor) and type(result) is torch.Tensor:
+        return compact.KIND_TENSOR, (result,), 0.0
+    if result is None:
+        return compact.KIND_NONE, (), 0.0
+    if type(result) is float or type(result) is int:
+        return compact.KIND_FLOAT, (), float(result)
+    if type(result) is tuple and len(result) < compact.MAX_TENSORS and all(
+            type(t) is torch.Tensor for t in result):
+        return compact.KIND_TUPLE, result, 0.0
+    return None, (), 0.0
+
+
+def call_error(exc: BaseException) -> dict[str, Any]:
+    """The error reply for an exception of the job's own code: its type, message and the job's
+    own traceback lines (the executor's frames are left out)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    lines = traceback.format_exception(type(exc), exc, tb)
+    text = "".join(lines)
+    reply: dict[str, Any] = {
+        "ok": False, "code": "call_failed",
+        "message": f"{type(exc).__name__}: {exc}",
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "traceback": text[-20_000:],
+    }
+    try:
+        cloudpickle.dumps(exc)
+        reply["exception"] = Pickled(exc, "exception")
+    except Exception:  # an exception that cannot travel still has its text
+        pass
+    return reply
+
+
+def error_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+__all__ = ["EstimationError", "JobRuntime", "State", "call_error", "error_text", "to_host"]

@@ -1,0 +1,164 @@
+"""Request dispatch of the unix-socket front end: check one request and call the engine.
+
+Requests are JSON objects with an "op" (or compact call frames); replies are
+`{"ok": true, "result": ...}` or `{"ok": false, "code": ..., "message": ...}` with the codes of
+`salus.daemon.wire.errors`. The daemon reads only the JSON header of a request: the objects,
+functions and arguments it carries stay pickled and go to the job's executor untouched.
+
+    op         fields                                  answered by   result
+    ping       max_frame_bytes?                        daemon        version, limits, owner
+    open       name, iterations, cwd?                  daemon        {"job": id, "threads": n}
+    attach     job, objects (pickled dict), rng?       executor      persistent bytes, threads
+    define     job, fid, kind, fn (pickled)            executor      None
+    call       job, fid | fn (pickled), args, rng?     executor      the pickled result (+ rng)
+               (or a compact OP_CALL frame)                          (or a compact OP_RESULT)
+    pull       job, names?                             executor      pickled {name: state}
+    info       job                                     daemon        the job's figures
+    close      job                                     daemon        None
+    status                                             daemon        devices, lanes, jobs
+    suspend    job, swap?                              daemon        None
+    resume / cancel   job                              daemon        None
+    priority   job, priority                           daemon        None
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from salus.daemon.engine.engine import Engine, ok_frame
+from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.report import job_info, snapshot
+from salus.daemon.wire.errors import BadRequest, NotOwner
+from salus.daemon.wire.frames import (
+    COMPACT_REVISION,
+    DEFAULT_MAX_FRAME_BYTES,
+    FUNCTION_MASK,
+    OP_CALL,
+    VERSION,
+    RawFrame,
+)
+
+if TYPE_CHECKING:
+    from salus.daemon.frontend.server import Client
+
+Answer = Callable[[RawFrame], None]
+MAX_FUNCTIONS = 1024
+_FORWARDED = frozenset({"attach", "define", "call", "pull"})
+
+
+class Handlers:
+    """Routes each request of a connection to the engine."""
+
+    def __init__(self, engine: Engine, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.engine = engine
+        self.max_frame_bytes = max_frame_bytes
+        self._ops: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
+            "ping": self._ping, "open": self._open, "info": self._info, "close": self._close,
+            "status": self._status, "suspend": self._suspend, "resume": self._resume,
+            "cancel": self._cancel, "priority": self._priority,
+        }
+
+    def handle(self, client: Client, frame: RawFrame, answer: Answer) -> None:
+        if frame.compact:
+            op, job, aux = frame.compact_head()
+            if op != OP_CALL:
+                raise BadRequest(f"compact op {op} is not a request")
+            self._check_allowed(client, "call")
+            record = self.engine.registry.get(job, client.owner)
+            counted = record.functions.get(aux & FUNCTION_MASK) == "iteration"
+            self.engine.call(record, frame, answer, counted)
+            return
+        request = frame.json()
+        if not isinstance(request, dict):
+            raise BadRequest("a request must be a JSON object with an 'op' field")
+        op = request.get("op")
+        if not isinstance(op, str):
+            raise BadRequest("a request needs an 'op' string")
+        self._check_allowed(client, op)
+        if op in _FORWARDED:
+            self._forward(client, op, request, frame, answer)
+            return
+        frame.close_fd()
+        fn = self._ops.get(op)
+        if fn is None:
+            raise BadRequest(f"unknown op {op[:40]!r}; expected one of "
+                             f"{sorted([*self._ops, *_FORWARDED])}")
+        answer(ok_frame(fn(client, request)))
+
+    def client_gone(self, client: Client) -> None:
+        """The connection closed: its jobs end as if their client had closed them."""
+        for job_id in sorted(client.jobs):
+            record = self.engine.registry.live.get(job_id)
+            if record is not None:
+                self.engine.close(record)
+        client.jobs.clear()
+
+    # ---- forwarded to the job's executor -----------------------------------------------------
+    def _forward(self, client: Client, op: str, request: dict[str, Any], frame: RawFrame,
+                 answer: Answer) -> None:
+        record = self._record(client, request)
+        if op == "attach":
+            self.engine.attach(record, frame, answer)
+        elif op == "define":
+            fid, kind = request.get("fid"), request.get("kind")
+            if type(fid) is not int or not 0 <= fid < MAX_FUNCTIONS:
+                raise BadRequest(f"'define' needs 'fid', an int in 0..{MAX_FUNCTIONS - 1}")
+            if kind not in ("iteration", "function"):
+                raise BadRequest("'define' needs 'kind': 'iteration' or 'function'")
+            record.functions[fid] = kind
+            self.engine.define(record, frame, answer)
+        elif op == "call":
+            fid = request.get("fid")
+            counted = type(fid) is int and record.functions.get(fid) == "iteration"
+            self.engine.call(record, frame, answer, counted)
+        else:
+            self.engine.pull(record, frame, answer)
+
+    # ---- answered by the daemon --------------------------------------------------------------
+    def _check_allowed(self, client: Client, op: str) -> None:
+        if client.refused and op != "ping":
+            raise NotOwner(client.refused)
+
+    def _record(self, client: Client, request: dict[str, Any]) -> JobRecord:
+        return self.engine.registry.get(request.get("job"), client.owner)
+
+    def _ping(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+        return {"version": VERSION, "max_frame_bytes": self.max_frame_bytes,
+                "owner": client.owner.name, "compact": COMPACT_REVISION,
+                "refused": client.refused or None}
+
+    def _open(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+        cwd = request.get("cwd")
+        if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= 4096):
+            raise BadRequest("'cwd' must be a path of at most 4096 characters")
+        record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
+                                  cwd)
+        client.jobs.add(record.job_id)
+        return {"job": str(record.job_id), "threads": record.threads}
+
+    def _info(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+        return job_info(self.engine, self._record(client, request))
+
+    def _close(self, client: Client, request: dict[str, Any]) -> None:
+        record = self._record(client, request)
+        self.engine.close(record)
+        client.jobs.discard(record.job_id)
+
+    def _status(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+        return snapshot(self.engine)
+
+    def _suspend(self, client: Client, request: dict[str, Any]) -> None:
+        swap = request.get("swap", False)
+        if not isinstance(swap, bool):
+            raise BadRequest("'suspend' field 'swap' must be true or false")
+        self.engine.suspend(self._record(client, request), swap)
+
+    def _resume(self, client: Client, request: dict[str, Any]) -> None:
+        self.engine.resume(self._record(client, request))
+
+    def _cancel(self, client: Client, request: dict[str, Any]) -> None:
+        self.engine.cancel(self._record(client, request))
+
+    def _priority(self, client: Client, request: dict[str, Any]) -> None:
+        self.engine.set_priority(self._record(client, request), request.get("priority"))
