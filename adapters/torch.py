@@ -80,8 +80,8 @@ def connect(name: str, iterations: int, *, address: str | None = None,
     `timeout_s` (seconds) bounds connecting and opening; calls themselves wait as long as the
     daemon's scheduler makes them.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {type(name).__name__}")
     if type(iterations) is not int or not 1 <= iterations <= 2**53:
         raise ValueError(f"iterations must be an int from 1 to 2**53, got {iterations!r}")
     path = parse_address(address) if address is not None else default_socket_path()

@@ -102,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from rich.console import Console
     from rich.logging import RichHandler
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(message)s", datefmt="[%X]",
-        handlers=[RichHandler(show_path=False, rich_tracebacks=False)],
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False,
+                              rich_tracebacks=False)],
     )
     log = logging.getLogger("salusd")
 

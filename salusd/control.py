@@ -11,7 +11,6 @@ Standard library only (no torch): it speaks JSON frames and nothing else.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from salus.daemon.wire.address import connect_unix, default_socket_path, parse_address
@@ -76,7 +75,7 @@ class Control:
                     break
                 if closed:
                     raise ConnectionError("salusd closed the connection")
-        except (ConnectionError, OSError, socket.timeout) as exc:
+        except (TimeoutError, ConnectionError, OSError) as exc:
             raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
                                     f"{exc}") from None
         if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):

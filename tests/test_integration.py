@@ -19,7 +19,7 @@ import torch
 from workloads import batches, mlp, train_direct
 
 import salus.adapters.torch as salus
-from salus.daemon.errors import JobCancelled, SalusError
+from salus.daemon.wire.errors import JobCancelled, SalusError
 
 pytestmark = pytest.mark.slow
 
@@ -160,14 +160,14 @@ def test_control_commands_show_and_steer_a_running_job(daemon_proc):
         status = json.loads(_salusd("status", "--socket", sock, "--json").stdout)
         (mine,) = [j for j in status["jobs"] if j["name"] == "steered"]
         assert mine["iterations_done"] == 1 and mine["state"] == "admitted"
-        assert status["devices"][0]["arena"]["used_bytes"] > 0
+        assert status["devices"][0]["used_bytes"] >= mine["memory"]["persistent_bytes"] > 0
         table = _salusd("status", "--socket", sock)
         assert table.returncode == 0 and "steered" in table.stdout
 
         assert _salusd("suspend", job.id, "--swap", "--socket", sock).returncode == 0
         (after,) = [j for j in json.loads(_salusd("status", "--socket", sock, "--json").stdout)
                     ["jobs"] if j["name"] == "steered"]
-        assert after["state"] == "suspended" and after["memory"]["resident"] is False
+        assert after["state"] == "suspended" and after["memory"]["swapped_out"] is True
         assert _salusd("resume", job.id, "--socket", sock).returncode == 0
         assert isinstance(step(x, y), float)  # runs again after resume
 

@@ -134,10 +134,8 @@ class Engine:
             raise ShuttingDown("salusd is shutting down")
         record = self.registry.open(owner, name, iterations)
         record.threads = self.threads
+        record.cwd = cwd
         record.device_kind = "cuda" if self.torch_devices[0].startswith("cuda") else "cpu"
-        record.executor = self.executors.acquire(record, cwd)
-        self._sent[id(record.executor)] = deque()
-        self._by_executor[id(record.executor)] = record
         self._event("open", record.job_id, owner=owner.name, name=record.name)
         log.info("job %d %r opened by %s (%d iterations planned)", record.job_id, record.name,
                  owner.name, record.planned_iterations)
@@ -146,19 +144,22 @@ class Engine:
     def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward the client's state to the job's executor, which loads and measures it."""
         self._require_live(record)
-        if record.phase != "open":
+        if record.phase != "open" or record.executor is not None:
             raise BadRequest(f"job {record.job_id} already holds its state; open another job "
                              "with salus.connect() for other objects")
+        record.executor = self.executors.acquire(record, record.cwd)
+        self._sent[id(record.executor)] = deque()
+        self._by_executor[id(record.executor)] = record
         self._send(record, _Sent("attach", answer), {"op": "attach"}, frame)
 
     def define(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a function definition (`@remote.iteration` / `@remote.function`)."""
-        self._require_live(record)
+        self._require_attached(record)
         self._send(record, _Sent("define", answer), {"op": "define"}, frame)
 
     def pull(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a request for the job's state; the executor answers after its current call."""
-        self._require_live(record)
+        self._require_attached(record)
         self._send(record, _Sent("pull", answer), {"op": "pull"}, frame)
 
     def call(self, record: JobRecord, frame: RawFrame, answer: Answer, counted: bool) -> None:
@@ -257,6 +258,13 @@ class Engine:
             record.persistent_bytes = int(meta["persistent_bytes"])
             record.phase = "attached" if record.live else record.phase
             self._event("attach", record.job_id, persistent_bytes=record.persistent_bytes)
+        elif sent.kind == "attach":
+            # The state did not load (a class the executor cannot import): the client may
+            # attach again, to a fresh executor.
+            self._by_executor.pop(id(executor), None)
+            self._sent.pop(id(executor), None)
+            self.executors.retire(executor)
+            record.executor = None
         elif sent.kind == "estimate":
             self._estimated(record, meta)
         if sent.answer is not None and frame is not None:
@@ -468,8 +476,13 @@ class Engine:
             self.executors.kill(record.executor)
 
     def _finalize(self, record: JobRecord) -> None:
-        if id(record.executor) in self._by_executor:
+        if record.executor is not None and id(record.executor) in self._by_executor:
             self.executors.retire(record.executor)
+
+    def _require_attached(self, record: JobRecord) -> None:
+        self._require_live(record)
+        if record.executor is None:
+            raise BadRequest(f"job {record.job_id} has no state yet: call job.attach(...) first")
 
     def _require_live(self, record: JobRecord) -> None:
         if not record.live:

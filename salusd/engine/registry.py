@@ -63,6 +63,7 @@ class JobRecord:
     planned_iterations: int
     opened_s: float
     executor: Any = None
+    cwd: str | None = None
     phase: Phase = "open"
     calls: deque[Call] = field(default_factory=deque)
     persistent_bytes: int = 0

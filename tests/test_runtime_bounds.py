@@ -1,0 +1,205 @@
+"""Every input is bounded, and bad input gets a clear error for its sender alone: the real
+`salusd serve` process under slow frames, bursts of connections, huge counts, hostile names."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from daemon_proc import salusd
+from torch import nn
+
+import salus.adapters.torch as salus
+from salus.daemon.control import Control
+from salus.daemon.wire.errors import BadRequest, Busy, JobCancelled
+from salus.daemon.wire.frames import FIXED, MAGIC, VERSION, FrameReader, json_frame
+
+pytestmark = pytest.mark.slow
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _raw(path: str, message: object) -> dict[str, object]:
+    """One JSON request on a fresh connection, bypassing the adapter's own checks."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(b"".join(json_frame(message).buffers()))
+        reader = FrameReader(s)
+        while True:
+            frames, closed = reader.read(0.0)
+            if frames:
+                reply = frames[0].json()
+                assert isinstance(reply, dict)
+                return reply
+            assert not closed, "the daemon hung up instead of answering"
+
+
+def _train(address: str, steps: int = 5) -> float:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    with salus.connect(name="bystander", iterations=steps, address=address) as job:
+        step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
+        return min(step(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(steps))
+
+
+def test_slow_frames_pin_nothing_and_are_dropped_at_the_deadline(tmp_path: Path) -> None:
+    with salusd(tmp_path, "--frame-timeout", "2") as (proc, address):
+        path = address.removeprefix("unix://")
+        before = _rss(proc.pid)
+        slow = []
+        for _ in range(32):  # each announces a 64 MiB frame and sends 1 KiB of it
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.sendall(FIXED.pack(MAGIC, VERSION, 0, 0, 64, 64 * 2**20 - 64) + bytes(1024))
+            slow.append(s)
+        assert _train(address) < 10  # others are served meanwhile
+        grown = _rss(proc.pid) - before
+        assert grown < 32 * 2**20, f"slow frames pinned {grown} bytes"
+        time.sleep(4)
+        for s in slow:  # dropped by the deadline: the daemon closed them
+            s.settimeout(5)
+            assert s.recv(1) == b""
+            s.close()
+        assert proc.poll() is None
+
+
+def test_two_hundred_connections_at_once_are_all_served(tmp_path: Path) -> None:
+    with salusd(tmp_path) as (proc, address):
+        errors: list[BaseException] = []
+        ready = threading.Barrier(200)
+
+        def client(i: int) -> None:
+            try:
+                ready.wait(timeout=60)
+                with salus.connect(name=f"burst{i}", iterations=1, address=address,
+                                   timeout_s=60) as job:
+                    assert job.info()["name"] == f"burst{i}"
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(200)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors[:3]
+        assert proc.poll() is None
+
+
+def test_a_connection_over_the_limit_gets_a_clear_refusal(tmp_path: Path) -> None:
+    with salusd(tmp_path, "--max-connections", "3") as (proc, address):
+        held = [Control(address) for _ in range(3)]
+        with pytest.raises(Busy, match="at most 3 connections"):
+            Control(address)
+        held.pop().close()
+        time.sleep(0.2)
+        with Control(address) as ctl:  # a place came free
+            assert ctl.status()["policy"] == "pack"
+        for c in held:
+            c.close()
+
+
+def test_huge_counts_and_hostile_names_are_refused_and_status_stays_readable(
+        tmp_path: Path) -> None:
+    with salusd(tmp_path, "--policy", "srtf") as (proc, address):
+        path = address.removeprefix("unix://")
+        with pytest.raises(ValueError, match="2\\*\\*53"):
+            salus.connect(name="huge", iterations=10**400, address=address)
+        for iterations in (10**400, 2**53 + 1, 0, -1, 1.5, True, "7"):
+            reply = _raw(path, {"op": "open", "name": "huge", "iterations": iterations})
+            assert reply["ok"] is False and reply["code"] == "bad_request", reply
+        for name in ("\ud800", "evil\x1b[31mred", "bell\x07", "a" * 201, "", "zero\u200bwidth"):
+            with pytest.raises(BadRequest):
+                salus.connect(name=name, iterations=5, address=address)
+        with salus.connect(name="fine [bold]name[/bold] ☃", iterations=2**53,
+                           address=address) as job:
+            status = subprocess.run(
+                [sys.executable, "-m", "salus.daemon.cli", "status", "--socket", path],
+                capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"})
+            assert status.returncode == 0, status.stderr
+            assert "[bold]name[/bold]" in status.stdout  # shown as text, not markup
+            assert "\x1b[31m" not in status.stdout
+            assert job.info()["iterations_planned"] == 2**53
+        assert _train(address) < 10  # srtf with the largest count still schedules
+        assert proc.poll() is None
+
+
+def test_an_ended_job_answers_with_its_end_state_not_unknown(tmp_path: Path) -> None:
+    with salusd(tmp_path) as (proc, address):
+        model = nn.Linear(4, 2)
+        job = salus.connect(name="ends", iterations=10, address=address)
+        step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
+        step(torch.randn(2, 4), torch.randn(2, 2))
+        with Control(address) as ctl:
+            ctl.cancel(job.id)
+            info = ctl.info(job.id)
+        assert info["state"] == "cancelled" and "was cancelled" in info["reason"]
+        with pytest.raises(JobCancelled, match="cancelled"):
+            step(torch.randn(2, 4), torch.randn(2, 2))
+        job.close()
+
+
+def test_garbage_and_oversized_frames_cost_only_their_sender(tmp_path: Path) -> None:
+    with salusd(tmp_path) as (proc, address):
+        path = address.removeprefix("unix://")
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n" * 10)
+            s.settimeout(5)
+            assert s.recv(1) == b""  # dropped: not a salusd frame
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(FIXED.pack(MAGIC, VERSION, 0, 0, 64, 2**40))
+            s.settimeout(5)
+            assert s.recv(1) == b""  # over the frame limit
+        reply = _raw(path, {"op": "no-such-op"})
+        assert reply["code"] == "bad_request" and "unknown op" in str(reply["message"])
+        reply = _raw(path, ["not", "an", "object"])
+        assert reply["code"] == "bad_request"
+        assert _train(address) < 10
+        assert proc.poll() is None
+        assert os.path.exists(path)
+
+
+def test_a_job_over_the_queue_bound_is_told_to_wait(tmp_path: Path) -> None:
+    with salusd(tmp_path) as (proc, address):
+        with salus.connect(name="eager", iterations=10, address=address) as job:
+            remote = job.attach(model=nn.Linear(4, 2))
+
+            @remote.iteration
+            def slow(s: object, x: torch.Tensor) -> torch.Tensor:
+                time.sleep(0.05)
+                return x
+
+            futures = [slow.submit(torch.zeros(1)) for _ in range(70)]
+            outcomes = []
+            for f in futures:
+                try:
+                    f.result()
+                    outcomes.append("ok")
+                except Busy:
+                    outcomes.append("busy")
+            assert "busy" in outcomes and outcomes.count("ok") >= 64
+        assert proc.poll() is None
+
+
+def test_peer_credentials_name_the_owner(tmp_path: Path) -> None:
+    with salusd(tmp_path) as (_, address), Control(address) as ctl:
+        import pwd
+
+        assert ctl.owner == pwd.getpwuid(os.getuid()).pw_name
+        struct.calcsize("3i")  # SO_PEERCRED's (pid, uid, gid)
