@@ -1,0 +1,122 @@
+"""Every admitted job can be placed: the engine's admission (the Salus lane rule) books exactly
+what the placement ledger needs, so no random mix of jobs, sizes, finishes, re-admissions and
+swaps ever fails a placement. The engine runs for real; only its executors are replaced by a
+recorder that answers the way executors do (the executor processes are tested with the daemon).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from salus.daemon.engine.engine import Engine
+from salus.daemon.engine.ledger import ALIGNMENT, DeviceLedger, aligned
+from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.wire.frames import RawFrame, json_frame
+
+MiB = 2**20
+
+
+class RecordingExecutors:
+    """Stands in for the supervisor: remembers what each executor was sent."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[dict[str, Any]]] = {}
+
+    def acquire(self, record: JobRecord, cwd: str | None) -> object:
+        handle = object()
+        self.sent[id(handle)] = []
+        return handle
+
+    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+        self.sent[id(executor)].append(meta)
+
+    def kill(self, executor: object) -> None:
+        pass
+
+    def retire(self, executor: object) -> None:
+        pass
+
+
+class NoTimers:
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        pass
+
+
+def _engine(capacities: list[int], policy: str) -> tuple[Engine, RecordingExecutors]:
+    executors = RecordingExecutors()
+    clock = iter(range(10**9))
+    engine = Engine(capacities, policy, executors, clock=lambda: float(next(clock)),
+                    timers=NoTimers(), torch_devices=["cpu"] * len(capacities))
+    return engine, executors
+
+
+def _open_and_submit(engine: Engine, persistent: int, ephemeral: int) -> JobRecord:
+    """What a client and its executor do up to admission: open, attach, first call, estimate."""
+    record = engine.open(Owner("u", 1000, 1000), "job", 100, None)
+    engine.attach(record, json_frame({}), lambda f: None)
+    engine.on_executor_reply(record.executor, {"ok": True, "persistent_bytes": persistent},
+                             json_frame({"ok": True}))
+    engine.call(record, json_frame({}), lambda f: None, counted=True)
+    engine.on_executor_reply(record.executor, {"ok": True, "bytes": ephemeral}, None)
+    return record
+
+
+job_sizes = st.tuples(st.integers(1, 40 * MiB), st.integers(1, 40 * MiB))
+actions = st.lists(st.tuples(st.sampled_from(["submit", "finish", "grow", "swap"]),
+                             job_sizes, st.integers(0, 50)), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from(["pack", "fifo", "srtf", "fair"]),
+       capacities=st.lists(st.integers(16 * MiB, 96 * MiB), min_size=1, max_size=3),
+       script=actions)
+def test_every_admitted_job_is_placed(policy: str, capacities: list[int],
+                                      script: list[tuple[str, tuple[int, int], int]]) -> None:
+    engine, executors = _engine(capacities, policy)
+    records: list[JobRecord] = []
+    for action, (persistent, ephemeral), pick in script:
+        live = [r for r in records if r.live]
+        if action == "submit" or not live:
+            if aligned(persistent) + aligned(ephemeral) > max(
+                    c - c % ALIGNMENT for c in capacities):
+                continue  # could never fit: refused at submit, tested elsewhere
+            records.append(_open_and_submit(engine, persistent, ephemeral))
+        elif action == "finish":
+            engine.close(live[pick % len(live)])
+        elif action == "grow":  # a measured call found more than the estimate
+            record = live[pick % len(live)]
+            placed = engine.sched.lanes.placements(record.job_id)
+            if placed:
+                engine._check_peak(record, (placed[0].device, placed[0].lane_id),
+                                   ephemeral + 32 * MiB)
+                engine._apply([])
+        else:
+            record = live[pick % len(live)]
+            if record.phase == "submitted":
+                engine.suspend(record, swap=True)
+        engine.check_invariants()
+        for record in engine.registry:
+            if engine.sched.lanes.placements(record.job_id):
+                key = ("job", record.job_id)
+                device = engine.sched.lanes.placements(record.job_id)[0].device
+                assert engine.ledgers[device].size(key) == aligned(record.persistent_bytes)
+                assert any(m["op"] == "place" for m in executors.sent[id(record.executor)])
+
+
+def test_compaction_places_what_fragmentation_would_refuse() -> None:
+    ledger = DeviceLedger(8 * ALIGNMENT)
+    for i in range(8):
+        ledger.place(("job", i), ALIGNMENT)
+    for i in range(0, 8, 2):
+        ledger.remove(("job", i))
+    assert ledger.stats().largest_free == ALIGNMENT  # four holes of one unit each
+    ledger.place(("lane", 99), 4 * ALIGNMENT)
+    assert ledger.compactions == 1
+    ledger.check_invariants()
+    with pytest.raises(MemoryError):
+        ledger.place(("lane", 100), ALIGNMENT)
