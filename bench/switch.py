@@ -1,114 +1,110 @@
-"""Switch latency: from job A's iteration boundary to job B's first iteration start.
+"""Switch latency: from the end of job A's iteration to the start of job B's, in one lane.
 
-Two training jobs share one lane of an in-process daemon (policy fifo: the oldest job holds the
-lane until it is suspended). Both clients keep a step queued. A controller repeatedly resumes
-the waiting job and suspends the running one; the daemon's event log gives, for every switch,
-the gap between the end of the old job's last iteration (the boundary) and the start of the new
-job's first iteration. The baseline is the gap between two back-to-back iterations of the same
-job in the same run. Prints one JSON object (microseconds).
+An in-process daemon (the real engine, zygote and executor processes) serves one CPU device
+under `fair`, so its single lane alternates between two training jobs whose clients always
+have their next call queued: every boundary is a switch. The executors stamp when each job's
+function began and ended (`time.monotonic`, one clock for every process of the machine), so a
+switch is `began(B) - ended(A)`: the daemon hearing A is done, picking B and B's executor
+starting it. The baseline is the same gap between back-to-back iterations of one job running
+alone (it also includes the client's round trip). Prints one JSON object (microseconds).
 
-    .venv/bin/python bench/switch.py [--switches 200]
+    .venv/bin/python bench/switch.py [--iterations 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
-import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from salus.daemon.core import Daemon
+import salus.adapters.torch as salus
+from salus.daemon.daemon import Daemon, DaemonConfig
 from salus.daemon.devices import cpu_devices
-from salus.daemon.errors import SalusError
 
 
-def _job(daemon: Daemon, name: str, stop: threading.Event) -> tuple[str, threading.Thread]:
+def client(address: str, name: str, iterations: int) -> None:
+    """One training job's loop (run in its own process, so that no client shares the
+    daemon's interpreter)."""
+    torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    jid = daemon.open_job("bench", name, 10**9, "training")
-    daemon.setup_training(jid, "bench", model, opt, nn.CrossEntropyLoss())
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-
-    def loop() -> None:
-        # Two steps in flight, so the job is always ready at a boundary.
-        try:
-            pending = [daemon.step(jid, "bench", x, y) for _ in range(2)]
-            while not stop.is_set():
-                pending.pop(0).result()
-                pending.append(daemon.step(jid, "bench", x, y))
-        except SalusError:
-            return  # cancelled at shutdown
-
-    return jid, threading.Thread(target=loop, daemon=True)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    with salus.connect(name=name, iterations=iterations, address=address) as job:
+        step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                              nn.CrossEntropyLoss())
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        for _ in range(iterations):
+            step(x, y)
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    qs = statistics.quantiles(values, n=100)
-    return {"p50_us": qs[49] * 1e6, "p99_us": qs[98] * 1e6, "n": len(values)}
+def _clients(address: str, names: list[str], iterations: int) -> None:
+    procs = [subprocess.Popen([sys.executable, __file__, "--client", address, name,
+                               str(iterations)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for name in names]
+    for p in procs:
+        if p.wait(timeout=600) != 0:
+            raise RuntimeError(f"a client failed (exit {p.returncode})")
 
 
-def _switch(daemon: Daemon, running: str, waiting: str, switches: int) -> str:
-    """Alternate the lane between the two jobs; returns the job left suspended."""
-    for i in range(switches):
-        time.sleep(0.004)
-        if i:
-            daemon.resume(waiting, "bench")
-        daemon.suspend(running, "bench")
-        running, waiting = waiting, running
-        if i % 50 == 0:
-            print(f"switch {i}/{switches}", file=sys.stderr)
-    time.sleep(0.02)
-    return waiting
+def _gaps(daemon: Daemon, names: set[str]) -> tuple[list[float], list[float]]:
+    """(switch gaps, same-job gaps) in seconds from the engine's events."""
+    ids = {e.job_id for e in daemon.engine.events.recent
+           if e.kind == "open" and e.detail.get("name") in names}
+    ends = sorted((e.detail["began"], e.detail["ended"], e.job_id)
+                  for e in daemon.engine.events.recent
+                  if e.kind == "end" and e.job_id in ids and e.detail.get("began"))
+    switch, same = [], []
+    for (_, ended, a), (began, _, b) in zip(ends, ends[1:], strict=False):
+        (switch if a != b else same).append(began - ended)
+    return switch, same
+
+
+def _pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] * 1e6 if len(values) > 1 else float("nan")
 
 
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--client":
+        client(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switches", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    daemon = Daemon(cpu_devices(1, 512 * 2**20), "fifo")
-    stop = threading.Event()
-    a, ta = _job(daemon, "A", stop)
-    b, tb = _job(daemon, "B", stop)
-    ta.start()
-    tb.start()
-    try:
-        # Whichever job was admitted first holds the lane; the other waits behind it.
-        while True:
-            done = {j: daemon.job_info(j, "bench") for j in (a, b)}
-            if all(i["state"] != "open" for i in done.values()) and max(
-                    i["iterations_done"] for i in done.values()) >= 2:
-                break
-            time.sleep(0.01)
-        running = max(done, key=lambda j: done[j]["iterations_done"])
-        _switch(daemon, running, b if running == a else a, args.switches)
-    finally:
-        stop.set()
-        events = [e for e in list(daemon.events) if e.kind in ("start", "end")]
-        daemon.shutdown()
-
-    switch, same = [], []
-    for prev, nxt in zip(events, events[1:], strict=False):
-        if prev.kind == "end" and nxt.kind == "start":
-            (switch if nxt.job_id != prev.job_id else same).append(nxt.t - prev.t)
-    iteration = [e2.t - e1.t for e1, e2 in zip(events, events[1:], strict=False)
-                 if e1.kind == "start" and e2.kind == "end"]
-    sw, base = _percentiles(switch), _percentiles(same)
+    with tempfile.TemporaryDirectory(prefix="salusd-switch-") as tmp:
+        config = DaemonConfig(str(Path(tmp) / "s.sock"), cpu_devices(1, 512 * 2**20), "fair")
+        daemon = Daemon(config)
+        daemon.start()
+        loop = threading.Thread(target=daemon.run, daemon=True)
+        loop.start()
+        address = f"unix://{config.socket_path}"
+        print("one job alone ...", file=sys.stderr)
+        _clients(address, ["alone"], args.iterations)
+        print("two jobs sharing one lane under fair ...", file=sys.stderr)
+        _clients(address, ["a", "b"], args.iterations)
+        daemon.request_stop()
+        loop.join(timeout=60)
+    _, alone = _gaps(daemon, {"alone"})
+    switch, _ = _gaps(daemon, {"a", "b"})
     print(json.dumps({
         "bench": "switch",
-        "policy": "fifo",
-        "unit": "microseconds from the end of one iteration to the start of the next",
-        "switch_gap": sw,
-        "same_job_gap": base,
-        "iteration_p50_us": statistics.median(iteration) * 1e6,
-        "switch_p50_over_same_job_p50": sw["p50_us"] / base["p50_us"],
-        "goal_switch_p99_us": 1000.0,
+        "unit": "microseconds from one iteration's end to the next one's start in a lane",
+        "switches": len(switch),
+        "switch_p50_us": _pct(switch, 50),
+        "switch_p99_us": _pct(switch, 99),
+        "same_job_p50_us": _pct(alone, 50),
+        "same_job_p99_us": _pct(alone, 99),
+        "goal_switch_p99_us": 1000,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m": os.getloadavg()[0],
     }))
 
 

@@ -11,13 +11,14 @@ from torch import nn
 from salus.daemon.measure import (
     EstimationError,
     StorageTracker,
+    estimate_call_peak,
     estimate_iteration_peak,
     measure_iteration,
     optimizer_state_tensors,
     persistent_bytes,
+    state_bytes,
     train_step,
 )
-from salus.daemon.memory import Arena, ResidentState
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptimizerFactory] = {
@@ -97,22 +98,17 @@ def test_persistent_bytes_is_exact_before_the_first_step(model_name: str, opt_na
     model = make()
     opt = OPTIMIZERS[opt_name](list(model.parameters()))
     predicted = persistent_bytes(model, opt)
+    predicted_state = state_bytes([model, opt])  # what an executor reports at attach
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
-    arena = Arena(8 << 20)
-    state = ResidentState.place(arena, model, opt)
     x = torch.randn(4, *MODELS[model_name][1])
     train_step(model, opt, nn.functional.cross_entropy, (x,), torch.randint(0, 10, (4,)))
-    state.adopt_optimizer_state()
 
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()),
                *optimizer_state_tensors(opt)]
     exact = sum(_nbytes(t) for t in tensors if t is not None)
-    assert predicted == exact
-    assert persistent_bytes(model, opt) == exact  # from the real state this time
-    aligned = sum(-(-max(_nbytes(t), 1) // 256) * 256 for t in tensors if t is not None)
-    assert state.nbytes == arena.stats().used == aligned
-    assert exact <= state.nbytes < exact + 256 * len(tensors)
+    assert predicted == predicted_state == exact
+    assert persistent_bytes(model, opt) == state_bytes([model, opt]) == exact  # real state now
 
 
 def test_persistent_bytes_counts_frozen_parameters_without_gradients() -> None:
@@ -127,17 +123,15 @@ def test_persistent_bytes_counts_frozen_parameters_without_gradients() -> None:
 
 def _measured_peak(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                    y: torch.Tensor) -> int:
-    """Peak ephemeral bytes of a real steady-state iteration with state in an arena."""
-    arena = Arena(64 << 20)
-    state = ResidentState.place(arena, model, opt)
+    """Peak ephemeral bytes of a real steady-state iteration (gradients kept, as zeros)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
     _, first = measure_iteration(
         lambda: train_step(model, opt, nn.functional.cross_entropy, (x,), y),
         persistent=lambda: optimizer_state_tensors(opt))
-    state.adopt_optimizer_state()
     _, steady = measure_iteration(
         lambda: train_step(model, opt, nn.functional.cross_entropy, (x,), y))
     assert 0.5 * steady <= first <= 2 * steady
-    state.release()
     return steady
 
 
@@ -234,3 +228,28 @@ def test_tracker_measures_cuda_iterations() -> None:
     estimate = estimate_iteration_peak(model, opt, nn.functional.cross_entropy, (x,), y)
     measured = _measured_peak(model, opt, x, y)
     assert 0.5 * measured <= estimate <= 2 * measured
+
+
+def test_estimate_of_a_users_own_iteration_function_matches_the_measured_peak() -> None:
+    """The job contract's estimate: the user's function over a state namespace, on fakes."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = SimpleNamespace(model=model, opt=opt)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+    def iteration(s: SimpleNamespace, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        s.opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(s.model(x), y)
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
+    rng = torch.get_rng_state()
+    estimate = estimate_call_peak(iteration, state, (x, y), {})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not opt.state and all(p.grad is None for p in model.parameters())  # untouched
+    measured = _measured_peak(model, opt, x, y)
+    assert estimate == measured

@@ -18,26 +18,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from salus.daemon.errors import BadRequest, UnknownJob
-from salus.daemon.ipc import compact, segment
-from salus.daemon.ipc.codec import DTYPE_CODES, DTYPES
-from salus.daemon.ipc.wire import (
+from salus.daemon.wire import compact, segment
+from salus.daemon.wire.address import default_socket_path, format_address, parse_address
+from salus.daemon.wire.channel import (
     DEFAULT_SHM_THRESHOLD,
-    FLAG_COMPACT,
-    HEADER_BYTES,
-    MAGIC,
-    VERSION,
     Channel,
     ConnectionClosed,
     FrameError,
     FrameTooLarge,
     Pickled,
     PickledPayload,
-    default_socket_path,
     error_from_reply,
-    format_address,
-    parse_address,
 )
+from salus.daemon.wire.codec import DTYPE_CODES, DTYPES
+from salus.daemon.wire.errors import BadRequest, UnknownJob
+from salus.daemon.wire.frames import FLAG_COMPACT, HEADER_BYTES, MAGIC, VERSION
 
 FIXED = struct.Struct("<4sBBHIQ")  # the documented frame layout, written out independently
 needs_memfd = pytest.mark.skipif(not segment.available(), reason="needs Linux memfd sealing")
@@ -384,7 +379,7 @@ def descriptor(code: int, shape: list[int], seg: int = 0, off: int = 0, flags: i
 
 
 def infer_request(x: torch.Tensor) -> compact.Message:
-    return compact.Message(compact.OP_INFER, "42", (x,))
+    return compact.Message(compact.OP_CALL, "42", (x,))
 
 
 def every_dtype_sample(dtype: torch.dtype) -> torch.Tensor:
@@ -403,8 +398,8 @@ def every_dtype_sample(dtype: torch.dtype) -> torch.Tensor:
 def test_compact_round_trips_every_dtype(pair: tuple[Channel, Channel], name: str) -> None:
     left, right = pair
     sent = every_dtype_sample(DTYPES[name])
-    got = roundtrip(left, right, compact.Message(compact.OP_STEP, "7", (sent, sent[0])))
-    assert type(got) is compact.Message and got.op == compact.OP_STEP and got.job == "7"
+    got = roundtrip(left, right, compact.Message(compact.OP_CALL, "7", (sent, sent[0])))
+    assert type(got) is compact.Message and got.op == compact.OP_CALL and got.job == "7"
     for received, expected in zip(got.tensors, (sent, sent[0]), strict=True):
         assert received.dtype == expected.dtype and received.shape == expected.shape
         assert received.view(torch.uint8).equal(expected.contiguous().view(torch.uint8))
@@ -433,10 +428,10 @@ def test_compact_loss_reply_and_received_tensors_are_writable(
     pair: tuple[Channel, Channel],
 ) -> None:
     left, right = pair
-    got = roundtrip(left, right, compact.Message(compact.OP_LOSS, value=0.1 + 0.2))
-    assert got.op == compact.OP_LOSS and got.value == 0.1 + 0.2 and got.tensors == ()
+    got = roundtrip(left, right, compact.Message(compact.OP_RESULT, value=0.1 + 0.2))
+    assert got.op == compact.OP_RESULT and got.value == 0.1 + 0.2 and got.tensors == ()
     sent = torch.zeros(4, 3)
-    out = roundtrip(left, right, compact.Message(compact.OP_OUTPUT, tensors=(sent,)))
+    out = roundtrip(left, right, compact.Message(compact.OP_RESULT, tensors=(sent,)))
     out.tensors[0].add_(1)
     assert torch.equal(sent, torch.zeros(4, 3)) and torch.equal(out.tensors[0], sent + 1)
 
@@ -457,7 +452,7 @@ def test_compact_any_shape_and_permutation_round_trips(
         order = list(range(len(shape)))
         permute.shuffle(order)
         sent = (torch.rand(shape) * 100).to(dtype).permute(order)
-        got = roundtrip(left, right, compact.Message(compact.OP_STEP, "j", (sent, sent.sum())))
+        got = roundtrip(left, right, compact.Message(compact.OP_CALL, "j", (sent, sent.sum())))
         assert torch.equal(got.tensors[0], sent) and got.tensors[0].shape == sent.shape
         assert torch.equal(got.tensors[1], sent.sum()) and got.tensors[1].dim() == 0
     finally:
@@ -470,7 +465,7 @@ def test_compact_large_tensors_travel_in_shared_memory(pair: tuple[Channel, Chan
     left, right = pair
     fds_before, maps_before = open_fds(), memfd_mappings()
     big = torch.randn(256, 512).t()  # 512 KiB, transposed: sent with its strides, no copy
-    got = roundtrip(left, right, compact.Message(compact.OP_STEP, "1", (big, torch.ones(3))))
+    got = roundtrip(left, right, compact.Message(compact.OP_CALL, "1", (big, torch.ones(3))))
     x = got.tensors[0]
     assert torch.equal(x, big) and x.stride() == big.stride()
     assert memfd_mappings() == maps_before + 1
@@ -484,9 +479,9 @@ def test_compact_refuses_unsendable_tensors_before_sending(pair: tuple[Channel, 
     with pytest.raises(TypeError, match="only dense tensors with data"):
         left.send(infer_request(torch.eye(3).to_sparse()))
     with pytest.raises(TypeError, match="carries tensors"):
-        left.send(compact.Message(compact.OP_INFER, "1", ([1.0],)))
-    with pytest.raises(ValueError, match="takes 2 tensors"):
-        left.send(compact.Message(compact.OP_STEP, "1", (torch.ones(1),)))
+        left.send(compact.Message(compact.OP_CALL, "1", ([1.0],)))
+    with pytest.raises(ValueError, match="cannot be sent"):
+        left.send(compact.Message(compact.OP_CALL, "1", (torch.ones(1),) * 256))
     left.send({"still": "in step"})
     assert right.recv() == {"still": "in step"}
 
@@ -494,13 +489,13 @@ def test_compact_refuses_unsendable_tensors_before_sending(pair: tuple[Channel, 
 def test_compact_frame_layout_is_as_documented(pair: tuple[Channel, Channel]) -> None:
     left, right = pair
     x = torch.arange(6, dtype=torch.int32).view(2, 3)
-    left.send(compact.Message(compact.OP_STEP, "12", (x, x.t())))
+    left.send(compact.Message(compact.OP_CALL, "12", (x, x.t())))
     raw = right.sock.recv(1 << 16)
     _, _, flags, _, header_len, body_len = FIXED.unpack_from(raw)
     assert flags == FLAG_COMPACT and header_len % 64 == 0
     assert len(raw) == HEADER_BYTES + header_len + body_len
     header = raw[HEADER_BYTES:HEADER_BYTES + header_len]
-    assert HEAD.unpack_from(header) == (compact.OP_STEP, 2, 2, 0, 0.0)
+    assert HEAD.unpack_from(header) == (compact.OP_CALL, 2, 2, 0, 0.0)
     assert header[16:18] == b"12"
     code, ndim, seg, tflags, _, off = DESC.unpack_from(header, 18)
     assert (code, ndim, seg, tflags) == (DTYPE_CODES[torch.int32], 2, 0, 0)
@@ -519,32 +514,29 @@ F32 = DTYPE_CODES[torch.float32]
     ("header", "reason"),
     [
         (HEAD.pack(9, 0, 0, 0, 0.0), "unknown compact op 9"),
-        (HEAD.pack(compact.OP_STEP, 1, 1, 0, 0.0) + b"1" + descriptor(F32, [1]),
-         "1 tensors where 2 belong"),
-        (HEAD.pack(compact.OP_LOSS, 0, 0, 7, 0.0), "reserved field 0x7"),
-        (HEAD.pack(compact.OP_INFER, 1, 500, 0, 0.0), "job id .500 bytes. runs past"),
-        (HEAD.pack(compact.OP_INFER, 1, 2, 0, 0.0) + b"\xff\xfe" + descriptor(F32, [1]),
+        (HEAD.pack(compact.OP_CALL, 1, 500, 0, 0.0), "job id .500 bytes. runs past"),
+        (HEAD.pack(compact.OP_CALL, 1, 2, 0, 0.0) + b"\xff\xfe" + descriptor(F32, [1]),
          "could not be decoded: UnicodeDecodeError"),
-        (HEAD.pack(compact.OP_INFER, 1, 48, 0, 0.0) + b"j" * 48, "descriptor runs past"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(250, [1]), "dtype code 250"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + DESC.pack(F32, 65, 0, 0, 0, 0),
+        (HEAD.pack(compact.OP_CALL, 1, 48, 0, 0.0) + b"j" * 48, "descriptor runs past"),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(250, [1]), "dtype code 250"),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + DESC.pack(F32, 65, 0, 0, 0, 0),
          "ndim 65"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], flags=4), "flags 0x4"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], reserved=1),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [1], flags=4), "flags 0x4"),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [1], reserved=1),
          "reserved 0x1"),
-        (HEAD.pack(compact.OP_INFER, 1, 32, 0, 0.0) + b"j" * 32 + DESC.pack(F32, 3, 0, 0, 0, 0),
+        (HEAD.pack(compact.OP_CALL, 1, 32, 0, 0.0) + b"j" * 32 + DESC.pack(F32, 3, 0, 0, 0, 0),
          "sizes run past"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [2, -1]), "non-negative"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [4]), "runs past the end"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1 << 40, 1 << 40]),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [2, -1]), "non-negative"),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [4]), "runs past the end"),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [1 << 40, 1 << 40]),
          "runs past the end"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], seg=1), "segment 1"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [1], off=2), "aligned"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0)
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [1], seg=1), "segment 1"),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [1], off=2), "aligned"),
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0)
          + descriptor(F32, [2], flags=1, strides=[0]), "densely"),
-        (HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0)
+        (HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0)
          + descriptor(F32, [2, 1], flags=1, strides=[1, -3]), "densely"),
-        (HEAD.pack(compact.OP_LOSS, 0, 0, 0, 0.0) + bytes(64) + b"\x01", "fields end at byte 16"),
+        (HEAD.pack(compact.OP_RESULT, 0, 0, 0, 0.0) + bytes(64) + b"\x01", "fields end at byte 16"),
         (b"", "shorter than its 16-byte head"),
     ],
 )
@@ -556,7 +548,7 @@ def test_malformed_compact_headers_are_recoverable_errors(
     with pytest.raises(FrameError, match=reason) as info:
         right.recv()
     assert info.value.recoverable
-    left.send(compact.Message(compact.OP_LOSS, value=2.0))
+    left.send(compact.Message(compact.OP_RESULT, value=2.0))
     assert right.recv().value == 2.0
 
 
@@ -582,7 +574,7 @@ def test_random_compact_headers_give_frame_errors_or_messages(header: bytes, bod
 @needs_memfd
 def test_compact_segment_must_be_announced_and_sealed(pair: tuple[Channel, Channel]) -> None:
     left, right = pair
-    header = HEAD.pack(compact.OP_INFER, 1, 0, 0, 0.0) + descriptor(F32, [4], seg=1)
+    header = HEAD.pack(compact.OP_CALL, 1, 0, 0, 0.0) + descriptor(F32, [4], seg=1)
     left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 1))
     with pytest.raises(FrameError, match="no descriptor"):
         right.recv()
@@ -597,5 +589,5 @@ def test_compact_segment_must_be_announced_and_sealed(pair: tuple[Channel, Chann
     left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 4))
     with pytest.raises(FrameError, match="malformed frame .flags 0x6"):
         right.recv()
-    left.send(compact.Message(compact.OP_LOSS, value=1.0))
+    left.send(compact.Message(compact.OP_RESULT, value=1.0))
     assert right.recv().value == 1.0

@@ -382,7 +382,8 @@ class Engine:
                 made += self._check_peak(record, sent.lane, peak)
         elif not record.live:
             self._finalize(record)
-        self._event("end", record.job_id, *sent.lane, seconds=seconds)
+        self._event("end", record.job_id, *sent.lane, seconds=seconds,
+                    began=meta.get("began"), ended=meta.get("ended"))
         if record.live and record.swap_requested:
             self._swap_if_idle(record)
         self._apply(made)

@@ -82,9 +82,8 @@ def serve(sock: socket.socket) -> int:
 
 
 def _send(channel: Channel, meta: dict[str, Any], forward: Any) -> None:
-    channel.send({**meta, "forward": forward is not None})
-    if forward is not None:
-        channel.send(forward)
+    meta = {**meta, "forward": forward is not None}
+    channel.send_many([meta] if forward is None else [meta, forward])
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
@@ -97,7 +96,9 @@ def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
     if op == "run":
         reply, seconds, peak = runtime.run(request)
         ok = not (isinstance(reply, dict) and reply.get("ok") is False)
-        return {"ok": ok, "seconds": seconds, "peak": peak}, reply
+        began, ended = runtime.last_span
+        return {"ok": ok, "seconds": seconds, "peak": peak, "began": began,
+                "ended": ended}, reply
     if op == "estimate":
         try:
             nbytes, method = runtime.estimate(request)

@@ -75,6 +75,7 @@ class JobRuntime:
         self.functions: dict[int, Callable[..., Any]] = {}
         self.device = torch.device("cpu")
         self.meter = PeakMeter()
+        self.last_span = (0.0, 0.0)
 
     # ---- messages ---------------------------------------------------------------------------
     def attach(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -115,18 +116,26 @@ class JobRuntime:
 
     def run(self, request: Any) -> tuple[Any, float, int | None]:
         """Run one call: (reply message, seconds, peak bytes). The job's own exceptions become
-        an error reply; the state stays."""
+        an error reply; the state stays, the random state too (the reply carries it back when
+        the call drew before it failed, as a loop that caught the exception would go on)."""
         start = time.perf_counter()
+        before: torch.Tensor | None = None
         try:
             fn, args, kwargs = self._decode_call(request)
             before = torch.get_rng_state()
             args, kwargs = _to_device((args, kwargs), self.device)
             self.meter.start()
+            began = time.monotonic()
             result = fn(self.state, *args, **kwargs)
+            self.last_span = (began, time.monotonic())
             peak = self.meter.peak()
             result = to_host(result)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the call
-            return call_error(exc), time.perf_counter() - start, None
+            reply = call_error(exc)
+            after = torch.get_rng_state()
+            if before is not None and not torch.equal(before, after):
+                reply["rng"] = after
+            return reply, time.perf_counter() - start, None
         after = torch.get_rng_state()
         rng = None if torch.equal(before, after) else after
         return result_message(request, result, rng), time.perf_counter() - start, peak

@@ -25,6 +25,16 @@ from salus.daemon.wire.frames import DEFAULT_MAX_FRAME_BYTES, FrameError, FrameR
 
 log = logging.getLogger("salusd.loop")
 FrameHandler = Callable[["Link", RawFrame], None]
+_MAX_BUFFERS = 64
+
+
+@dataclass(eq=False)
+class _Out:
+    """Bytes queued for one `sendmsg`, with the descriptor that rides on their first byte."""
+
+    bufs: list[memoryview]
+    fd: int | None = None
+    started: bool = False
 
 
 @dataclass(eq=False)
@@ -37,7 +47,7 @@ class Link:
     on_close: Callable[[Link, str], None]
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     reader: FrameReader = field(init=False)
-    out: deque[tuple[list[memoryview], int | None]] = field(default_factory=deque)
+    out: deque[_Out] = field(default_factory=deque)
     out_bytes: int = 0
     closed: bool = False
     close_after_flush: bool = False
@@ -65,6 +75,7 @@ class Loop:
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
         self.links: set[Link] = set()
+        self._dirty: dict[int, Link] = {}  # links with frames queued since the last flush
 
     # ---- scheduling -------------------------------------------------------------------------
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
@@ -87,17 +98,32 @@ class Loop:
         return link
 
     def send(self, link: Link, frame: RawFrame) -> None:
-        """Queue `frame` on `link` (its descriptor is closed once sent) and write what the
-        socket takes now."""
+        """Queue `frame` on `link` (its descriptor is closed once sent). Queued frames are
+        written at the end of the loop's turn, those of one turn together in one `sendmsg` per
+        descriptor: a message and the frame that goes with it wake the peer once, not twice."""
         if link.closed:
             frame.close_fd()
             return
         bufs = [memoryview(b) for b in frame.buffers() if b]
-        link.out.append((bufs, frame.fd))
+        last = link.out[-1] if link.out else None
+        if (last is not None and not last.started and len(last.bufs) < _MAX_BUFFERS
+                and (frame.fd is None or last.fd is None)):
+            # The peer queues a descriptor until the frame that claims it: one may arrive
+            # with the first byte of the frames before its own.
+            last.bufs.extend(bufs)
+            last.fd = frame.fd if frame.fd is not None else last.fd
+        else:
+            link.out.append(_Out(bufs, frame.fd))
         link.out_bytes += frame.size()
         frame.fd = None
-        if len(link.out) == 1:
-            self._flush(link)
+        self._dirty[id(link)] = link
+
+    def flush_all(self) -> None:
+        """Write what every link has queued (the loop does this at the end of each turn)."""
+        while self._dirty:
+            _, link = self._dirty.popitem()
+            if not link.closed and link.out:
+                self._flush(link)
 
     def close(self, link: Link, reason: str) -> None:
         if link.closed:
@@ -106,9 +132,9 @@ class Loop:
         self.links.discard(link)
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(link.sock)
-        for _, fd in link.out:
-            if fd is not None:
-                os.close(fd)
+        for out in link.out:
+            if out.fd is not None:
+                os.close(out.fd)
         link.out.clear()
         self.pending_bytes -= link.reader.pending_bytes
         link.reader.close()
@@ -118,13 +144,15 @@ class Loop:
     def _flush(self, link: Link) -> None:
         try:
             while link.out:
-                bufs, fd = link.out[0]
+                out = link.out[0]
+                bufs, fd = out.bufs, out.fd
                 ancillary = ([(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
                              if fd is not None else [])
+                out.started = True
                 sent = link.sock.sendmsg(bufs, ancillary)
                 if fd is not None:
                     os.close(fd)
-                    link.out[0] = (bufs, None)
+                    out.fd = None
                 link.out_bytes -= sent
                 while bufs and sent >= len(bufs[0]):
                     sent -= len(bufs[0])
@@ -200,6 +228,7 @@ class Loop:
                     break
                 fn = self._soon.popleft()
             self._guard(fn)
+        self.flush_all()
 
     @staticmethod
     def _guard(fn: Callable[[], None]) -> None:

@@ -112,6 +112,33 @@ class Channel:
         """Send one message: a `compact.Message` with a compact header, anything else as JSON.
         TypeError for values that cannot be sent; FrameTooLarge (before anything is written)
         when the inline part exceeds the peer's limit."""
+        self.send_many([message])
+
+    def send_many(self, messages: list[Any]) -> None:
+        """Send several messages in one `sendmsg`, so the peer wakes once for all of them. At
+        most one of them may carry a shared-memory segment (its descriptor rides on the first
+        byte; the peer keeps it for the frame that claims it)."""
+        buffers: list[bytes | memoryview] = []
+        total = 0
+        fd: int | None = None
+        keep: list[object] = []
+        try:
+            for message in messages:
+                frame_fd = self._encode(message, buffers, keep)
+                if frame_fd is not None:
+                    if fd is not None:
+                        os.close(frame_fd)
+                        raise ValueError("send_many takes at most one message with a segment")
+                    fd = frame_fd
+            total = sum(memoryview(b).nbytes for b in buffers)
+            self._send_all(buffers, total, fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _encode(self, message: Any, buffers: list[bytes | memoryview],
+                keep: list[object]) -> int | None:
+        """Append `message`'s frame to `buffers`; returns its segment's descriptor, if any."""
         if type(message) is compact.Message:
             enc = compact.encode(message, shm_threshold=self.shm_threshold)
             flags = FLAG_COMPACT
@@ -124,15 +151,13 @@ class Channel:
                 f"message of {size} bytes exceeds the {self.peer_max_frame_bytes}-byte frame "
                 f"limit (tensors of at least {self.shm_threshold} bytes go through shared "
                 "memory and do not count); send fewer or smaller values per call")
+        keep.append(enc)
         fd = segment.create(enc.segment, enc.segment_size) if enc.segment_size else None
-        try:
-            if fd is not None:
-                flags |= FLAG_SEGMENT
-            fixed = _FIXED.pack(MAGIC, VERSION, flags, 0, len(enc.header), enc.inline_size)
-            self._send_all([fixed, enc.header, *enc.inline], HEADER_BYTES + size, fd)
-        finally:
-            if fd is not None:
-                os.close(fd)
+        if fd is not None:
+            flags |= FLAG_SEGMENT
+        buffers += [_FIXED.pack(MAGIC, VERSION, flags, 0, len(enc.header), enc.inline_size),
+                    enc.header, *enc.inline]
+        return fd
 
     def _send_all(self, buffers: list[bytes | memoryview], total: int, fd: int | None) -> None:
         """One sendmsg of `buffers` (`total` bytes) with `fd` attached, then the rest if the
