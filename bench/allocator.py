@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Protocol
 
-from salus.daemon.memory import BinAllocator, OutOfArenaMemory
+from salus.daemon.memory.bins import BinAllocator, OutOfArenaMemory
 
 ALIGNMENT = 256
 
