@@ -385,7 +385,7 @@ class Remote:
             if kind == compact.KIND_NONE:
                 return None
             return tuple(tensors)
-        if isinstance(reply, dict) and reply.get("ok") is True:
+        if isinstance(reply, dict):  # a failed call hands back what it drew before failing
             rng = reply.get("rng")
             self.job._rng_back(rng if isinstance(rng, torch.Tensor) else None)
         return _pickled_result(reply)
