@@ -376,19 +376,24 @@ def _tensors_of(obj: object) -> list[Tensor]:
     return []
 
 
-def state_bytes(objects: Iterable[object]) -> int:
-    """Bytes of a job's persistent state: every distinct tensor storage its objects hold, one
-    gradient per requires-grad parameter that has none yet, and the optimizer state that each
-    optimizer's first `step()` will create (predicted on fake tensors, as `persistent_bytes`
-    does)."""
-    objects = list(objects)
+def held_bytes(objects: Iterable[object]) -> int:
+    """Bytes of every distinct tensor storage the objects hold now (no predictions)."""
     seen: dict[int, int] = {}
     for obj in objects:
         for t in _tensors_of(obj):
             key = _storage_key(t)
             if key is not None:
                 seen[key] = t.untyped_storage().nbytes()
-    total = sum(seen.values())
+    return sum(seen.values())
+
+
+def state_bytes(objects: Iterable[object]) -> int:
+    """Bytes of a job's persistent state: every distinct tensor storage its objects hold, one
+    gradient per requires-grad parameter that has none yet, and the optimizer state that each
+    optimizer's first `step()` will create (predicted on fake tensors, as `persistent_bytes`
+    does)."""
+    objects = list(objects)
+    total = held_bytes(objects)
     for obj in objects:
         if isinstance(obj, nn.Module):
             total += sum(_nbytes(p) for p in obj.parameters() if p.requires_grad and p.grad is None)

@@ -14,7 +14,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from salus.daemon.memory import AllocatorStats, BinAllocator, OutOfArenaMemory
+from salus.daemon.memory.bins import AllocatorStats, BinAllocator, OutOfArenaMemory
 
 
 def test_rounds_up_to_alignment_and_splits() -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from salus.daemon.executor.peak import PeakMeter
-from salus.daemon.measure import EstimationError, estimate_call_peak, state_bytes
+from salus.daemon.measure import EstimationError, estimate_call_peak, held_bytes, state_bytes
 from salus.daemon.wire import compact
 from salus.daemon.wire.codec import Pickled, PickledPayload
 from salus.daemon.wire.frames import FUNCTION_MASK
@@ -76,6 +76,8 @@ class JobRuntime:
         self.device = torch.device("cpu")
         self.meter = PeakMeter()
         self.last_span = (0.0, 0.0)
+        self._held = 0
+        self._settled = False
 
     # ---- messages ---------------------------------------------------------------------------
     def attach(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +92,8 @@ class JobRuntime:
         self.state = State(**objects)
         self.names = list(objects)
         self.meter.set_baseline(self.device)
+        self._held = held_bytes(objects.values())
+        self._settled = False
         return {"persistent_bytes": state_bytes(objects.values()),
                 "threads": torch.get_num_threads()}
 
@@ -128,7 +132,7 @@ class JobRuntime:
             began = time.monotonic()
             result = fn(self.state, *args, **kwargs)
             self.last_span = (began, time.monotonic())
-            peak = self.meter.peak()
+            peak = self._settle(self.meter.peak())
             result = to_host(result)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the call
             reply = call_error(exc)
@@ -139,6 +143,16 @@ class JobRuntime:
         after = torch.get_rng_state()
         rng = None if torch.equal(before, after) else after
         return result_message(request, result, rng), time.perf_counter() - start, peak
+
+    def _settle(self, peak: int | None) -> int | None:
+        """The first call creates state lazily (gradients, optimizer state): persistent bytes,
+        booked apart, so they leave the call's peak and join the baseline."""
+        if self._settled or peak is None:
+            return peak
+        self._settled = True
+        grown = max(0, held_bytes(vars(self.state).values()) - self._held)
+        self.meter.baseline += grown
+        return max(0, peak - grown)
 
     def pull(self, request: dict[str, Any]) -> Any:
         names = request.get("names") or self.names
