@@ -24,6 +24,7 @@ SPARSE_SHAPES: list[tuple[int, ...]] = [(1,), (7,), (1001,), (3, 5, 7), (4099,)]
 SPARSE_DENSITY = 0.3
 EF_N, EF_STEPS, EF_DENSITY = 999, 6, 0.05
 NAN_RANK = 1
+SUBGROUP = [1, 3]
 OTHER_DTYPES = [torch.float16, torch.bfloat16, torch.float64]
 PG_TIMEOUT_S = 30
 JOIN_TIMEOUT_S = 150
@@ -44,16 +45,37 @@ def _worker(rank: int, port: int, local_size: int, out_dir: str) -> None:
     init_loopback(rank, WORLD, port, timeout_s=PG_TIMEOUT_S)
     res: dict[str, Any] = {}
     x = make_input(rank, 0, (DENSE_N,), integer=True)
-    res["density1"] = hitopk_allreduce(x, 1.0, local_size=local_size, dense_below=0)
     dense = x.clone()
     dist.all_reduce(dense)
     res["dense"] = dense
-    res["input_untouched"] = torch.equal(x, make_input(rank, 0, (DENSE_N,), integer=True))
+    returned = hitopk_allreduce(x, 1.0, local_size=local_size, dense_below=0)
+    res["density1"] = x
+    res["returns_its_input"] = returned is x
     for dtype in OTHER_DTYPES:
-        y = x.to(dtype)
-        res[f"density1{dtype}"] = hitopk_allreduce(y, 1.0, local_size=local_size, dense_below=0)
-        dist.all_reduce(y)
-        res[f"dense{dtype}"] = y
+        y = make_input(rank, 0, (DENSE_N,), integer=True).to(dtype)
+        z = y.clone()
+        hitopk_allreduce(y, 1.0, local_size=local_size, dense_below=0)
+        res[f"density1{dtype}"] = y
+        dist.all_reduce(z)
+        res[f"dense{dtype}"] = z
+
+    # Two asynchronous calls in flight at once, then waited for in reverse order.
+    a = make_input(rank, 70, (DENSE_N,))
+    b = make_input(rank, 71, (DENSE_N,))
+    work_a = hitopk_allreduce(a, 0.2, local_size=local_size, method="exact", dense_below=0,
+                              async_op=True)
+    work_b = hitopk_allreduce(b, 0.2, local_size=local_size, method="exact", dense_below=0,
+                              async_op=True)
+    res["async_waited"] = work_b.wait() and work_a.wait()
+    res["async_completed"] = work_a.is_completed() and work_b.is_completed()
+    res["async_a"], res["async_b"] = a, b
+
+    # A group that is not the default group: ranks 1 and 3 only, one rank per node.
+    sub = dist.new_group(SUBGROUP)
+    if rank in SUBGROUP:
+        s = make_input(rank, 80, (DENSE_N,))
+        hitopk_allreduce(s, 0.3, local_size=1, group=sub, method="exact", dense_below=0)
+        res["subgroup"] = s
 
     for i, shape in enumerate(SPARSE_SHAPES):
         res[f"sparse{shape}"] = hitopk_allreduce(
@@ -88,6 +110,7 @@ def _worker(rank: int, port: int, local_size: int, out_dir: str) -> None:
     bad = make_input(rank, 50, (5000,))
     if rank == NAN_RANK:
         bad[4321] = float("nan")
+    bad_before = bad.clone()
     nan_residual = torch.ones(5000)
     try:
         hitopk_allreduce(bad, 0.1, nan_residual, local_size=local_size, dense_below=0)
@@ -95,6 +118,7 @@ def _worker(rank: int, port: int, local_size: int, out_dir: str) -> None:
     except ValueError as exc:
         res["nan_error"] = str(exc)
     res["nan_residual"] = nan_residual
+    res["nan_tensor_untouched"] = torch.equal(bad.nan_to_num(), bad_before.nan_to_num())
     res["after_nan"] = hitopk_allreduce(
         make_input(rank, 51, (5000,)), 0.1, local_size=local_size, method="exact", dense_below=0
     )
@@ -154,9 +178,39 @@ def test_density_one_equals_dense_allreduce(layout_results: tuple[int, Results])
     _, results = layout_results
     want = torch.stack([make_input(r, 0, (DENSE_N,), integer=True) for r in range(WORLD)]).sum(0)
     for res in results:
-        assert res["input_untouched"]
+        assert res["returns_its_input"]  # in place, like torch.distributed
         assert torch.equal(res["density1"], res["dense"])
         assert torch.equal(res["density1"], want)
+
+
+@pytest.mark.slow
+def test_async_calls_in_flight_together_give_the_sync_results(
+    layout_results: tuple[int, Results],
+) -> None:
+    local_size, results = layout_results
+    for res in results:
+        assert res["async_waited"] and res["async_completed"]
+    for key, tag in (("async_a", 70), ("async_b", 71)):
+        got = assert_same_on_every_rank(results, key)
+        want = reference([make_input(r, tag, (DENSE_N,)) for r in range(WORLD)], 0.2, local_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_group_other_than_the_default_group(layout_results: tuple[int, Results]) -> None:
+    _, results = layout_results
+    got = [results[r]["subgroup"] for r in SUBGROUP]
+    assert torch.equal(got[0], got[1])
+    for r, res in enumerate(results):
+        assert ("subgroup" in res) == (r in SUBGROUP)
+    # Two nodes of one rank each: every rank's top 30% of its own tensor, summed.
+    want = torch.zeros(DENSE_N)
+    k = math.ceil(0.3 * DENSE_N - 1e-9)
+    for r in SUBGROUP:
+        x = make_input(r, 80, (DENSE_N,))
+        idx = torch.topk(x.abs(), k).indices
+        want[idx] += x[idx]
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -222,6 +276,7 @@ def test_nan_on_one_rank_raises_on_every_rank(layout_results: tuple[int, Results
     for r, res in enumerate(results):
         assert f"rank(s) [{NAN_RANK}]" in res["nan_error"], f"rank {r}: {res['nan_error']!r}"
         assert torch.equal(res["nan_residual"], torch.ones(5000))
+        assert res["nan_tensor_untouched"]
     # The group is still in step afterwards.
     got = assert_same_on_every_rank(results, "after_nan")
     want = reference([make_input(r, 51, (5000,)) for r in range(WORLD)], 0.1, local_size)
