@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import sys
 import sysconfig
 import threading
+import time
 import types
 from collections import deque
 from collections.abc import Callable
@@ -65,7 +67,13 @@ from salus.daemon.wire.channel import (
     PickledPayload,
     error_from_reply,
 )
-from salus.daemon.wire.errors import CallFailed, DaemonUnavailable, SalusError
+from salus.daemon.wire.errors import (
+    CallFailed,
+    DaemonUnavailable,
+    JobCancelled,
+    JobFailed,
+    SalusError,
+)
 from salus.daemon.wire.frames import VERSION
 
 __all__ = ["CallFailed", "DaemonUnavailable", "Future", "Job", "Remote", "RemoteFunction",
@@ -96,11 +104,22 @@ def connect(name: str, iterations: int, *, address: str | None = None,
     return job
 
 
+class _Line:
+    """One connection of a job: to the daemon, or straight to the job's executor. Replies on a
+    line come in the order of its requests."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.pending: deque[Future] = deque()
+        self.broken: BaseException | None = None
+
+
 class Future:
     """The pending reply of one request on a job's connection."""
 
-    def __init__(self, job: Job, decode: Callable[[Any], Any]) -> None:
+    def __init__(self, job: Job, line: _Line, decode: Callable[[Any], Any]) -> None:
         self._job = job
+        self._line = line
         self._decode = decode
         self._done = False
         self._value: Any = None
@@ -112,7 +131,7 @@ class Future:
     def result(self) -> Any:
         """Wait for the reply and return the call's result (or raise its error)."""
         if not self._done:
-            self._job._wait_for(self)
+            self._job._wait_for(self, self._line)
         if self._error is not None:
             raise self._error
         return self._value
@@ -131,7 +150,8 @@ class Job:
     def __init__(self, channel: Channel, name: str, iterations: int, path: str) -> None:
         self._channel = channel
         self._lock = threading.RLock()
-        self._pending: deque[Future] = deque()
+        self._line = _Line(channel)
+        self._direct: _Line | None = None
         self.name = name
         self.iterations = iterations
         self.path = path
@@ -140,7 +160,6 @@ class Job:
         self.threads: int | None = None
         self.remote: Remote | None = None
         self._closed = False
-        self._broken = False
         self._compact = False
         self._rng_synced: torch.Tensor | None = None
 
@@ -162,7 +181,22 @@ class Job:
             raise _unpicklable(objects, exc) from exc
         future.result()
         self.remote = Remote(self, objects)
+        self._open_direct()
         return self.remote
+
+    def _open_direct(self) -> None:
+        """A socket straight to the job's executor for its calls: while the job has its lane
+        to itself they skip the daemon (which is told afterwards)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._request({"op": "channel", "job": self._require_id()},
+                          fd=theirs.fileno()).result()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._direct = _Line(Channel(ours))
 
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                    loss_fn: Callable[..., torch.Tensor]) -> Callable[..., float]:
@@ -221,12 +255,15 @@ class Job:
             if self._closed:
                 return
             try:
-                if self.id is not None and not self._broken:
+                self._drain_direct()
+                if self.id is not None and self._line.broken is None:
                     self._request({"op": "close", "job": self.id}).result()
             except (DaemonUnavailable, SalusError):
                 pass
             finally:
                 self._closed = True
+                if self._direct is not None:
+                    self._direct.channel.close()
                 self._channel.close()
 
     def __enter__(self) -> Job:
@@ -259,44 +296,87 @@ class Job:
             raise RuntimeError(f"job {self.name!r} is not open")
         return self.id
 
-    def _request(self, message: Any, decode: Callable[[Any], Any] | None = None) -> Future:
-        """Send one request; its Future resolves when its reply (they come in order) arrives."""
-        future = Future(self, decode or _json_result)
+    def _request(self, message: Any, decode: Callable[[Any], Any] | None = None, *,
+                 direct: bool = False, fd: int | None = None) -> Future:
+        """Send one request, to the daemon or (`direct`) straight to the job's executor; its
+        Future resolves when its reply arrives (replies on a line come in order)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"job {self.name!r} is closed")
-            if self._broken:
-                raise DaemonUnavailable(f"the connection to salusd at {self.path} was lost")
+            line = self._direct if direct and self._direct is not None else self._line
+            if line is self._line and self._direct is not None and self._direct.pending:
+                self._drain_direct()  # what goes through the daemon follows the calls before
+            if line.broken is not None:
+                raise line.broken
+            future = Future(self, line, decode or _json_result)
             try:
-                self._channel.send(message)
+                if fd is None:
+                    line.channel.send(message)
+                else:
+                    line.channel.send_socket(message, fd)
             except (ConnectionClosed, OSError) as exc:
-                self._broken = True
-                raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
-                                        f"{exc}") from None
-            self._pending.append(future)
+                self._break(line, exc)
+                raise line.broken from None  # type: ignore[misc]
+            line.pending.append(future)
         return future
 
-    def _wait_for(self, future: Future) -> None:
+    def _wait_for(self, future: Future, line: _Line) -> None:
         with self._lock:
             while not future.done():
-                head = self._pending[0]
+                head = line.pending[0]
                 try:
-                    reply = self._channel.recv()
+                    reply = line.channel.recv()
                 except (ConnectionClosed, OSError) as exc:
-                    self._broken = True
-                    error = DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
-                                              f"{exc}")
-                    while self._pending:
-                        self._pending.popleft()._resolve(_Raise(error))
+                    self._break(line, exc)
                     break
                 except FrameError as exc:
-                    self._broken = self._broken or not exc.recoverable
+                    if not exc.recoverable:
+                        self._break(line, exc)
+                        break
                     reply = _Raise(exc)
                 except BaseException:
-                    self._broken = True  # interrupted mid-reply: the stream is out of step
+                    # Interrupted mid-reply: the stream is out of step with the requests.
+                    self._break(line, ConnectionError("interrupted while reading a reply"))
                     raise
-                self._pending.popleft()
+                line.pending.popleft()
                 head._resolve(reply)
+
+    def _drain_direct(self) -> None:
+        if self._direct is not None and self._direct.pending:
+            self._wait_for(self._direct.pending[-1], self._direct)
+
+    def _break(self, line: _Line, exc: BaseException) -> None:
+        """The line is gone: every request still waiting on it fails with the reason."""
+        waiting = list(line.pending)
+        line.pending.clear()
+        line.broken = DaemonUnavailable(f"lost the connection to salusd at {self.path}: {exc}")
+        if line is not self._line:
+            line.broken = self._why_executor_gone(exc)
+        for future in waiting:
+            future._resolve(_Raise(line.broken))
+
+    def _why_executor_gone(self, exc: BaseException, wait_s: float = 5.0) -> BaseException:
+        """The direct line to the executor closed: the daemon knows why the job ended. It
+        learns of an executor's death a moment after the client may see it, so ask until the
+        job shows as ended (at most `wait_s` seconds)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                info = self._request({"op": "info", "job": self._require_id()}).result()
+            except SalusError as error:
+                return error
+            if info.get("state") in ("failed", "cancelled", "finished"):
+                break
+            if time.monotonic() > deadline:
+                return DaemonUnavailable(f"lost the connection to job {self.id}'s executor: "
+                                         f"{exc}")
+            time.sleep(0.02)
+        state, reason = info.get("state"), info.get("reason") or "its executor went away"
+        if state == "failed":
+            return JobFailed(reason)
+        if state in ("cancelled", "finished"):
+            return JobCancelled(reason)
+        return DaemonUnavailable(f"lost the connection to job {self.id}'s executor: {exc}")
 
     def _rng_to_send(self) -> torch.Tensor | None:
         """The client's generator state when it changed since the job last had it."""
@@ -420,7 +500,7 @@ class RemoteFunction:
         else:
             message = {"op": "call", "job": job._require_id(), "fid": self.fid,
                        "args": _pickled((args, kwargs), "call arguments"), "rng": rng}
-        return job._request(message, remote._decode_result)
+        return job._request(message, remote._decode_result, direct=True)
 
 
 class _ModeSync:

@@ -165,8 +165,12 @@ def test_control_commands_show_and_steer_a_running_job(daemon_proc):
         assert table.returncode == 0 and "steered" in table.stdout
 
         assert _salusd("suspend", job.id, "--swap", "--socket", sock).returncode == 0
-        (after,) = [j for j in json.loads(_salusd("status", "--socket", sock, "--json").stdout)
-                    ["jobs"] if j["name"] == "steered"]
+        deadline = time.monotonic() + 10  # the swap happens at the job's next boundary
+        while True:
+            (after,) = [j for j in json.loads(_salusd("status", "--socket", sock, "--json")
+                                              .stdout)["jobs"] if j["name"] == "steered"]
+            if after["memory"]["swapped_out"] or time.monotonic() > deadline:
+                break
         assert after["state"] == "suspended" and after["memory"]["swapped_out"] is True
         assert _salusd("resume", job.id, "--socket", sock).returncode == 0
         assert isinstance(step(x, y), float)  # runs again after resume

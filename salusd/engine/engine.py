@@ -84,6 +84,15 @@ class _Sent:
     counted: bool = False
 
 
+def _refuse(call: Call, error: SalusError) -> None:
+    """Answer a queued call with `error` (a direct call is answered by its executor when it
+    is told the job ended)."""
+    if call.frame is not None:
+        call.frame.close_fd()
+    if call.answer is not None:
+        call.answer(error_frame(error))
+
+
 def error_frame(exc: SalusError) -> RawFrame:
     return json_frame({"ok": False, "code": exc.code, "message": str(exc)})
 
@@ -124,6 +133,8 @@ class Engine:
         self.registry = Registry(clock, retention_s=retention_s)
         self.events = EventStream()
         self.busy: dict[LaneKey, int] = {}
+        self.leases: dict[LaneKey, int] = {}  # lanes whose job runs direct calls unasked
+        self.revoking: set[LaneKey] = set()
         self._sent: dict[int, deque[_Sent]] = {}  # id(executor) -> what it was asked
         self._by_executor: dict[int, JobRecord] = {}
         self.stopping = False
@@ -162,6 +173,13 @@ class Engine:
         self._require_attached(record)
         self._send(record, _Sent("pull", answer), {"op": "pull"}, frame)
 
+    def channel(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
+        """Hand the job's executor the client's end of a direct call channel (the descriptor
+        travels with `frame`). Calls on it run at once while the job holds a lease on its lane,
+        and are asked for (`ready`) and granted (`run`) one by one otherwise."""
+        self._require_attached(record)
+        self._send(record, _Sent("channel", answer), {"op": "channel"}, frame)
+
     def call(self, record: JobRecord, frame: RawFrame, answer: Answer, counted: bool) -> None:
         """Queue one call; it runs when the policy picks the job in its lane."""
         self._require_live(record)
@@ -178,6 +196,7 @@ class Engine:
             self._send(record, _Sent("estimate"), {"op": "estimate"}, frame.duplicate())
         elif record.phase == "submitted":
             self._pump_job(record)
+            self._refresh_leases()
 
     def close(self, record: JobRecord) -> None:
         """The client is done: the job finishes once its running call (if any) has returned."""
@@ -201,6 +220,7 @@ class Engine:
                 record.swap_requested = True
                 self._swap_if_idle(record)
         self._event("suspend", record.job_id, swap=swap)
+        self._refresh_leases()
 
     def resume(self, record: JobRecord) -> None:
         self._require_live(record)
@@ -214,6 +234,7 @@ class Engine:
             if not was_swapped:
                 self._pump_job(record)
         self._event("resume", record.job_id)
+        self._refresh_leases()
 
     def set_priority(self, record: JobRecord, priority: object) -> None:
         self._require_live(record)
@@ -229,11 +250,10 @@ class Engine:
     def begin_shutdown(self) -> None:
         """Refuse new work and fail queued calls; running calls finish and answer."""
         self.stopping = True
+        self._refresh_leases()
         for record in self.registry:
             while record.calls:
-                call = record.calls.popleft()
-                call.frame.close_fd()
-                call.answer(error_frame(ShuttingDown("salusd is shutting down")))
+                _refuse(record.calls.popleft(), ShuttingDown("salusd is shutting down"))
 
     @property
     def idle(self) -> bool:
@@ -246,6 +266,10 @@ class Engine:
         """The executor answered the oldest message it was sent."""
         record = self._by_executor.get(id(executor))
         queue = self._sent.get(id(executor))
+        if record is not None and meta.get("unsolicited"):
+            self._unsolicited(record, meta)
+            self._refresh_leases()
+            return
         if record is None or not queue:
             log.warning("unexpected reply from an executor: %r", meta)
             if frame is not None:
@@ -254,6 +278,10 @@ class Engine:
         sent = queue.popleft()
         if sent.kind == "run":
             self._finished_call(record, sent, meta)
+        elif sent.kind == "revoke":
+            self._revoked(record, sent)
+        elif sent.kind == "channel" and meta.get("ok"):
+            record.direct = True
         elif sent.kind == "attach" and meta.get("ok"):
             record.persistent_bytes = int(meta["persistent_bytes"])
             record.phase = "attached" if record.live else record.phase
@@ -271,6 +299,7 @@ class Engine:
             sent.answer(frame)
         elif frame is not None:
             frame.close_fd()
+        self._refresh_leases()
 
     def on_executor_died(self, executor: object, reason: str) -> None:
         """The executor is gone: fail its job with `reason` (unless it had already ended) and
@@ -280,8 +309,14 @@ class Engine:
         if record is None:
             return
         running = next((s.lane for s in queue if s.kind == "run"), None)
-        where = (f"while running job {record.job_id} in lane {running[0]}.{running[1]}"
-                 if running else f"while job {record.job_id} was between calls")
+        leased = next((k for k, j in self.leases.items() if j == record.job_id), None)
+        if running:
+            where = f"while running job {record.job_id} in lane {running[0]}.{running[1]}"
+        elif leased:
+            where = (f"while running job {record.job_id} in lane {leased[0]}.{leased[1]} (or "
+                     "between its calls there)")
+        else:
+            where = f"while job {record.job_id} was between calls"
         error: SalusError
         if record.live:
             error = JobFailed(f"{reason} {where}")
@@ -289,19 +324,111 @@ class Engine:
             self._end(record, "failed", str(error), executor_gone=True)
         else:
             error = JobCancelled(f"job {record.job_id} ended: {record.reason}")
+        for key in [k for k, j in self.leases.items() if j == record.job_id]:
+            del self.leases[key]
+            self.revoking.discard(key)
+            if self.busy.get(key) == record.job_id:
+                del self.busy[key]
         for sent in queue:
             if sent.lane is not None and self.busy.get(sent.lane) == record.job_id:
                 del self.busy[sent.lane]
-                self._pump(sent.lane)
             if sent.answer is not None:
                 sent.answer(error_frame(error))
         self._event("executor_died", record.job_id, reason=reason)
+        self._pump_all()
+        self._refresh_leases()
 
     # ---- internals --------------------------------------------------------------------------
     def _send(self, record: JobRecord, sent: _Sent, meta: dict[str, Any],
               frame: RawFrame | None) -> None:
         self._sent[id(record.executor)].append(sent)
         self.executors.send(record.executor, meta, frame)
+
+    # ---- direct calls and leases -------------------------------------------------------------
+    def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
+        """`ready`: a direct call waits in the executor for its turn; `ran`: a call ran under
+        the job's lease and is accounted now."""
+        op = meta.get("op")
+        if op == "ready":
+            if not record.live or self.stopping:
+                reason = (record.reason or "salusd is shutting down")
+                self._send(record, _Sent("refuse"), {"op": "refuse", "code": (
+                    "shutting_down" if self.stopping else "job_cancelled"),
+                    "message": reason}, None)
+                return
+            record.calls.append(Call(None, None, bool(meta.get("counted"))))
+            if record.phase == "attached":
+                # The first call came directly: it is measured rather than estimated.
+                self._estimated(record, {"ok": False, "reason": "first call came directly"})
+            else:
+                self._pump_job(record)
+        elif op == "ran" and record.live and record.phase == "submitted":
+            lane = next(((k for k, j in self.leases.items() if j == record.job_id)), None)
+            if lane is None:
+                return
+            record.calls_done += 1
+            record.calls_failed += 0 if meta.get("ok") else 1
+            made = self._account(record, lane, meta, bool(meta.get("counted")))
+            self._event("end", record.job_id, *lane, seconds=float(meta.get("seconds", 0.0)),
+                        began=meta.get("began"), ended=meta.get("ended"))
+            self._apply(made)
+
+    def _refresh_leases(self) -> None:
+        """Grant each lane's lease to its job when that job is alone there, attached by a
+        direct channel, runnable and has nothing queued through the daemon; take it back
+        from any holder that no longer qualifies."""
+        for lane in self.sched.lanes.lanes():
+            key = (lane.device, lane.lane_id)
+            holder = self.leases.get(key)
+            wanted = self._lease_candidate(lane.residents)
+            if holder is not None and holder != wanted and key not in self.revoking:
+                record = self.registry.live.get(holder) or self.registry.ended.get(holder)
+                if record is not None and id(record.executor) in self._by_executor:
+                    self.revoking.add(key)
+                    self._send(record, _Sent("revoke", lane=key),
+                               {"op": "lease", "granted": False}, None)
+            elif holder is None and wanted is not None and key not in self.busy:
+                record = self.registry.live[wanted]
+                self.leases[key] = wanted
+                self.busy[key] = wanted
+                self._send(record, _Sent("grant"), {"op": "lease", "granted": True}, None)
+        for key in [k for k in self.leases if self.sched.lanes.lane(*k) is None]:
+            holder = self.leases[key]
+            record = self.registry.live.get(holder) or self.registry.ended.get(holder)
+            if key not in self.revoking and record is not None and (
+                    id(record.executor) in self._by_executor):
+                self.revoking.add(key)
+                self._send(record, _Sent("revoke", lane=key),
+                           {"op": "lease", "granted": False}, None)
+
+    def _lease_candidate(self, residents: list[int]) -> int | None:
+        if len(residents) != 1 or self.stopping:
+            return None
+        record = self.registry.live.get(residents[0])
+        job = self.sched.jobs.get(residents[0])
+        if (record is None or job is None or not record.direct or record.calls
+                or record.held or record.swap_requested or record.cancel_requested
+                or record.phase != "submitted"
+                or job.state not in (JobState.ADMITTED, JobState.RUNNING)):
+            return None
+        return record.job_id
+
+    def _revoked(self, record: JobRecord, sent: _Sent) -> None:
+        """The executor gave the lease back (after any call it was running)."""
+        assert sent.lane is not None
+        key = sent.lane
+        self.revoking.discard(key)
+        if self.leases.get(key) == record.job_id:
+            del self.leases[key]
+            if self.busy.get(key) == record.job_id:
+                del self.busy[key]
+        if not record.live:
+            self._finalize(record)
+        elif record.swap_requested:
+            self._swap_if_idle(record)
+        if self.sched.lanes.lane(*key) is not None:
+            self._pump(key)
+        self._pump_job(record)
 
     def _estimated(self, record: JobRecord, meta: dict[str, Any]) -> None:
         if not record.live:
@@ -360,8 +487,10 @@ class Engine:
             self.sched.iteration_started(record.job_id)
         self.busy[key] = record.job_id
         self._send(record, _Sent("run", call.answer, key, call.counted),
-                   {"op": "run", "counted": call.counted}, call.frame)
-        call.frame.close_fd()
+                   {"op": "run", "counted": call.counted, "frame": call.frame is not None},
+                   call.frame)
+        if call.frame is not None:
+            call.frame.close_fd()
 
     def _finished_call(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
         assert sent.lane is not None
@@ -371,15 +500,7 @@ class Engine:
         record.calls_failed += 0 if meta.get("ok") else 1
         made: list[Placement] = []
         if record.live and record.phase == "submitted":
-            job = self.sched.jobs[record.job_id]
-            if sent.counted and not job.done:
-                # Interactive jobs end at close: the planned count only informs SRTF.
-                job.total_iterations = max(job.total_iterations, job.done_iterations + 2)
-                made = self.sched.iteration_done(record.job_id, seconds)
-            peak = meta.get("peak")
-            if isinstance(peak, int):
-                record.measured_peak = max(record.measured_peak or 0, peak)
-                made += self._check_peak(record, sent.lane, peak)
+            made = self._account(record, sent.lane, meta, sent.counted, started=True)
         elif not record.live:
             self._finalize(record)
         self._event("end", record.job_id, *sent.lane, seconds=seconds,
@@ -388,6 +509,24 @@ class Engine:
             self._swap_if_idle(record)
         self._apply(made)
         self._pump(sent.lane)
+
+    def _account(self, record: JobRecord, key: LaneKey, meta: dict[str, Any], counted: bool,
+                 *, started: bool = False) -> list[Placement]:
+        """Account one finished call of a live, admitted job: its time (iterations only) and
+        its measured peak. Returns the placements a re-admission made."""
+        made: list[Placement] = []
+        job = self.sched.jobs[record.job_id]
+        if counted and not job.done:
+            if not started:
+                self.sched.iteration_started(record.job_id)
+            # Interactive jobs end at close: the planned count only informs SRTF.
+            job.total_iterations = max(job.total_iterations, job.done_iterations + 2)
+            made = self.sched.iteration_done(record.job_id, float(meta.get("seconds", 0.0)))
+        peak = meta.get("peak")
+        if isinstance(peak, int):
+            record.measured_peak = max(record.measured_peak or 0, peak)
+            made += self._check_peak(record, key, peak)
+        return made
 
     def _check_peak(self, record: JobRecord, key: LaneKey, peak: int) -> list[Placement]:
         """A call measured `peak` bytes above the job's resident state: a job over its lane
@@ -434,6 +573,7 @@ class Engine:
                 }, None)
         for p in made:
             self._pump((p.device, p.lane_id))
+        self._refresh_leases()
 
     def _swap_if_idle(self, record: JobRecord) -> None:
         if not record.swap_requested or record.job_id in self.busy.values():
@@ -450,9 +590,7 @@ class Engine:
         executor once its running call (if any) has returned."""
         error: SalusError = (JobFailed(reason) if state == "failed" else JobCancelled(reason))
         while record.calls:
-            call = record.calls.popleft()
-            call.frame.close_fd()
-            call.answer(error_frame(error))
+            _refuse(record.calls.popleft(), error)
         made: list[Placement] = []
         if record.job_id in self.sched.jobs and not self.sched.jobs[record.job_id].done:
             made = self.sched.finish(record.job_id, JobState.FINISHED if state == "finished"
@@ -469,6 +607,7 @@ class Engine:
                 self._finalize(record)
         self._apply(made)
         self._pump_all()
+        self._refresh_leases()
 
     def _kill_if_running(self, record: JobRecord) -> None:
         if record.job_id in self.busy.values() and id(record.executor) in self._by_executor:

@@ -48,8 +48,8 @@ class Call:
     """One queued call from a client: the frame to forward, who to answer, and whether it
     counts as an iteration (`@remote.iteration`) or not (`@remote.function`)."""
 
-    frame: RawFrame
-    answer: Answer
+    frame: RawFrame | None  # None: a direct call waiting in the executor
+    answer: Answer | None  # None: the executor answers the client itself
     counted: bool
 
 
@@ -83,6 +83,7 @@ class JobRecord:
     calls_failed: int = 0
     device_kind: str = "cpu"
     functions: dict[int, str] = field(default_factory=dict)  # function id -> its kind
+    direct: bool = False  # the client calls the executor on a direct channel
 
     @property
     def live(self) -> bool:

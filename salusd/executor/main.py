@@ -15,20 +15,26 @@ import ctypes
 import logging
 import os
 import resource
+import selectors
 import signal
 import socket
 import sys
+from collections import deque
 from typing import Any
 
 import torch
 
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text
 from salus.daemon.measure import EstimationError
-from salus.daemon.wire.channel import Channel, ConnectionClosed
+from salus.daemon.wire import compact
+from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
+from salus.daemon.wire.frames import FUNCTION_MASK
 
 log = logging.getLogger("salusd.executor")
 _PR_SET_DUMPABLE = 4
-_WITH_FRAME = frozenset({"attach", "define", "pull", "estimate", "run"})
+MAX_QUEUED_CALLS = 64
+_BUSY = object()  # a call refused for the bound, answered in its turn
+_WITH_FRAME = frozenset({"attach", "define", "pull", "estimate", "run", "channel"})
 
 
 def become(hello: dict[str, Any]) -> None:
@@ -55,30 +61,175 @@ def become(hello: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(hello.get("threads", 1))))
 
 
-def serve(sock: socket.socket) -> int:
-    """The executor's loop until the daemon says `exit` or goes away; returns the exit code."""
-    channel = Channel(sock)
-    try:
-        hello = channel.recv()
-        become(hello)
-    except ConnectionClosed:
-        return 0
-    runtime = JobRuntime()
-    while True:
+class Executor:
+    """The loop of one executor: messages from the daemon, and calls from the job's client on
+    its direct channel (once the client opened one).
+
+    A direct call runs at once while the daemon has granted this job its lane (`lease`) and the
+    daemon hears of it afterwards (`ran`); without a lease the executor asks (`ready`) and runs
+    the call when the daemon answers `run`. Either way a lane runs one call at a time and the
+    scheduler decides at every boundary where it must: the daemon grants a lease only to a job
+    alone in its lane, and takes it back (`lease` false) before anything else may run there.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.daemon = Channel(sock)
+        self.data: Channel | None = None
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sock, selectors.EVENT_READ, "daemon")
+        self.runtime = JobRuntime()
+        self.lease = False
+        self.asked = False
+        self.queue: deque[Any] = deque()
+
+    def serve(self) -> int:
         try:
-            meta = channel.recv()
-            op = meta.get("op") if isinstance(meta, dict) else None
-            request = channel.recv() if op in _WITH_FRAME else None
+            become(self.daemon.recv())
         except ConnectionClosed:
             return 0
-        if op == "exit":
-            return 0
-        reply_meta, forward = handle(runtime, op, meta, request)
+        while True:
+            sources = [name for name, ch in (("daemon", self.daemon), ("data", self.data))
+                       if ch is not None and ch.buffered()]
+            if not sources:
+                sources = [key.data for key, _ in self.selector.select()]
+            for source in sources:
+                if source == "daemon":
+                    if self._from_daemon():
+                        return 0
+                else:
+                    self._from_client()
+            self._run_queued()
+
+    # ---- the daemon's messages ----------------------------------------------------------------
+    def _from_daemon(self) -> bool:
+        """Handle one message from the daemon; True when the executor must exit."""
         try:
-            _send(channel, reply_meta, forward)
+            meta = self.daemon.recv()
+            op = meta.get("op") if isinstance(meta, dict) else None
+            request = (self.daemon.recv() if op in _WITH_FRAME and meta.get("frame", True)
+                       else None)
+        except ConnectionClosed:
+            self._refuse_queued({"code": "unavailable", "message": "salusd went away"})
+            return True
+        if op == "exit":
+            self._refuse_queued({"code": meta.get("code", "job_cancelled"),
+                                 "message": meta.get("message", "the job ended")})
+            return True
+        if op == "lease":
+            self.lease = bool(meta.get("granted"))
+            self._reply({"ok": True}, None)
+        elif op == "refuse":
+            self._refuse_queued(meta)
+            self._reply({"ok": True}, None)
+        elif op == "channel":
+            self._open_channel(request)
+        elif op == "run" and request is None:
+            self.asked = False
+            self._refuse_busy_at_head()
+            if self.queue:
+                reply_meta, reply = self._run(self.queue.popleft())
+                self._answer_client(reply)
+                self._reply(reply_meta, None)
+            else:
+                self._reply({"ok": False, "seconds": 0.0, "peak": None}, None)
+        else:
+            self._reply(*handle(self.runtime, op, meta, request))
+        return False
+
+    def _open_channel(self, request: Any) -> None:
+        fd = request.get("socket_fd") if isinstance(request, dict) else None
+        if not isinstance(fd, int):
+            self._reply({"ok": False}, _error(ValueError("'channel' needs a socket")))
+            return
+        if self.data is not None:
+            os.close(fd)
+            self._reply({"ok": False}, _error(ValueError("the job already has a channel")))
+            return
+        sock = socket.socket(fileno=fd)
+        self.data = Channel(sock)
+        self.selector.register(sock, selectors.EVENT_READ, "data")
+        self._reply({"ok": True}, {"ok": True, "result": None})
+
+    def _reply(self, meta: dict[str, Any], forward: Any) -> None:
+        try:
+            _send(self.daemon, meta, forward)
         except TypeError as exc:  # a result that cannot be pickled fails its call only
-            _send(channel, {**reply_meta, "ok": False},
+            _send(self.daemon, {**meta, "ok": False},
                   call_error(TypeError(f"the call's result cannot be sent back: {exc}")))
+
+    # ---- the client's direct calls ------------------------------------------------------------
+    def _from_client(self) -> None:
+        assert self.data is not None
+        try:
+            request = self.data.recv()
+            self.queue.append(request if len(self.queue) < MAX_QUEUED_CALLS else _BUSY)
+        except (ConnectionClosed, OSError):
+            self._close_channel()
+        except FrameError as exc:
+            self._answer_client({"ok": False, "code": exc.code, "message": str(exc)})
+            if not exc.recoverable:
+                self._close_channel()
+
+    def _close_channel(self) -> None:
+        if self.data is not None:
+            self.selector.unregister(self.data.sock)
+            self.data.close()
+            self.data = None
+        self.queue.clear()
+
+    def _refuse_busy_at_head(self) -> None:
+        while self.queue and self.queue[0] is _BUSY:
+            self.queue.popleft()
+            self._answer_client({"ok": False, "code": "busy", "message": (
+                f"the job already has {MAX_QUEUED_CALLS} calls queued; wait for results "
+                "before submitting more")})
+
+    def _run_queued(self) -> None:
+        self._refuse_busy_at_head()
+        while self.queue and self.lease:
+            request = self.queue.popleft()
+            reply_meta, reply = self._run(request)
+            self._answer_client(reply)
+            _send(self.daemon, {**reply_meta, "op": "ran", "unsolicited": True}, None)
+            self._refuse_busy_at_head()
+        if self.queue and not self.lease and not self.asked:
+            self.asked = True
+            _send(self.daemon, {"op": "ready", "unsolicited": True,
+                                "counted": self._counted(self.queue[0])}, None)
+
+    def _run(self, request: Any) -> tuple[dict[str, Any], Any]:
+        reply_meta, reply = handle(self.runtime, "run", {}, request)
+        reply_meta["counted"] = self._counted(request)
+        return reply_meta, reply
+
+    def _counted(self, request: Any) -> bool:
+        fid = (request.aux & FUNCTION_MASK if type(request) is compact.Message
+               else request.get("fid") if isinstance(request, dict) else None)
+        return self.runtime.kinds.get(fid) == "iteration" if type(fid) is int else False
+
+    def _answer_client(self, reply: Any) -> None:
+        if self.data is None:
+            return
+        try:
+            self.data.send(reply)
+        except TypeError as exc:
+            self.data.send(call_error(TypeError(f"the call's result cannot be sent back: "
+                                                f"{exc}")))
+        except OSError:
+            self._close_channel()
+
+    def _refuse_queued(self, meta: dict[str, Any]) -> None:
+        error = {"ok": False, "code": str(meta.get("code", "job_cancelled")),
+                 "message": str(meta.get("message", "the job ended"))}
+        while self.queue:
+            self.queue.popleft()
+            self._answer_client(error)
+        self.asked = False
+
+
+def serve(sock: socket.socket) -> int:
+    """The executor's loop until the daemon says `exit` or goes away; returns the exit code."""
+    return Executor(sock).serve()
 
 
 def _send(channel: Channel, meta: dict[str, Any], forward: Any) -> None:

@@ -73,6 +73,7 @@ class JobRuntime:
         self.state = State()
         self.names: list[str] = []
         self.functions: dict[int, Callable[..., Any]] = {}
+        self.kinds: dict[int, str] = {}  # function id -> "iteration" or "function"
         self.device = torch.device("cpu")
         self.meter = PeakMeter()
         self.last_span = (0.0, 0.0)
@@ -107,6 +108,7 @@ class JobRuntime:
         if not callable(fn):
             raise TypeError(f"a {type(fn).__name__} is not callable")
         self.functions[fid] = fn
+        self.kinds[fid] = str(request.get("kind", "function"))
 
     def estimate(self, request: Any) -> tuple[int, str]:
         """Peak ephemeral bytes of the call on fake copies of the state; EstimationError when

@@ -13,6 +13,8 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     call       job, fid | fn (pickled), args, rng?     executor      the pickled result (+ rng)
                (or a compact OP_CALL frame)                          (or a compact OP_RESULT)
     pull       job, names?                             executor      pickled {name: state}
+    channel    job (+ a socket descriptor)             executor      None: later calls may go
+                                                                     straight to the executor
     info       job                                     daemon        the job's figures
     close      job                                     daemon        None
     status                                             daemon        devices, lanes, jobs
@@ -33,6 +35,7 @@ from salus.daemon.wire.errors import BadRequest, NotOwner
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_SOCKET,
     FUNCTION_MASK,
     OP_CALL,
     VERSION,
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 
 Answer = Callable[[RawFrame], None]
 MAX_FUNCTIONS = 1024
-_FORWARDED = frozenset({"attach", "define", "call", "pull"})
+_FORWARDED = frozenset({"attach", "define", "call", "pull", "channel"})
 
 
 class Handlers:
@@ -112,6 +115,10 @@ class Handlers:
             fid = request.get("fid")
             counted = type(fid) is int and record.functions.get(fid) == "iteration"
             self.engine.call(record, frame, answer, counted)
+        elif op == "channel":
+            if frame.fd is None or not frame.flags & FLAG_SOCKET:
+                raise BadRequest("'channel' carries the client's end of a socket pair")
+            self.engine.channel(record, frame, answer)
         else:
             self.engine.pull(record, frame, answer)
 

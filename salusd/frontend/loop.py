@@ -139,7 +139,10 @@ class Loop:
         self.pending_bytes -= link.reader.pending_bytes
         link.reader.close()
         link.sock.close()
-        link.on_close(link, reason)
+        try:
+            link.on_close(link, reason)
+        except Exception:
+            log.exception("closing a connection failed; the daemon goes on")
 
     def _flush(self, link: Link) -> None:
         try:
@@ -194,7 +197,11 @@ class Loop:
             if link.closed:
                 frame.close_fd()
                 continue
-            link.on_frame(link, frame)
+            try:
+                link.on_frame(link, frame)
+            except Exception:  # a bug handling one frame must not take the daemon down
+                log.exception("handling a frame failed; the daemon goes on")
+                frame.close_fd()
         if closed:
             self.close(link, "the peer closed the connection")
 

@@ -28,6 +28,8 @@ from salus.daemon.wire.frames import (
     FIXED,
     FLAG_COMPACT,
     FLAG_SEGMENT,
+    FLAG_SOCKET,
+    FLAGS_WITH_FD,
     HEADER_BYTES,
     KNOWN_FLAGS,
     MAGIC,
@@ -199,7 +201,8 @@ class Channel:
                              "matching salusd and adapter versions", recoverable=False)
         self._start += HEADER_BYTES
         size = header_len + body_len
-        fd = self._fds.popleft() if flags & FLAG_SEGMENT and self._fds else None
+        fd = self._fds.popleft() if flags & FLAGS_WITH_FD and self._fds else None
+        sock_fd = None
         try:
             if size > self.max_frame_bytes:
                 if size > DRAIN_LIMIT_BYTES:
@@ -213,7 +216,11 @@ class Channel:
             if flags & ~_KNOWN_FLAGS or header_len % codec.ALIGN:
                 raise FrameError(f"malformed frame (flags {flags:#x}, header {header_len} bytes)")
             mapping = None
-            if flags & FLAG_SEGMENT:
+            if flags & FLAG_SOCKET:
+                if fd is None or flags & FLAG_SEGMENT or flags & FLAG_COMPACT:
+                    raise FrameError("a socket frame must be JSON and carry only the socket")
+                sock_fd, fd = fd, None
+            elif flags & FLAG_SEGMENT:
                 if fd is None:
                     raise FrameError("the frame announces a shared-memory segment but no "
                                      "descriptor came with it")
@@ -227,7 +234,25 @@ class Channel:
                 os.close(fd)
         if flags & FLAG_COMPACT:
             return compact.decode(data, header_len, mapping)
-        return codec.decode(data, header_len, mapping)
+        message = codec.decode(data, header_len, mapping)
+        if sock_fd is not None:
+            if not isinstance(message, dict):
+                os.close(sock_fd)
+                raise FrameError("a socket frame's header must be a JSON object")
+            message["socket_fd"] = sock_fd  # the receiver owns the descriptor now
+        return message
+
+    def buffered(self) -> bool:
+        """Whether bytes of a next frame are already read (select would not see them)."""
+        return self._end > self._start
+
+    def send_socket(self, message: dict[str, Any], fd: int) -> None:
+        """Send JSON `message` with the connected socket `fd` (FLAG_SOCKET); the caller keeps
+        its own descriptor and closes it."""
+        enc = codec.encode(message, shm_threshold=math.inf)
+        fixed = _FIXED.pack(MAGIC, VERSION, FLAG_SOCKET, 0, len(enc.header), enc.inline_size)
+        self._send_all([fixed, enc.header, *enc.inline],
+                       HEADER_BYTES + len(enc.header) + enc.inline_size, fd)
 
     def _recv_some(self) -> int:
         """One recvmsg into the free tail of the buffer; queues descriptors that come along."""

@@ -8,7 +8,8 @@ unpickling their objects, so this module imports only the standard library (no t
     byte  4      version
     byte  5      flags: bit 0 = a descriptor travels with the frame (a shared-memory segment
                  on the data plane; an executor's socket from the daemon to the zygote),
-                 bit 1 = the header is compact (binary, `compact.py`) rather than JSON
+                 bit 1 = the header is compact (binary, `compact.py`) rather than JSON,
+                 bit 2 = the descriptor is a connected socket: a job's direct call channel
     bytes 6-7    reserved, 0
     bytes 8-11   header length in bytes (uint32): JSON space-padded, or compact zero-padded,
                  to a multiple of 64
@@ -36,7 +37,9 @@ MAGIC = b"SLUS"
 VERSION = 2
 FLAG_SEGMENT = 0x1
 FLAG_COMPACT = 0x2
-KNOWN_FLAGS = FLAG_SEGMENT | FLAG_COMPACT
+FLAG_SOCKET = 0x4
+FLAGS_WITH_FD = FLAG_SEGMENT | FLAG_SOCKET
+KNOWN_FLAGS = FLAG_SEGMENT | FLAG_COMPACT | FLAG_SOCKET
 FIXED = struct.Struct("<4sBBHIQ")
 HEADER_BYTES = FIXED.size
 ALIGN = 64
@@ -198,7 +201,7 @@ class FrameReader:
             if len(self._buf) < end:
                 break
             fd = None
-            if flags & FLAG_SEGMENT:
+            if flags & FLAGS_WITH_FD:
                 if not self._fds:
                     raise FrameError("a frame announces a shared-memory segment but no "
                                      "descriptor came with it", recoverable=False)
