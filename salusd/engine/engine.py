@@ -366,11 +366,13 @@ class Engine:
             lane = next(((k for k, j in self.leases.items() if j == record.job_id)), None)
             if lane is None:
                 return
-            record.calls_done += 1
-            record.calls_failed += 0 if meta.get("ok") else 1
-            made = self._account(record, lane, meta, bool(meta.get("counted")))
-            self._event("end", record.job_id, *lane, seconds=float(meta.get("seconds", 0.0)),
-                        began=meta.get("began"), ended=meta.get("ended"))
+            calls, iterations = int(meta.get("calls", 0)), int(meta.get("iterations", 0))
+            record.calls_done += calls
+            record.calls_failed += int(meta.get("failed", 0))
+            made = self._account(record, lane, meta, iterations)
+            self._event("ran", record.job_id, *lane, calls=calls, iterations=iterations,
+                        seconds=float(meta.get("seconds", 0.0)), began=meta.get("began"),
+                        ended=meta.get("ended"))
             self._apply(made)
 
     def _refresh_leases(self) -> None:
@@ -500,7 +502,7 @@ class Engine:
         record.calls_failed += 0 if meta.get("ok") else 1
         made: list[Placement] = []
         if record.live and record.phase == "submitted":
-            made = self._account(record, sent.lane, meta, sent.counted, started=True)
+            made = self._account(record, sent.lane, meta, int(sent.counted), started=True)
         elif not record.live:
             self._finalize(record)
         self._event("end", record.job_id, *sent.lane, seconds=seconds,
@@ -510,18 +512,20 @@ class Engine:
         self._apply(made)
         self._pump(sent.lane)
 
-    def _account(self, record: JobRecord, key: LaneKey, meta: dict[str, Any], counted: bool,
+    def _account(self, record: JobRecord, key: LaneKey, meta: dict[str, Any], iterations: int,
                  *, started: bool = False) -> list[Placement]:
-        """Account one finished call of a live, admitted job: its time (iterations only) and
-        its measured peak. Returns the placements a re-admission made."""
+        """Account finished calls of a live, admitted job: `iterations` of them counted, their
+        time (`meta["seconds"]`) and their measured peak. Returns the placements a
+        re-admission made."""
         made: list[Placement] = []
         job = self.sched.jobs[record.job_id]
-        if counted and not job.done:
+        if iterations and not job.done:
             if not started:
                 self.sched.iteration_started(record.job_id)
             # Interactive jobs end at close: the planned count only informs SRTF.
-            job.total_iterations = max(job.total_iterations, job.done_iterations + 2)
-            made = self.sched.iteration_done(record.job_id, float(meta.get("seconds", 0.0)))
+            job.total_iterations = max(job.total_iterations, job.done_iterations + iterations + 1)
+            made = self.sched.iterations_done(record.job_id, iterations,
+                                              float(meta.get("seconds", 0.0)))
         peak = meta.get("peak")
         if isinstance(peak, int):
             record.measured_peak = max(record.measured_peak or 0, peak)

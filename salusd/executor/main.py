@@ -19,6 +19,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 from collections import deque
 from typing import Any
 
@@ -33,6 +34,7 @@ from salus.daemon.wire.frames import FUNCTION_MASK
 log = logging.getLogger("salusd.executor")
 _PR_SET_DUMPABLE = 4
 MAX_QUEUED_CALLS = 64
+REPORT_EVERY_S = 0.02  # leased calls are reported to the daemon in batches this often
 _BUSY = object()  # a call refused for the bound, answered in its turn
 _WITH_FRAME = frozenset({"attach", "define", "pull", "estimate", "run", "channel"})
 
@@ -81,6 +83,8 @@ class Executor:
         self.lease = False
         self.asked = False
         self.queue: deque[Any] = deque()
+        self.ran: dict[str, Any] | None = None  # leased calls not yet reported to the daemon
+        self.ran_since = 0.0
 
     def serve(self) -> int:
         try:
@@ -91,9 +95,14 @@ class Executor:
             sources = [name for name, ch in (("daemon", self.daemon), ("data", self.data))
                        if ch is not None and ch.buffered()]
             if not sources:
-                sources = [key.data for key, _ in self.selector.select()]
+                timeout = (None if self.ran is None else
+                           max(0.0, self.ran_since + REPORT_EVERY_S - time.monotonic()))
+                sources = [key.data for key, _ in self.selector.select(timeout)]
+                if not sources:
+                    self._report_ran()
             for source in sources:
                 if source == "daemon":
+                    self._report_ran()  # the daemon decides knowing what ran
                     if self._from_daemon():
                         return 0
                 else:
@@ -190,12 +199,34 @@ class Executor:
             request = self.queue.popleft()
             reply_meta, reply = self._run(request)
             self._answer_client(reply)
-            _send(self.daemon, {**reply_meta, "op": "ran", "unsolicited": True}, None)
+            self._note_ran(reply_meta)
             self._refuse_busy_at_head()
         if self.queue and not self.lease and not self.asked:
             self.asked = True
             _send(self.daemon, {"op": "ready", "unsolicited": True,
                                 "counted": self._counted(self.queue[0])}, None)
+
+    def _note_ran(self, meta: dict[str, Any]) -> None:
+        """Add one leased call to the next report (sent at most every REPORT_EVERY_S)."""
+        counted = bool(meta.get("counted"))
+        if self.ran is None:
+            self.ran = {"op": "ran", "unsolicited": True, "calls": 0, "iterations": 0,
+                        "failed": 0, "seconds": 0.0, "peak": None, "began": meta.get("began")}
+            self.ran_since = time.monotonic()
+        ran = self.ran
+        ran["calls"] += 1
+        ran["iterations"] += counted
+        ran["failed"] += 0 if meta.get("ok") else 1
+        ran["seconds"] += float(meta.get("seconds", 0.0)) if counted else 0.0
+        peak = meta.get("peak")
+        if isinstance(peak, int):
+            ran["peak"] = max(ran["peak"] or 0, peak)
+        ran["ended"] = meta.get("ended")
+
+    def _report_ran(self) -> None:
+        if self.ran is not None:
+            ran, self.ran = self.ran, None
+            _send(self.daemon, ran, None)
 
     def _run(self, request: Any) -> tuple[dict[str, Any], Any]:
         reply_meta, reply = handle(self.runtime, "run", {}, request)
