@@ -3,10 +3,13 @@
 1. Makespan of 8 small training jobs started at once: through the daemon under `pack` (lanes in
    parallel) and under `fifo` (one job at a time per device), against 8 separate processes
    running the same loops at once without the daemon.
-2. Resident memory of 16 inference models (about 17 MiB of parameters each): one daemon holding
-   all 16 against 16 separate processes each holding one. On the CPU backend "device memory" is
-   the serving processes' resident set (VmRSS); the clients of the daemon hold their own copy of
-   the model on the host too, reported apart. Salus reports 42x fewer GPUs for inference.
+2. Memory of 16 inference models (about 17 MiB of parameters each): one daemon holding all 16
+   (the daemon, its zygote and the 16 executor processes forked from it, all counted) against
+   16 separate processes each holding one. Memory is PSS (proportional set size, from
+   /proc/PID/smaps_rollup): pages shared between processes are split between them, so the sum
+   over a group of processes is what the group costs the machine; RSS sums are reported too,
+   but count shared pages once per process. The daemon's clients hold their own copy of the
+   model on the host, reported apart. Salus reports 42x fewer GPUs for inference.
 
 Prints one JSON object.
 
@@ -28,12 +31,35 @@ from salus.daemon.demo_jobs import Launched, launch
 from salus.daemon.launch import DaemonProcess, running_daemon
 
 
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
+def _memory(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) of one process, bytes."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields.get("Pss", 0), fields.get("Rss", 0)
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in os.listdir(f"/proc/{p}/task"):
+            with open(f"/proc/{p}/task/{task}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+    return out
+
+
+def _group(pids: list[int]) -> tuple[int, int]:
+    pss = rss = 0
+    for pid in pids:
+        p, r = _memory(pid)
+        pss, rss = pss + p, rss + r
+    return pss, rss
 
 
 def _daemon(tmp: Path, policy: str, devices: int) -> AbstractContextManager[DaemonProcess]:
@@ -71,16 +97,20 @@ def main() -> None:
         infer = ["infer-mlp"] * 16
         with (_daemon(Path(tmp), "pack", args.devices) as daemon,
               Launched(infer, daemon.address, hold=True) as group):
-            daemon_rss = _rss(daemon.pid)
+            tree = _tree(daemon.pid)
+            daemon_pss, daemon_rss = _group(tree)
             client_rss = sum(r["rss_bytes"] for r in group.results)
         print("16 inference models as separate processes ...", file=sys.stderr)
         with Launched(infer, "direct", hold=True) as group:
-            process_rss = sum(r["rss_bytes"] for r in group.results)
+            process_pss, process_rss = _group([r["pid"] for r in group.results])
         out["inference"] = {
             "models": 16,
-            "daemon_rss_bytes": daemon_rss,
-            "processes_rss_bytes": process_rss,
-            "processes_over_daemon": process_rss / daemon_rss,
+            "daemon_processes": len(tree),
+            "daemon_pss_bytes": daemon_pss,
+            "processes_pss_bytes": process_pss,
+            "processes_over_daemon_pss": process_pss / daemon_pss,
+            "daemon_rss_sum_bytes": daemon_rss,
+            "processes_rss_sum_bytes": process_rss,
             "daemon_clients_rss_bytes": client_rss,
         }
     print(json.dumps(out))

@@ -7,6 +7,7 @@ Every job is seeded, so a direct run and a daemon run see the same data and the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -260,7 +261,8 @@ def main() -> None:
 
     def hold() -> None:
         if holding:
-            print(json.dumps({"name": name, "rss_bytes": _rss_bytes()}), flush=True)
+            print(json.dumps({"name": name, "rss_bytes": _rss_bytes(), "pid": os.getpid()}),
+                  flush=True)
             sys.stdin.readline()
 
     if target == "direct":
