@@ -586,8 +586,24 @@ def test_compact_segment_must_be_announced_and_sealed(pair: tuple[Channel, Chann
                             struct.pack("i", unsealed.fileno()))])
         with pytest.raises(FrameError, match="not sealed"):
             right.recv()
-    left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 4))
-    with pytest.raises(FrameError, match="malformed frame .flags 0x6"):
+    left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 8))
+    with pytest.raises(FrameError, match="malformed frame .flags 0xa"):
         right.recv()
     left.send(compact.Message(compact.OP_RESULT, value=1.0))
     assert right.recv().value == 1.0
+
+
+def test_a_socket_travels_with_a_socket_frame_and_works(pair: tuple[Channel, Channel]) -> None:
+    left, right = pair
+    mine, theirs = socket.socketpair()
+    left.send_socket({"op": "channel", "job": "3"}, theirs.fileno())
+    theirs.close()
+    got = right.recv()
+    assert got["op"] == "channel" and got["job"] == "3"
+    received = socket.socket(fileno=got.pop("socket_fd"))
+    with received, mine:
+        mine.sendall(b"ping")
+        assert received.recv(4) == b"ping"
+    left.sock.sendall(compact_frame(bytes(64), flags=FLAG_COMPACT | 4))  # no descriptor came
+    with pytest.raises(FrameError, match="socket frame must be JSON"):
+        right.recv()

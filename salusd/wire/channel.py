@@ -37,6 +37,7 @@ from salus.daemon.wire.frames import (
     RECV_FLAGS,
     VERSION,
     FrameError,
+    queue_descriptors,
 )
 
 __all__ = [
@@ -258,13 +259,7 @@ class Channel:
         """One recvmsg into the free tail of the buffer; queues descriptors that come along."""
         got, ancillary, msg_flags, _ = self.sock.recvmsg_into([self._view[self._end:]],
                                                               _ANC_BYTES, _RECV_FLAGS)
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                self._fds.extend(fds)
-        if msg_flags & _CTRUNC or len(self._fds) > _MAX_QUEUED_FDS:
-            raise FrameError("the peer sent more descriptors than frames", recoverable=False)
+        queue_descriptors(ancillary, msg_flags, self._fds)
         self._end += got
         return got
 

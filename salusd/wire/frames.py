@@ -125,6 +125,19 @@ class RawFrame:
             self.fd = None
 
 
+def queue_descriptors(ancillary: list[tuple[int, int, bytes]], msg_flags: int,
+                      fds: deque[int]) -> None:
+    """Queue the descriptors a recvmsg brought (they belong to the next frames that announce
+    one); FrameError, not recoverable, when the peer sent more than frames can claim."""
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+            fds.extend(got)
+    if msg_flags & _CTRUNC or len(fds) > MAX_QUEUED_FDS:
+        raise FrameError("the peer sent more descriptors than frames", recoverable=False)
+
+
 def json_frame(message: object) -> RawFrame:
     """A frame holding only JSON `message` (no tensors or pickles)."""
     text = json.dumps(message, separators=(",", ":"), ensure_ascii=True).encode()
@@ -159,13 +172,7 @@ class FrameReader:
             data, ancillary, msg_flags, _ = self.sock.recvmsg(chunk, ANC_BYTES, RECV_FLAGS)
         except (BlockingIOError, InterruptedError):
             return [], False
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                self._fds.extend(fds)
-        if msg_flags & _CTRUNC or len(self._fds) > MAX_QUEUED_FDS:
-            raise FrameError("the peer sent more descriptors than frames", recoverable=False)
+        queue_descriptors(ancillary, msg_flags, self._fds)
         if not data:
             if self._buf:
                 raise FrameError("the connection closed in the middle of a frame",
