@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy salusd scheduler adapters
 
 sim: $(STAMP)
-	$(PY) -m salus.scheduler.sim --trace ../shared/traces/tiresias-60job.csv --format tiresias --compare
+	$(PY) -m salus.scheduler.sim --trace tests/data/tiresias-60job.csv --format tiresias --compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -422,7 +422,7 @@ def _fake_state(mode: FakeTensorMode, state: object) -> object:
         for t in _tensors_of(obj):
             if id(t) in memo:
                 continue
-            fake = mode.from_tensor(t.detach())
+            fake: Tensor = mode.from_tensor(t.detach())
             if isinstance(t, nn.Parameter):
                 fake = nn.Parameter(fake, requires_grad=t.requires_grad)
             memo[id(t)] = fake

@@ -15,8 +15,7 @@ from salus.scheduler.policies import POLICIES
 from salus.scheduler.sim import Interval, SimResult, simulate
 from salus.scheduler.traces import TraceJob, load_trace, synthetic
 
-TIRESIAS = Path(__file__).resolve().parents[2] / "shared" / "traces" / "tiresias-60job.csv"
-needs_tiresias = pytest.mark.skipif(not TIRESIAS.exists(), reason="Tiresias trace not present")
+TIRESIAS = Path(__file__).resolve().parent / "data" / "tiresias-60job.csv"
 
 
 @st.composite
@@ -144,7 +143,6 @@ def test_pack_interference_matches_the_fluid_model(
     assert all(len(runs) == 1 for runs in lanes.values())
 
 
-@needs_tiresias
 @pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_every_policy_runs_the_tiresias_trace(policy: str, devices: int) -> None:

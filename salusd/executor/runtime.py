@@ -85,7 +85,7 @@ class JobRuntime:
         payload = request.get("objects")
         if not isinstance(payload, PickledPayload):
             raise TypeError("'attach' needs 'objects': the pickled named objects")
-        objects = payload.load("attached objects")
+        objects = payload.load("attached objects", own=True)
         if not isinstance(objects, dict) or not all(isinstance(k, str) and k.isidentifier()
                                                     for k in objects):
             raise TypeError("attached objects must be a dict of identifiers to objects")

@@ -66,10 +66,16 @@ class PickledPayload:
         self.data = data
         self.storages = storages
 
-    def load(self, what: str = "object") -> Any:
-        """Unpickle; raises BadRequest with the reason when the payload cannot be rebuilt."""
+    def load(self, what: str = "object", *, own: bool = False) -> Any:
+        """Unpickle; raises BadRequest with the reason when the payload cannot be rebuilt.
+
+        The tensors are views of the frame (its shared-memory segment) unless `own`: then they
+        are copied into memory of their own first, as state that lives long should be (the
+        segment's pages are shared-memory pages, which the kernel does not back with huge
+        pages)."""
         try:
-            return _StorageUnpickler(self.data, self.storages).load()
+            storages = [s.clone() for s in self.storages] if own else self.storages
+            return _StorageUnpickler(self.data, storages).load()
         except Exception as exc:
             raise BadRequest(
                 f"could not unpickle the {what}: {type(exc).__name__}: {exc}; the classes and "
