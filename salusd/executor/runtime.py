@@ -13,6 +13,7 @@ back whenever the call drew from it, so the client and the job share one stream.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import traceback
 import types
@@ -50,19 +51,33 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return tree_map(move, obj)
 
 
-def to_host(obj: Any) -> Any:
-    """`obj` with every tensor detached and on the CPU; containers the pytree library does not
-    know (a `ModelOutput`, a `BatchEncoding`) are copied and filled the same way."""
+def to_host(obj: Any, depth: int = 0) -> Any:
+    """`obj` with every tensor detached and on the CPU, through lists, tuples (named too),
+    dicts (their subclasses, e.g. a `ModelOutput`, copied and filled) and dataclasses."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu")
-    if isinstance(obj, dict) and type(obj) is not dict:
-        out = copy.copy(obj)
+    if depth > 64:
+        return obj
+    if isinstance(obj, dict):
+        out = copy.copy(obj) if type(obj) is not dict else {}
         for key, value in obj.items():
-            out[key] = to_host(value)
+            out[key] = to_host(value, depth + 1)
         return out
-    if isinstance(obj, list | tuple | dict):
-        return tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x,
-                        obj)
+    if isinstance(obj, list):
+        return [to_host(v, depth + 1) for v in obj]
+    if isinstance(obj, tuple):
+        items = [to_host(v, depth + 1) for v in obj]
+        if hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        try:
+            return type(obj)(items)
+        except TypeError:  # a tuple subclass built some other way
+            return tuple(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, to_host(getattr(obj, f.name), depth + 1))
+        return out
     return obj
 
 
