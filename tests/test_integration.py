@@ -183,3 +183,24 @@ def test_control_commands_show_and_steer_a_running_job(daemon_proc):
         with pytest.raises(SalusError):
             step(x, y)
     assert proc.poll() is None
+
+
+def test_admission_estimates_the_first_call_on_fake_tensors_or_says_why_not(daemon_proc):
+    _, address = daemon_proc
+    model, opt, loss_fn = mlp("sgd")
+    x, y = batches("mlp", 1)[0]
+    with salus.connect(name="estimated", iterations=5, address=address) as job:
+        job.train_step(model, opt, loss_fn)(x, y)
+        memory = job.info()["memory"]
+        assert memory["ephemeral_estimate_method"] == "fake-tensor"
+        assert 0 < memory["ephemeral_estimate_bytes"] <= memory["lane_bytes"]
+    with salus.connect(name="data-dependent", iterations=5, address=address) as job:
+        remote = job.attach(model=torch.nn.Linear(4, 4))
+
+        @remote.iteration
+        def count_positive(s, x):
+            return s.model(x).sum() + len(torch.nonzero(x))  # a shape that depends on data
+
+        count_positive(torch.randn(8, 4))
+        method = job.info()["memory"]["ephemeral_estimate_method"]
+        assert method.startswith("first call measured") and "EstimationError" in method

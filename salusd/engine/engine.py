@@ -358,8 +358,10 @@ class Engine:
                 return
             record.calls.append(Call(None, None, bool(meta.get("counted"))))
             if record.phase == "attached":
-                # The first call came directly: it is measured rather than estimated.
-                self._estimated(record, {"ok": False, "reason": "first call came directly"})
+                # The job's first call: the executor estimated it before asking.
+                estimate = meta.get("estimate")
+                self._estimated(record, estimate if isinstance(estimate, dict) else {
+                    "ok": False, "reason": "the executor sent no estimate"})
             else:
                 self._pump_job(record)
         elif op == "ran" and record.live and record.phase == "submitted":

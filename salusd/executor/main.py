@@ -83,6 +83,7 @@ class Executor:
         self.lease = False
         self.asked = False
         self.queue: deque[Any] = deque()
+        self.estimated = False  # the first call's peak goes with its `ready`, for admission
         self.ran: dict[str, Any] | None = None  # leased calls not yet reported to the daemon
         self.ran_since = 0.0
 
@@ -203,8 +204,13 @@ class Executor:
             self._refuse_busy_at_head()
         if self.queue and not self.lease and not self.asked:
             self.asked = True
-            _send(self.daemon, {"op": "ready", "unsolicited": True,
-                                "counted": self._counted(self.queue[0])}, None)
+            ready: dict[str, Any] = {"op": "ready", "unsolicited": True,
+                                     "counted": self._counted(self.queue[0])}
+            if not self.estimated:
+                self.estimated = True
+                estimate, _ = handle(self.runtime, "estimate", {}, self.queue[0])
+                ready["estimate"] = estimate
+            _send(self.daemon, ready, None)
 
     def _note_ran(self, meta: dict[str, Any]) -> None:
         """Add one leased call to the next report (sent at most every REPORT_EVERY_S)."""
