@@ -38,7 +38,7 @@ class RecordingExecutors:
     def kill(self, executor: object) -> None:
         pass
 
-    def retire(self, executor: object) -> None:
+    def retire(self, executor: object, code: str = "", message: str = "") -> None:
         pass
 
 

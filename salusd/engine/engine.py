@@ -65,8 +65,10 @@ class ExecutorPort(Protocol):
         """End the executor now (SIGKILL)."""
         ...
 
-    def retire(self, executor: object) -> None:
-        """Ask the executor to exit once it has answered what it was sent."""
+    def retire(self, executor: object, code: str = "job_cancelled",
+               message: str = "the job ended") -> None:
+        """Ask the executor to exit once it has answered what it was sent; calls still queued
+        on its direct channel get the error `code` with `message`."""
         ...
 
 
@@ -623,7 +625,9 @@ class Engine:
 
     def _finalize(self, record: JobRecord) -> None:
         if record.executor is not None and id(record.executor) in self._by_executor:
-            self.executors.retire(record.executor)
+            code = "job_failed" if record.end_state == "failed" else "job_cancelled"
+            self.executors.retire(record.executor, code,
+                                  f"job {record.job_id} has {record.end_state}: {record.reason}")
 
     def _require_attached(self, record: JobRecord) -> None:
         self._require_live(record)

@@ -74,10 +74,10 @@ def to_host(obj: Any, depth: int = 0) -> Any:
         except TypeError:  # a tuple subclass built some other way
             return tuple(items)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
+        filled = copy.copy(obj)
         for f in dataclasses.fields(obj):
-            object.__setattr__(out, f.name, to_host(getattr(obj, f.name), depth + 1))
-        return out
+            object.__setattr__(filled, f.name, to_host(getattr(obj, f.name), depth + 1))
+        return filled
     return obj
 
 

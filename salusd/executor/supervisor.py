@@ -194,9 +194,11 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             os.kill(executor.pid, signal.SIGKILL)
 
-    def retire(self, executor: object) -> None:
+    def retire(self, executor: object, code: str = "job_cancelled",
+               message: str = "the job ended") -> None:
         assert isinstance(executor, Executor)
-        self.loop.send(executor.link, json_frame({"op": "exit"}))
+        self.loop.send(executor.link, json_frame({"op": "exit", "code": code,
+                                                  "message": message}))
         self.loop.call_later(self.retire_after_s, lambda: self._kill_if_alive(executor))
 
     def _kill_if_alive(self, ex: Executor) -> None:
