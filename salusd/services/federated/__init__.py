@@ -1,8 +1,10 @@
 """Federated jobs: FedAvg and FedProx over simulated clients, synthetic(alpha, beta) data.
 
 `run` is the server loop; `Strategy` (with `FedAvg`, `FedProx`) is the policy; a `ClientRunner`
-trains each round's `ClientTask` s (`InProcessRunner` here, the daemon's runner later) with
-`train_client`. Progress bars and plots live in the `progress` and `plot` submodules.
+trains each round's `ClientTask` s with `train_client`: `InProcessRunner` one after another in
+this process, `DaemonRunner` as scheduled functions of jobs in salusd (imported from
+`daemon_runner`, since it needs the client adapter). Progress bars and plots live in the
+`progress` and `plot` submodules.
 """
 
 from .aggregate import weighted_average

@@ -1,0 +1,41 @@
+"""Federated rounds through the real daemon give the global model of the plain in-process loop:
+the daemon adds sharing (clients as scheduled functions in parallel lanes), not a different
+algorithm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from daemon_proc import salusd
+
+from salus.daemon.services.federated import (
+    FedAvg,
+    FedProx,
+    InProcessRunner,
+    run,
+    synthetic,
+    synthetic_model,
+)
+from salus.daemon.services.federated.daemon_runner import DaemonRunner
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("strategy", [FedAvg(), FedProx(1.0)], ids=["fedavg", "fedprox"])
+def test_three_rounds_through_the_daemon_equal_the_in_process_loop(
+        tmp_path: Path, strategy: FedAvg) -> None:
+    torch.set_num_threads(1)  # the executors run one intra-op thread (--cpu-threads 1)
+    clients = synthetic(1.0, 1.0, devices=12, seed=3)
+    settings = dict(clients_per_round=5, epochs=4, lr=0.01, batch_size=10,
+                    straggler_share=0.5, seed=3)
+    direct = run(synthetic_model, clients, strategy, 3, runner=InProcessRunner(clients),
+                 **settings)
+    with salusd(tmp_path, devices=1) as (proc, address), DaemonRunner(
+            clients, address, lanes=2) as runner:
+        shared = run(synthetic_model, clients, strategy, 3, runner=runner, **settings)
+        assert proc.poll() is None
+    assert shared.train_losses == direct.train_losses
+    for key, value in direct.final_state.items():
+        assert torch.equal(shared.final_state[key], value), key
