@@ -39,3 +39,17 @@ def test_three_rounds_through_the_daemon_equal_the_in_process_loop(
     assert shared.train_losses == direct.train_losses
     for key, value in direct.final_state.items():
         assert torch.equal(shared.final_state[key], value), key
+
+
+def test_the_public_run_trains_clients_in_the_daemon(tmp_path: Path) -> None:
+    import salus.federated as fed
+
+    torch.set_num_threads(1)
+    clients = fed.synthetic(1.0, 1.0, devices=6, seed=5)
+    settings = dict(clients_per_round=3, epochs=2, lr=0.01, batch_size=10, seed=5)
+    direct = fed.run(fed.synthetic_model, clients, fed.FedProx(1.0), 2,
+                     runner=fed.InProcessRunner(clients), **settings)
+    with salusd(tmp_path, devices=1) as (_, address):
+        shared = fed.run(fed.synthetic_model, clients, fed.FedProx(1.0), 2, address=address,
+                         **settings)
+    assert shared.train_losses == direct.train_losses
