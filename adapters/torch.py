@@ -65,7 +65,7 @@ from salus.daemon.wire.channel import (
     FrameError,
     Pickled,
     PickledPayload,
-    error_from_reply,
+    reply_result,
 )
 from salus.daemon.wire.errors import (
     CallFailed,
@@ -556,13 +556,10 @@ def _json_result(reply: Any) -> Any:
         raise reply.error
     if type(reply) is compact.Message:
         raise FrameError(f"salusd answered with an unexpected compact frame {reply!r}")
-    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-        raise FrameError(f"salusd sent a malformed reply: {reply!r}")
-    if reply["ok"]:
-        return reply.get("result")
-    if reply.get("code") == CallFailed.code:
+    if isinstance(reply, dict) and reply.get("ok") is False and (
+            reply.get("code") == CallFailed.code):
         raise _call_error(reply)
-    raise error_from_reply(reply.get("code"), reply.get("message"))
+    return reply_result(reply)
 
 
 def _pickled_result(reply: Any) -> Any:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from salus.daemon.wire.address import connect_unix, default_socket_path, parse_address
-from salus.daemon.wire.errors import ERRORS_BY_CODE, DaemonUnavailable, SalusError
-from salus.daemon.wire.frames import VERSION, FrameReader, json_frame
+from salus.daemon.wire.errors import DaemonUnavailable
+from salus.daemon.wire.frames import VERSION, FrameReader, json_frame, reply_result
 
 
 class Control:
@@ -78,9 +78,4 @@ class Control:
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
                                     f"{exc}") from None
-        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-            raise DaemonUnavailable(f"salusd sent a malformed reply: {reply!r}")
-        if reply["ok"]:
-            return reply.get("result")
-        cls = ERRORS_BY_CODE.get(str(reply.get("code")), SalusError)
-        raise cls(str(reply.get("message")))
+        return reply_result(reply)

@@ -344,19 +344,6 @@ def estimate_forward_peak(model: nn.Module, example_inputs: tuple[Tensor, ...]) 
     return _run_fake("estimate the inference call", estimate)
 
 
-def warm_up() -> None:
-    """Run one tiny estimate and measurement so the fake-tensor machinery is imported and
-    initialised now: on a cold start that takes seconds, which the first job's admission would
-    otherwise pay."""
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss_fn = nn.MSELoss()
-    x, y = torch.zeros(2, 4), torch.zeros(2, 2)
-    estimate_iteration_peak(model, optimizer, loss_fn, (x,), y)
-    estimate_forward_peak(model, (x,))
-    measure_iteration(lambda: train_step(model, optimizer, loss_fn, (x,), y))
-
-
 def _tensors_of(obj: object) -> list[Tensor]:
     """The tensors a job object holds: a module's parameters, their gradients and buffers; an
     optimizer's state; a tensor itself; the tensors in an object's `state_dict()`."""
@@ -452,3 +439,25 @@ def estimate_call_peak(fn: Callable[..., Any], state: object, args: tuple[Any, .
         return tracker.peak_bytes
 
     return _run_fake("estimate the call", estimate)
+
+
+def warm_up() -> None:
+    """Run one tiny estimate and state count, as an executor does for each job, so the
+    fake-tensor machinery is imported and initialised now (the zygote calls this before it
+    forks executors): on a cold start that takes seconds, which the first job's admission
+    would otherwise pay."""
+    from types import SimpleNamespace
+
+    model = nn.Linear(4, 2)
+    state = SimpleNamespace(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def iteration(s: SimpleNamespace, x: Tensor, y: Tensor) -> Tensor:
+        s.opt.zero_grad()
+        loss = nn.functional.mse_loss(s.model(x), y)
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
+    estimate_call_peak(iteration, state, (torch.zeros(2, 4), torch.zeros(2, 2)), {})
+    state_bytes(vars(state).values())
+    iteration(state, torch.zeros(2, 4), torch.zeros(2, 2))  # a real step: autograd, kernels

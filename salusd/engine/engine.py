@@ -387,25 +387,24 @@ class Engine:
             key = (lane.device, lane.lane_id)
             holder = self.leases.get(key)
             wanted = self._lease_candidate(lane.residents)
-            if holder is not None and holder != wanted and key not in self.revoking:
-                record = self.registry.live.get(holder) or self.registry.ended.get(holder)
-                if record is not None and id(record.executor) in self._by_executor:
-                    self.revoking.add(key)
-                    self._send(record, _Sent("revoke", lane=key),
-                               {"op": "lease", "granted": False}, None)
+            if holder is not None and holder != wanted:
+                self._revoke(key, holder)
             elif holder is None and wanted is not None and key not in self.busy:
                 record = self.registry.live[wanted]
                 self.leases[key] = wanted
                 self.busy[key] = wanted
                 self._send(record, _Sent("grant"), {"op": "lease", "granted": True}, None)
         for key in [k for k in self.leases if self.sched.lanes.lane(*k) is None]:
-            holder = self.leases[key]
-            record = self.registry.live.get(holder) or self.registry.ended.get(holder)
-            if key not in self.revoking and record is not None and (
-                    id(record.executor) in self._by_executor):
-                self.revoking.add(key)
-                self._send(record, _Sent("revoke", lane=key),
-                           {"op": "lease", "granted": False}, None)
+            self._revoke(key, self.leases[key])
+
+    def _revoke(self, key: LaneKey, holder: int) -> None:
+        """Ask job `holder`'s executor to give lane `key`'s lease back (once)."""
+        record = self.registry.live.get(holder) or self.registry.ended.get(holder)
+        if key in self.revoking or record is None or id(record.executor) not in (
+                self._by_executor):
+            return
+        self.revoking.add(key)
+        self._send(record, _Sent("revoke", lane=key), {"op": "lease", "granted": False}, None)
 
     def _lease_candidate(self, residents: list[int]) -> int | None:
         if len(residents) != 1 or self.stopping:

@@ -164,8 +164,7 @@ class Executor:
         try:
             _send(self.daemon, meta, forward)
         except TypeError as exc:  # a result that cannot be pickled fails its call only
-            _send(self.daemon, {**meta, "ok": False},
-                  call_error(TypeError(f"the call's result cannot be sent back: {exc}")))
+            _send(self.daemon, {**meta, "ok": False}, _unsendable(exc))
 
     # ---- the client's direct calls ------------------------------------------------------------
     def _from_client(self) -> None:
@@ -250,8 +249,7 @@ class Executor:
         try:
             self.data.send(reply)
         except TypeError as exc:
-            self.data.send(call_error(TypeError(f"the call's result cannot be sent back: "
-                                                f"{exc}")))
+            self.data.send(_unsendable(exc))
         except OSError:
             self._close_channel()
 
@@ -272,6 +270,11 @@ def serve(sock: socket.socket) -> int:
 def _send(channel: Channel, meta: dict[str, Any], forward: Any) -> None:
     meta = {**meta, "forward": forward is not None}
     channel.send_many([meta] if forward is None else [meta, forward])
+
+
+def _unsendable(exc: TypeError) -> dict[str, Any]:
+    """The error reply for a result the wire cannot carry (it fails its call only)."""
+    return call_error(TypeError(f"the call's result cannot be sent back: {exc}"))
 
 
 def _error(exc: BaseException) -> dict[str, Any]:

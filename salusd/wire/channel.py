@@ -21,7 +21,6 @@ from typing import Any
 
 from salus.daemon.wire import codec, compact, segment
 from salus.daemon.wire.codec import Pickled, PickledPayload
-from salus.daemon.wire.errors import ERRORS_BY_CODE, SalusError
 from salus.daemon.wire.frames import ANC_BYTES as _ANC_BYTES
 from salus.daemon.wire.frames import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -37,7 +36,10 @@ from salus.daemon.wire.frames import (
     RECV_FLAGS,
     VERSION,
     FrameError,
+    FrameTooLarge,
+    error_from_reply,
     queue_descriptors,
+    reply_result,
 )
 
 __all__ = [
@@ -57,34 +59,8 @@ _CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microsecon
 _IOV_LIMIT = 512
 
 
-class FrameTooLarge(FrameError):
-    """A frame's inline part (header + body) is over the receiver's limit."""
-
-    code = "too_large"
-
-
 class ConnectionClosed(ConnectionError):
     """The peer closed the connection between two frames."""
-
-
-_ERRORS: dict[str, type[SalusError]] = {
-    **ERRORS_BY_CODE, FrameError.code: FrameError, FrameTooLarge.code: FrameTooLarge,
-}
-
-
-def error_from_reply(code: object, message: object) -> SalusError:
-    """The salus error a remote error reply stands for (SalusError for an unknown code)."""
-    cls = _ERRORS.get(code, SalusError) if isinstance(code, str) else SalusError
-    return cls(str(message))
-
-
-def reply_result(reply: Any) -> Any:
-    """The result of a JSON reply; raises the salus error of an error reply."""
-    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
-        raise FrameError(f"salusd sent a malformed reply: {reply!r}")
-    if reply["ok"]:
-        return reply.get("result")
-    raise error_from_reply(reply.get("code"), reply.get("message"))
 
 
 class Channel:

@@ -31,7 +31,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, field
 
-from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.errors import ERRORS_BY_CODE, BadRequest, SalusError
 
 MAGIC = b"SLUS"
 VERSION = 2
@@ -65,6 +65,32 @@ class FrameError(BadRequest):
     def __init__(self, message: str, *, recoverable: bool = True) -> None:
         super().__init__(message)
         self.recoverable = recoverable
+
+
+class FrameTooLarge(FrameError):
+    """A frame's inline part (header + body) is over the receiver's limit."""
+
+    code = "too_large"
+
+
+_ERRORS: dict[str, type[SalusError]] = {
+    **ERRORS_BY_CODE, FrameError.code: FrameError, FrameTooLarge.code: FrameTooLarge,
+}
+
+
+def error_from_reply(code: object, message: object) -> SalusError:
+    """The salus error a remote error reply stands for (SalusError for an unknown code)."""
+    cls = _ERRORS.get(code, SalusError) if isinstance(code, str) else SalusError
+    return cls(str(message))
+
+
+def reply_result(reply: object) -> object:
+    """The result of a JSON reply; raises the salus error of an error reply."""
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise FrameError(f"salusd sent a malformed reply: {reply!r}")
+    if reply["ok"]:
+        return reply.get("result")
+    raise error_from_reply(reply.get("code"), reply.get("message"))
 
 
 @dataclass(eq=False)
