@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 EPILOG = """\
 examples:
@@ -14,8 +15,11 @@ examples:
   salusd serve --cpu-devices 2 --cpu-memory 4G --policy srtf
   SALUS_ADDRESS=unix:///tmp/s.sock salusd serve  # clients find it through the same variable
 
-  salusd status                                  # devices, lanes and jobs of a running daemon
+  salusd status                                  # devices, lanes and jobs (REST, admin token)
+  salusd top                                     # the same, live
+  salusd submit train.py:make_job --iterations 1000   # a batch job from --job-root
   salusd suspend 3 --swap                        # job 3 leaves the device until `salusd resume 3`
+  salusd token add alice                         # a token for unix user alice's jobs
 
 Training scripts connect with:
   import salus.adapters.torch as salus
@@ -68,24 +72,80 @@ def build_parser() -> argparse.ArgumentParser:
                        "its executor is killed (default 5)")
     serve.add_argument("--standby-executors", metavar="N", type=int, default=2,
                        help="executor processes kept forked and ready for new jobs (default 2)")
-    for name, text in (("status", "show a running daemon's devices, lanes and jobs"),
-                       ("suspend", "stop scheduling a job at its next iteration boundary"),
-                       ("resume", "schedule a suspended job again"),
-                       ("cancel", "end a job at its next iteration boundary"),
-                       ("priority", "set a job's weight under the fair policy")):
+    serve.add_argument("--http", metavar="HOST:PORT", default="127.0.0.1:7077",
+                       help="the REST API's address, or 'none' (default 127.0.0.1:7077; port 0 "
+                       "picks a free port, written to <state-dir>/http.url)")
+    serve.add_argument("--job-root", metavar="DIR", type=Path, default=None,
+                       help="where REST batch jobs' entrypoint files live (default "
+                       "<state-dir>/job-root)")
+    serve.add_argument("--checkpoint-every", metavar="N", default="10m",
+                       help="checkpoint each job every N iterations, or every DURATION of the "
+                       "job's own run time with a unit: 90s, 10m (default 10m)")
+    _control_commands(sub)
+    return parser
+
+
+def _control_commands(sub: Any) -> None:
+    """The operator's commands; they go through the REST API."""
+    commands = (
+        ("status", "show the devices, lanes and jobs"),
+        ("top", "a live view of lanes, memory and jobs (Ctrl-C quits)"),
+        ("submit", "submit a batch job: FILE.py:FUNCTION under the daemon's --job-root"),
+        ("suspend", "stop scheduling a job at its next iteration boundary"),
+        ("resume", "schedule a suspended job again"),
+        ("cancel", "end a job at its next iteration boundary"),
+        ("priority", "set a job's weight under the fair policy"),
+        ("checkpoint", "write a job's checkpoint now"),
+        ("policy", "show the scheduling policy, or switch it live"),
+        ("token", "manage owner tokens (admin)"),
+    )
+    for name, text in commands:
         cmd = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        cmd.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: as for "
-                         "clients: $SALUS_ADDRESS or the default socket)")
+        cmd.add_argument("--url", help="the REST API (default: $SALUS_URL, else the address "
+                         "the daemon wrote in its state dir, else http://127.0.0.1:7077)")
+        cmd.add_argument("--token", help="bearer token (default: $SALUS_TOKEN, else the admin "
+                         "token in the state dir when readable)")
+        cmd.add_argument("--state-dir", type=Path, default=None,
+                         help="the daemon's state dir, to find its address and admin token")
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the raw JSON")
+        elif name == "top":
+            cmd.add_argument("--interval", type=float, default=1.0, help="seconds (default 1)")
+            cmd.add_argument("--count", type=int, default=None,
+                             help="stop after this many refreshes")
+        elif name == "submit":
+            cmd.add_argument("entrypoint", metavar="FILE.py:FUNCTION")
+            cmd.add_argument("--iterations", type=int, required=True)
+            cmd.add_argument("--name", help="the job's name (default: the function's)")
+            cmd.add_argument("--priority", type=float, default=1.0)
+        elif name == "policy":
+            cmd.add_argument("name", nargs="?", choices=["fifo", "srtf", "fair", "pack"])
+        elif name == "token":
+            cmd.add_argument("action", choices=["add", "revoke", "list"])
+            cmd.add_argument("name", nargs="?", help="the token's name")
+            cmd.add_argument("--user", help="unix user its jobs run as (default: the name)")
         else:
-            cmd.add_argument("job", help="the job id (as `salusd status` shows it)")
+            cmd.add_argument("job", type=int, help="the job id (as `salusd status` shows it)")
         if name == "suspend":
             cmd.add_argument("--swap", action="store_true", help="also move the job's state to "
                              "host memory so waiting jobs can use its device memory")
         if name == "priority":
             cmd.add_argument("value", type=float, help="the new weight (> 0; default is 1)")
-    return parser
+
+
+def parse_every(text: str) -> tuple[int | None, float]:
+    """`--checkpoint-every`: `500` iterations, or `90s` / `10m` / `1h` of job time."""
+    text = text.strip().lower()
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    if text and text[-1] in units:
+        seconds = float(text[:-1]) * units[text[-1]]
+        if not seconds > 0:
+            raise ValueError(f"--checkpoint-every must be positive, got {text!r}")
+        return None, seconds
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--checkpoint-every wants iterations (500) or a duration (10m), got "
+                         f"{text!r}")
+    return int(text), float("inf")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return serve(args)
-    from salus.daemon.control_cli import run_control
+    if args.command == "token" and args.action in ("add", "revoke") and not args.name:
+        parser.error(f"token {args.action} needs the token's name")
+    from salus.daemon.cli_rest import run
 
-    return run_control(args)
+    return run(args)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -114,22 +176,26 @@ def serve(args: argparse.Namespace) -> int:
 
     from salus.daemon.daemon import Daemon, DaemonConfig
     from salus.daemon.devices import cpu_threads_default, discover, format_size, parse_size
+    from salus.daemon.rest.server import parse_listen
     from salus.daemon.wire.address import default_socket_path, default_state_dir
 
     try:
         memory = parse_size(args.cpu_memory) if args.cpu_memory else None
         devices = discover(args.cpu_devices, memory)
+        http = parse_listen(args.http)
+        every, every_s = parse_every(args.checkpoint_every)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
     state_dir = args.state_dir or default_state_dir()
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     socket_path = args.socket or default_socket_path()
     threads = args.cpu_threads or cpu_threads_default(len(devices))
     config = DaemonConfig(socket_path, devices, args.policy, threads=threads, group=args.group,
                           max_connections=args.max_connections,
                           frame_timeout_s=args.frame_timeout, cancel_grace_s=args.cancel_grace,
-                          standby_executors=args.standby_executors)
+                          standby_executors=args.standby_executors, state_dir=state_dir,
+                          http=http, job_root=args.job_root, checkpoint_every=every,
+                          checkpoint_every_s=every_s)
     try:
         daemon = Daemon(config)
         daemon.start()
@@ -144,6 +210,8 @@ def serve(args: argparse.Namespace) -> int:
              "root: each job runs as its owner" if os.geteuid() == 0 else
              "an ordinary user: jobs accepted from this user and root only")
     print(f"salusd listening on unix://{socket_path}", flush=True)
+    if daemon.rest is not None:
+        print(f"salusd REST API on {daemon.rest.url}", flush=True)
     daemon.install_signal_handlers()
     daemon.run()
     return 0

@@ -7,17 +7,29 @@ This process never imports torch and never runs or unpickles job code (`docs/run
 from __future__ import annotations
 
 import logging
+import os
+import pwd
 import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from salus.daemon.devices import DeviceSpec
-from salus.daemon.engine.engine import Engine
+from salus.daemon.engine.engine import CheckpointPolicy, Engine
+from salus.daemon.engine.persist import Persistence
+from salus.daemon.engine.registry import Owner
 from salus.daemon.executor.supervisor import Supervisor
 from salus.daemon.frontend.handlers import Handlers
 from salus.daemon.frontend.loop import Loop
 from salus.daemon.frontend.server import SocketServer
+from salus.daemon.metrics import Metrics
+from salus.daemon.rest.app import make_app
+from salus.daemon.rest.auth import Auth
+from salus.daemon.rest.bridge import EngineBridge
+from salus.daemon.rest.context import Context
+from salus.daemon.rest.server import RestServer
+from salus.daemon.state.store import Store, ensure_admin_token
 
 log = logging.getLogger("salusd")
 
@@ -37,6 +49,11 @@ class DaemonConfig:
     retention_s: float = 3600.0
     standby_executors: int = 2
     shutdown_timeout_s: float = 60.0
+    state_dir: Path | None = None  # None: nothing durable, no checkpoints, no REST
+    http: tuple[str, int] | None = None  # the REST API's address (needs state_dir)
+    job_root: Path | None = None  # where REST batch entrypoints live (default state/job-root)
+    checkpoint_every: int | None = None  # iterations; None: every checkpoint_every_s
+    checkpoint_every_s: float = 600.0
 
 
 class Daemon:
@@ -47,11 +64,26 @@ class Daemon:
         self.loop = Loop(time.monotonic)
         self.supervisor = Supervisor(self.loop, standby=config.standby_executors,
                                      threads=config.threads)
+        self.store: Store | None = None
+        checkpoints = None
+        if config.state_dir is not None:
+            state = prepare_state_dir(config.state_dir)
+            self.store = Store.open(state / "salusd.db")
+            checkpoints = CheckpointPolicy(str(state / "checkpoints"), make_owner_dir,
+                                           config.checkpoint_every, config.checkpoint_every_s)
         self.engine = Engine(
             [d.memory_bytes for d in config.devices], config.policy, self.supervisor,
             clock=time.monotonic, timers=self.loop,
             torch_devices=[d.torch_device for d in config.devices], threads=config.threads,
-            retention_s=config.retention_s, cancel_grace_s=config.cancel_grace_s)
+            retention_s=config.retention_s, cancel_grace_s=config.cancel_grace_s,
+            store=self.store, checkpoints=checkpoints)
+        self.metrics = Metrics()
+        self.engine.events.subscribe(self.metrics.observe)
+        if self.store is not None:
+            self.engine.events.subscribe(Persistence(self.store).observe)
+        self.rest: RestServer | None = None
+        if config.http is not None:
+            self.rest = self._make_rest(config.http)
         self.supervisor.on_reply = self.engine.on_executor_reply
         self.supervisor.on_died = self.engine.on_executor_died
         self.server = SocketServer(config.socket_path, self.loop, Handlers(self.engine),
@@ -59,11 +91,41 @@ class Daemon:
                                    frame_timeout_s=config.frame_timeout_s)
         self._stop = False
 
+    def _make_rest(self, address: tuple[str, int]) -> RestServer:
+        assert self.store is not None and self.config.state_dir is not None, (
+            "the REST API needs a state dir")
+        state = self.config.state_dir
+        job_root = self.config.job_root or state / "job-root"
+        job_root.mkdir(parents=True, exist_ok=True)
+        me = pwd.getpwuid(os.getuid())
+        auth = Auth(ensure_admin_token(state), self.store, Owner(me.pw_name, me.pw_uid,
+                                                                  me.pw_gid))
+        ctx = Context(self.engine, EngineBridge(self.loop), self.store, self.metrics,
+                      str(job_root))
+        return RestServer(make_app(ctx, auth), *address)
+
     def start(self) -> None:
-        """Start the executor zygote (it imports torch once), then listen."""
+        """Start the executor zygote (it imports torch once), bring back the jobs that were
+        live when salusd last stopped, then listen."""
         self.supervisor.start()
         self.supervisor.wait_ready()
+        if self.store is not None:
+            self._restore()
         self.server.start()
+        if self.rest is not None and self.config.state_dir is not None:
+            self.rest.start()
+            write_private(self.config.state_dir / "http.url", self.rest.url + "\n")
+            log.info("REST API on %s", self.rest.url)
+
+    def _restore(self) -> None:
+        assert self.store is not None
+        for row in self.store.unfinished_jobs():
+            log.info("restoring job %d %r of %s (%s, checkpoint at iteration %s)", row.id,
+                     row.name, row.owner, row.kind, row.checkpoint_iteration)
+            self.engine.restore(Owner(row.owner, row.uid, row.gid), row.id, row.name,
+                                row.iterations_total or 1,
+                                "batch" if row.kind == "batch" else "interactive",
+                                dict(row.spec), float(row.priority), row.checkpoint_iteration)
 
     def request_stop(self) -> None:
         """Safe from a signal handler or another thread."""
@@ -85,7 +147,11 @@ class Daemon:
         while any(link.out for link in self.loop.links) and time.monotonic() < flush_deadline:
             self.loop.run_once(0.05)
         self.supervisor.stop()
+        if self.rest is not None:
+            self.rest.stop()
         self.loop.shutdown()
+        if self.store is not None:
+            self.store.close()
         log.info("stopped")
 
     def _begin_stop(self) -> None:
@@ -94,3 +160,28 @@ class Daemon:
         self._stop = True
         self.server.stop()
         self.engine.begin_shutdown()
+
+
+def prepare_state_dir(path: Path) -> Path:
+    """The state dir, mode 0711: the registry and the admin token in it are 0600, and each
+    job's checkpoints are in `checkpoints/<id>/`, 0700 and owned by the job's owner, who must be
+    able to pass through to reach them."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o711)
+    (path / "checkpoints").mkdir(exist_ok=True)
+    os.chmod(path / "checkpoints", 0o711)
+    return path
+
+
+def make_owner_dir(path: str, owner: Owner) -> None:
+    """A job's checkpoint dir, which only its owner (and root) can read."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, owner.uid, owner.gid)
+
+
+def write_private(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

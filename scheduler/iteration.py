@@ -134,6 +134,27 @@ class IterationScheduler:
         job.state = JobState.SUSPENDED
         return self._started(made)
 
+    def set_policy(self, policy: Policy) -> list[Placement]:
+        """Switch to `policy`. Between policies of one lane mode only the rule changes. Between
+        lane modes (pack and the single-lane policies) every job that is admitted or waiting is
+        admitted anew, in submit order, under the new mode: some may wait where they ran, none
+        is lost. Call it when no iteration is running. Returns the placements made."""
+        if policy.lane_mode == self.policy.lane_mode:
+            self.policy = policy
+            return []
+        old = self.lanes
+        self.policy = policy
+        self.lanes = LaneManager([old.capacity(d) for d in range(old.num_devices)],
+                                 policy.lane_mode, first_lane_id=old.next_lane_id)
+        made: list[Placement] = []
+        live = [j for j in self.jobs.values() if not j.done and j.job_id not in self.swapped]
+        for job in sorted(live, key=lambda j: (j.submit_s, j.job_id)):
+            was = job.state
+            made += self.lanes.submit(job)
+            if was == JobState.SUSPENDED:
+                job.state = JobState.SUSPENDED
+        return self._started(made)
+
     def set_priority(self, job_id: int, priority: float) -> None:
         if priority <= 0:
             raise ValueError(f"priority must be > 0, got {priority}")

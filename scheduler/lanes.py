@@ -88,7 +88,8 @@ _Slot = tuple[_Device, Lane | None]
 class LaneManager:
     """Admission for all devices of one node; mutated only through `submit`/`release`/`requeue`."""
 
-    def __init__(self, capacities: Sequence[int], mode: LaneMode = "pack") -> None:
+    def __init__(self, capacities: Sequence[int], mode: LaneMode = "pack", *,
+                 first_lane_id: int = 0) -> None:
         if not capacities:
             raise ValueError("at least one device is needed")
         if any(c <= 0 for c in capacities):
@@ -101,7 +102,7 @@ class LaneManager:
         self._pending = PendingQueue()
         self._jobs: dict[int, Job] = {}
         self._placements: dict[int, tuple[Placement, ...]] = {}
-        self._next_lane = 0
+        self._next_lane = first_lane_id  # lane ids are never reused, even across a rebuild
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -129,6 +130,10 @@ class LaneManager:
 
     def capacity(self, device: int) -> int:
         return self._devices[device].capacity
+
+    @property
+    def next_lane_id(self) -> int:
+        return self._next_lane
 
     @property
     def num_devices(self) -> int:

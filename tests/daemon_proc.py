@@ -21,7 +21,8 @@ def salusd(tmp: Path, *args: str, devices: int = 2, memory: str = "512M"
     proc = subprocess.Popen(
         [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
          "--state-dir", str(tmp / "state"), "--cpu-devices", str(devices), "--cpu-memory",
-         memory, "--cpu-threads", "1", *args],
+         memory, "--cpu-threads", "1", *(() if "--http" in args else ("--http", "none")),
+         *args],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         assert proc.stdout is not None

@@ -15,6 +15,7 @@ queue of what it was asked (`_Sent`); a reply is matched with the head of that q
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,13 +27,17 @@ from salus.daemon.engine.registry import (
     Answer,
     Call,
     EndState,
+    JobKind,
     JobRecord,
     Owner,
     Registry,
+    check_iterations,
+    check_name,
 )
 from salus.daemon.wire.errors import (
     BadRequest,
     Busy,
+    Conflict,
     DoesNotFit,
     JobCancelled,
     JobFailed,
@@ -40,7 +45,7 @@ from salus.daemon.wire.errors import (
     ShuttingDown,
 )
 from salus.daemon.wire.frames import RawFrame, json_frame
-from salus.scheduler import IterationScheduler, Job, JobState, Placement, make_policy
+from salus.scheduler import IterationScheduler, Job, JobState, Placement, Policy, make_policy
 
 log = logging.getLogger("salusd.engine")
 LaneKey = tuple[int, int]
@@ -72,6 +77,25 @@ class ExecutorPort(Protocol):
         ...
 
 
+class JobStore(Protocol):
+    """The durable registry (`salusd.state.store.Store`): job ids that never repeat."""
+
+    def new_job(self, name: str, owner: str, uid: int, gid: int, kind: str,
+                spec: dict[str, Any], iterations_total: int, priority: float) -> int: ...
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where jobs' checkpoints go (`root/<job id>/`, made by `make_dir` as the job's owner)
+    and how often: every `every_iterations` iterations, else every `every_s` seconds of the
+    job's own run time."""
+
+    root: str
+    make_dir: Callable[[str, Owner], None]
+    every_iterations: int | None = None
+    every_s: float = 600.0
+
+
 class Timers(Protocol):
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None: ...
 
@@ -84,6 +108,7 @@ class _Sent:
     answer: Answer | None = None
     lane: LaneKey | None = None
     counted: bool = False
+    on_done: Callable[[dict[str, Any]], None] | None = None  # gets the executor's reply meta
 
 
 def _refuse(call: Call, error: SalusError) -> None:
@@ -121,6 +146,8 @@ class Engine:
         retention_s: float = 3600.0,
         cancel_grace_s: float = 5.0,
         max_queued_calls: int = 64,
+        store: JobStore | None = None,
+        checkpoints: CheckpointPolicy | None = None,
     ) -> None:
         self.clock = clock
         self.timers = timers
@@ -140,23 +167,90 @@ class Engine:
         self._sent: dict[int, deque[_Sent]] = {}  # id(executor) -> what it was asked
         self._by_executor: dict[int, JobRecord] = {}
         self.stopping = False
+        self.store = store
+        self.checkpoints = checkpoints
+        self.pending_policy: Policy | None = None  # switched to once no call runs
 
     # ---- client operations (called by the front end on the I/O thread) ----------------------
-    def open(self, owner: Owner, name: object, iterations: object, cwd: str | None) -> JobRecord:
+    def open(self, owner: Owner, name: object, iterations: object, cwd: str | None, *,
+             kind: JobKind = "interactive", spec: dict[str, Any] | None = None,
+             priority: float = 1.0, job_id: int | None = None) -> JobRecord:
+        """A new job; an interactive job restored after a restart and waiting for its client
+        (same owner and name) is handed back instead, with `resumed_from` set."""
         if self.stopping:
             raise ShuttingDown("salusd is shutting down")
-        record = self.registry.open(owner, name, iterations)
+        checked, planned = check_name(name), check_iterations(iterations)
+        if kind == "interactive" and job_id is None:
+            waiting = next((r for r in self.registry if r.awaiting_client
+                            and r.owner.uid == owner.uid and r.name == checked), None)
+            if waiting is not None:
+                waiting.awaiting_client = waiting.held = False
+                self._event("reattach", waiting.job_id, iteration=waiting.resumed_from)
+                return waiting
+        if job_id is None and self.store is not None:
+            job_id = self.store.new_job(checked, owner.name, owner.uid, owner.gid, kind,
+                                        spec or {}, planned, priority)
+        record = self.registry.open(owner, checked, planned, job_id)
         record.threads = self.threads
         record.cwd = cwd
+        record.kind, record.spec, record.priority = kind, dict(spec or {}), priority
         record.device_kind = "cuda" if self.torch_devices[0].startswith("cuda") else "cpu"
-        self._event("open", record.job_id, owner=owner.name, name=record.name)
-        log.info("job %d %r opened by %s (%d iterations planned)", record.job_id, record.name,
-                 owner.name, record.planned_iterations)
+        if self.checkpoints is not None:
+            record.checkpoint_dir = os.path.join(self.checkpoints.root, str(record.job_id))
+            self.checkpoints.make_dir(record.checkpoint_dir, owner)
+        self._event("open", record.job_id, owner=owner.name, name=record.name, job_kind=kind)
+        log.info("job %d %r opened by %s (%s, %d iterations planned)", record.job_id,
+                 record.name, owner.name, kind, record.planned_iterations)
         return record
+
+    def submit_batch(self, owner: Owner, name: object, iterations: object, path: str,
+                     function: str, priority: float = 1.0) -> JobRecord:
+        """A batch job: its executor imports `path`, calls `function` and the daemon drives
+        the loop for `iterations` iterations."""
+        spec = {"entrypoint": f"{path}:{function}", "path": path, "function": function}
+        record = self.open(owner, name, iterations, os.path.dirname(path), kind="batch",
+                           spec=spec, priority=priority)
+        self._load(record, restore=False)
+        return record
+
+    def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
+                spec: dict[str, Any], priority: float, checkpoint_iteration: int | None) -> None:
+        """Bring back a job the durable registry says was live when salusd stopped: a batch
+        job goes on from its last checkpoint on its own; an interactive one waits, suspended
+        at its last checkpoint, for its client to connect again."""
+        record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
+                           priority=priority, job_id=job_id)
+        if kind == "batch":
+            self._load(record, restore=True)
+        elif checkpoint_iteration is None:
+            self._end(record, "failed", f"salusd restarted before job {job_id}'s first "
+                      "checkpoint, so its state was lost; connect a new job")
+        else:
+            record.awaiting_client = record.held = True
+            self._load(record, restore=True)
+
+    def _load(self, record: JobRecord, restore: bool) -> None:
+        record.executor = self.executors.acquire(record, record.cwd)
+        self._sent[id(record.executor)] = deque()
+        self._by_executor[id(record.executor)] = record
+        if record.kind == "batch":
+            meta = {"op": "load", "path": record.spec["path"],
+                    "function": record.spec["function"], "restore": restore,
+                    "dir": record.checkpoint_dir}
+        else:
+            meta = {"op": "restore", "dir": record.checkpoint_dir}
+        self._send(record, _Sent("load"), meta, None)
 
     def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward the client's state to the job's executor, which loads and measures it."""
         self._require_live(record)
+        if record.resumed_from is not None and record.kind == "interactive":
+            # Restored from a checkpoint: the job already holds its state, so the objects the
+            # script built afresh are not loaded.
+            frame.close_fd()
+            answer(ok_frame({"persistent_bytes": record.persistent_bytes,
+                             "resumed_from": record.resumed_from}))
+            return
         if record.phase != "open" or record.executor is not None:
             raise BadRequest(f"job {record.job_id} already holds its state; open another job "
                              "with salus.connect() for other objects")
@@ -202,7 +296,7 @@ class Engine:
 
     def close(self, record: JobRecord) -> None:
         """The client is done: the job finishes once its running call (if any) has returned."""
-        if record.live:
+        if record.live and not self.stopping:  # at shutdown the job stays, to be restored
             self._end(record, "finished", f"job {record.job_id} was closed by its client")
 
     def cancel(self, record: JobRecord) -> None:
@@ -223,6 +317,8 @@ class Engine:
                 self._swap_if_idle(record)
         self._event("suspend", record.job_id, swap=swap)
         self._refresh_leases()
+        if record.phase == "submitted" and self.checkpoints is not None:
+            self.checkpoint(record)
 
     def resume(self, record: JobRecord) -> None:
         self._require_live(record)
@@ -256,11 +352,41 @@ class Engine:
         for record in self.registry:
             while record.calls:
                 _refuse(record.calls.popleft(), ShuttingDown("salusd is shutting down"))
+            if (self.checkpoints is not None and record.phase == "submitted"
+                    and record.since_checkpoint and not record.checkpointing):
+                self.checkpoint(record)  # after its running call, if any
 
     @property
     def idle(self) -> bool:
-        """No executor is running a call (shutdown waits for this)."""
-        return not self.busy
+        """No executor is running a call or writing a checkpoint (shutdown waits for this)."""
+        return not self.busy and not any(r.checkpointing for r in self.registry)
+
+    def checkpoint(self, record: JobRecord,
+                   on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Ask the job's executor to write its state at its next boundary; `on_done` gets the
+        executor's answer (iteration, bytes, seconds, path, or a message)."""
+        self._require_live(record)
+        if self.checkpoints is None:
+            raise BadRequest("this salusd keeps no checkpoints (started without --state-dir)")
+        if record.executor is None or record.phase in ("open", "estimating") or (
+                record.phase == "attached" and record.kind == "batch"):
+            raise Conflict(f"job {record.job_id} has no state to checkpoint yet")
+        record.checkpointing += 1
+        record.since_checkpoint, record.since_checkpoint_s = 0, 0.0
+        self._send(record, _Sent("checkpoint", on_done=on_done),
+                   {"op": "checkpoint", "dir": record.checkpoint_dir, "job": record.job_id},
+                   None)
+
+    def set_policy(self, name: object) -> None:
+        """Switch the scheduling policy at the next boundaries: no new call starts until the
+        running ones have returned, then every job is admitted under the new policy."""
+        try:
+            policy = make_policy(str(name))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        self.pending_policy = policy
+        self._refresh_leases()
+        self._switch_if_quiet()
 
     # ---- executor events -------------------------------------------------------------------
     def on_executor_reply(self, executor: object, meta: dict[str, Any],
@@ -297,6 +423,12 @@ class Engine:
             record.executor = None
         elif sent.kind == "estimate":
             self._estimated(record, meta)
+        elif sent.kind == "load":
+            self._loaded(record, meta)
+        elif sent.kind == "checkpoint":
+            self._checkpointed(record, meta)
+        if sent.on_done is not None:
+            sent.on_done(meta)
         if sent.answer is not None and frame is not None:
             sent.answer(frame)
         elif frame is not None:
@@ -336,7 +468,12 @@ class Engine:
                 del self.busy[sent.lane]
             if sent.answer is not None:
                 sent.answer(error_frame(error))
+            if sent.kind == "checkpoint":
+                record.checkpointing -= 1
+            if sent.on_done is not None:
+                sent.on_done({"ok": False, "message": str(error)})
         self._event("executor_died", record.job_id, reason=reason)
+        self._switch_if_quiet()
         self._pump_all()
         self._refresh_leases()
 
@@ -407,7 +544,7 @@ class Engine:
         self._send(record, _Sent("revoke", lane=key), {"op": "lease", "granted": False}, None)
 
     def _lease_candidate(self, residents: list[int]) -> int | None:
-        if len(residents) != 1 or self.stopping:
+        if len(residents) != 1 or self.stopping or self.pending_policy is not None:
             return None
         record = self.registry.live.get(residents[0])
         job = self.sched.jobs.get(residents[0])
@@ -431,6 +568,7 @@ class Engine:
             self._finalize(record)
         elif record.swap_requested:
             self._swap_if_idle(record)
+        self._switch_if_quiet()
         if self.sched.lanes.lane(*key) is not None:
             self._pump(key)
         self._pump_job(record)
@@ -452,10 +590,12 @@ class Engine:
                   total_iterations=record.planned_iterations,
                   persistent_bytes=aligned(record.persistent_bytes),
                   ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
-                  name=record.name, priority=record.priority)
+                  name=record.name, priority=record.priority,
+                  done_iterations=record.done_before)
         try:
             made = self.sched.submit(job)
         except ValueError as exc:
+            self._event("reject", record.job_id, reason=str(exc))
             self._end(record, "failed", str(DoesNotFit(
                 f"job {record.job_id} can never fit: {exc}")))
             return
@@ -467,9 +607,84 @@ class Engine:
         self._apply(made)
         self._pump_job(record)
 
+    def _switch_if_quiet(self) -> None:
+        if self.pending_policy is None or self.busy:
+            return
+        policy, self.pending_policy = self.pending_policy, None
+        old = self.sched.policy.name
+        made = self.sched.set_policy(policy)
+        self._event("policy", -1, policy=policy.name, previous=old)
+        log.info("policy switched from %s to %s", old, policy.name)
+        self._apply(made)
+        self._pump_all()
+
+    def _maybe_checkpoint(self, record: JobRecord) -> None:
+        policy = self.checkpoints
+        if policy is None or record.checkpointing or not record.live or self.stopping:
+            return
+        if ((policy.every_iterations and record.since_checkpoint >= policy.every_iterations)
+                or record.since_checkpoint_s >= policy.every_s):
+            self.checkpoint(record)
+
+    def _loaded(self, record: JobRecord, meta: dict[str, Any]) -> None:
+        """A batch job's entrypoint, or a restored job's checkpoint, was loaded."""
+        if not meta.get("ok"):
+            self._end(record, "failed", "the job could not be loaded: "
+                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
+            return
+        record.persistent_bytes = int(meta.get("persistent_bytes", 0))
+        iteration = int(meta.get("iteration", 0))
+        if record.checkpoint_dir is not None and iteration:
+            record.resumed_from = record.done_before = iteration
+            record.checkpoint_iteration = iteration
+            log.info("job %d resumed from its checkpoint at iteration %d", record.job_id,
+                     iteration)
+        if not record.live:
+            return
+        record.phase = "attached"
+        self._event("attach", record.job_id, persistent_bytes=record.persistent_bytes,
+                    resumed_from=record.resumed_from)
+        if record.kind == "batch":
+            if iteration >= record.planned_iterations:
+                self._end(record, "finished", f"ran its {iteration} iterations")
+                return
+            record.phase = "estimating"
+            self._send(record, _Sent("estimate"), {"op": "estimate", "frame": False}, None)
+
+    def _checkpointed(self, record: JobRecord, meta: dict[str, Any]) -> None:
+        record.checkpointing -= 1
+        if not meta.get("ok"):
+            log.warning("job %d: checkpoint failed: %s", record.job_id, meta.get("message"))
+            return
+        record.checkpoint_iteration = int(meta["iteration"])
+        record.checkpoint_time = float(meta["time"])
+        record.checkpoint_bytes = int(meta["bytes"])
+        self._event("checkpoint", record.job_id, iteration=record.checkpoint_iteration,
+                    seconds=float(meta["seconds"]), bytes=record.checkpoint_bytes,
+                    path=str(meta.get("path")), time=record.checkpoint_time)
+
+    def _batch_step_done(self, record: JobRecord, meta: dict[str, Any]) -> None:
+        """After a batch job's iteration: fail it if its code raised, finish it (with a final
+        checkpoint) when it ran all its iterations, else checkpoint when due."""
+        if not meta.get("ok"):
+            self._end(record, "failed", f"iteration {int(meta.get('iteration', 0)) + 1} "
+                      f"raised {str(meta.get('message', ''))[:2000]}")
+            return
+        record.last_loss = meta.get("loss")
+        if "evaluation" in meta:
+            record.last_evaluation = meta["evaluation"]
+        job = self.sched.jobs.get(record.job_id)
+        if job is not None and job.done:
+            if self.checkpoints is not None:
+                self.checkpoint(record)
+            self._end(record, "finished", f"ran its {job.done_iterations} iterations")
+        else:
+            self._maybe_checkpoint(record)
+
     def _ready(self, job: Job) -> bool:
         record = self.registry.live.get(job.job_id)
-        return record is not None and bool(record.calls) and not record.cancel_requested
+        return record is not None and not record.cancel_requested and (
+            bool(record.calls) or record.kind == "batch")
 
     def _pump_job(self, record: JobRecord) -> None:
         for p in self.sched.lanes.placements(record.job_id):
@@ -481,12 +696,17 @@ class Engine:
 
     def _pump(self, key: LaneKey) -> None:
         """If lane `key` is idle, start the call of the job the policy picks."""
-        if key in self.busy or self.stopping:
+        if key in self.busy or self.stopping or self.pending_policy is not None:
             return
         decision = self.sched.next_iteration(*key, ready=self._ready)
         if decision is None:
             return
         record = self.registry.live[decision.job_id]
+        if record.kind == "batch":  # the daemon drives the loop: the next batch, in its lane
+            self.sched.iteration_started(record.job_id)
+            self.busy[key] = record.job_id
+            self._send(record, _Sent("run", None, key, True), {"op": "step"}, None)
+            return
         call = record.calls.popleft()
         if call.counted:
             self.sched.iteration_started(record.job_id)
@@ -509,7 +729,11 @@ class Engine:
         elif not record.live:
             self._finalize(record)
         self._event("end", record.job_id, *sent.lane, seconds=seconds,
+                    iterations=int(sent.counted), ok=bool(meta.get("ok")),
                     began=meta.get("began"), ended=meta.get("ended"))
+        if record.live and record.kind == "batch":
+            self._batch_step_done(record, meta)
+        self._switch_if_quiet()
         if record.live and record.swap_requested:
             self._swap_if_idle(record)
         self._apply(made)
@@ -525,10 +749,16 @@ class Engine:
         if iterations and not job.done:
             if not started:
                 self.sched.iteration_started(record.job_id)
-            # Interactive jobs end at close: the planned count only informs SRTF.
-            job.total_iterations = max(job.total_iterations, job.done_iterations + iterations + 1)
+            if record.kind == "interactive":
+                # Interactive jobs end at close: the planned count only informs SRTF.
+                job.total_iterations = max(job.total_iterations,
+                                           job.done_iterations + iterations + 1)
             made = self.sched.iterations_done(record.job_id, iterations,
                                               float(meta.get("seconds", 0.0)))
+            record.since_checkpoint += iterations
+            record.since_checkpoint_s += float(meta.get("seconds", 0.0))
+            if record.kind == "interactive":
+                self._maybe_checkpoint(record)
         peak = meta.get("peak")
         if isinstance(peak, int):
             record.measured_peak = max(record.measured_peak or 0, peak)
@@ -548,6 +778,7 @@ class Engine:
         try:
             made = self.sched.requeue(record.job_id, job.persistent_bytes, aligned(peak))
         except ValueError as exc:
+            self._event("reject", record.job_id, reason=str(exc))
             self._end(record, "failed", str(DoesNotFit(
                 f"job {record.job_id} measured {peak} bytes per call above its state, more "
                 f"than any device can hold: {exc}")))
@@ -581,6 +812,20 @@ class Engine:
         for p in made:
             self._pump((p.device, p.lane_id))
         self._refresh_leases()
+        self._memory_event()
+
+    def _memory_event(self) -> None:
+        """Per device: budget, persistent bytes, lane bytes, free bytes and lanes; and the
+        pending queue's length (what metrics show, without reading the engine)."""
+        devices = []
+        for index, ledger in enumerate(self.ledgers):
+            lanes = self.sched.lanes.lanes(index)
+            stats = ledger.stats()
+            devices.append({"device": index, "capacity_bytes": stats.capacity,
+                            "persistent_bytes": self.sched.lanes.persistent(index),
+                            "lane_bytes": sum(ln.size for ln in lanes),
+                            "free_bytes": stats.capacity - stats.used, "lanes": len(lanes)})
+        self._event("memory", -1, devices=devices, pending=len(self.sched.lanes.pending))
 
     def _swap_if_idle(self, record: JobRecord) -> None:
         if not record.swap_requested or record.job_id in self.busy.values():
@@ -602,8 +847,11 @@ class Engine:
         if record.job_id in self.sched.jobs and not self.sched.jobs[record.job_id].done:
             made = self.sched.finish(record.job_id, JobState.FINISHED if state == "finished"
                                      else JobState.CANCELLED)
+        done = self.sched.jobs[record.job_id].done_iterations if (
+            record.job_id in self.sched.jobs) else record.done_before
         self.registry.end(record, state, reason)
-        self._event(state if state != "finished" else "finish", record.job_id, reason=reason)
+        self._event(state if state != "finished" else "finish", record.job_id, reason=reason,
+                    iterations_done=done)
         log.info("job %d %s: %s", record.job_id, state, reason)
         running = record.job_id in self.busy.values()
         if not executor_gone:

@@ -17,9 +17,19 @@ log = logging.getLogger("salusd.events")
 
 @dataclass(frozen=True)
 class Event:
-    """One change: `kind` (open, attach, submit, admit, start, end, requeue, suspend, resume,
-    swap_out, priority, finish, cancel, fail, executor_died), the job, where, and details.
-    `t` is seconds on the engine's clock."""
+    """One change: `kind`, the job (-1 for none), where, and details; `t` is seconds on the
+    engine's clock. Kinds and their details:
+
+    - open (owner, name), attach (persistent_bytes), submit (persistent, ephemeral, method),
+      admit (device, lane), requeue (peak), suspend (swap), resume, swap_out, priority;
+    - end: one call ended in a lane (seconds, iterations 0 or 1, ok);
+    - ran: calls a leased job ran on its own (calls, iterations, seconds);
+    - finish / cancelled / failed (reason): the job ended; executor_died (reason);
+    - reject (reason): admission found the job can never fit (a `failed` follows);
+    - checkpoint (iteration, seconds, bytes): the job's state was written;
+    - memory (no job): devices = [{device, capacity_bytes, persistent_bytes, lane_bytes,
+      free_bytes, lanes}], pending = jobs waiting for admission; sent after every change of
+      admissions."""
 
     t: float
     kind: str

@@ -24,6 +24,7 @@ from salus.daemon.wire.frames import RawFrame
 
 Phase = Literal["open", "attached", "estimating", "submitted", "ended"]
 EndState = Literal["finished", "cancelled", "failed"]
+JobKind = Literal["interactive", "batch"]
 Answer = Callable[[RawFrame], None]
 
 MAX_ITERATIONS = 2**53
@@ -84,6 +85,20 @@ class JobRecord:
     device_kind: str = "cpu"
     functions: dict[int, str] = field(default_factory=dict)  # function id -> its kind
     direct: bool = False  # the client calls the executor on a direct channel
+    kind: JobKind = "interactive"  # batch: the daemon drives the loop from an entrypoint
+    spec: dict[str, Any] = field(default_factory=dict)  # what the job was submitted with
+    checkpoint_dir: str | None = None
+    checkpoint_iteration: int | None = None
+    checkpoint_time: float | None = None  # unix seconds
+    checkpoint_bytes: int = 0
+    since_checkpoint_s: float = 0.0  # job time run since the last checkpoint
+    since_checkpoint: int = 0  # iterations run since the last checkpoint
+    checkpointing: int = 0  # checkpoints asked of the executor and not answered yet
+    resumed_from: int | None = None  # restored after a restart at this iteration
+    awaiting_client: bool = False  # restored interactive job: suspended until its client is back
+    done_before: int = 0  # iterations done before the last restart
+    last_loss: float | None = None  # batch jobs: what the last iteration returned
+    last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
 
     @property
     def live(self) -> bool:
@@ -124,9 +139,11 @@ class Registry:
         self.ended: OrderedDict[int, JobRecord] = OrderedDict()
         self._ids = itertools.count(first_id)
 
-    def open(self, owner: Owner, name: object, iterations: object) -> JobRecord:
-        record = JobRecord(next(self._ids), owner, check_name(name),
-                           check_iterations(iterations), self.clock())
+    def open(self, owner: Owner, name: object, iterations: object,
+             job_id: int | None = None) -> JobRecord:
+        """A new live record; `job_id` comes from the durable store when there is one."""
+        record = JobRecord(next(self._ids) if job_id is None else job_id, owner,
+                           check_name(name), check_iterations(iterations), self.clock())
         self.live[record.job_id] = record
         return record
 

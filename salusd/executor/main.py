@@ -234,8 +234,9 @@ class Executor:
             _send(self.daemon, ran, None)
 
     def _run(self, request: Any) -> tuple[dict[str, Any], Any]:
-        reply_meta, reply = handle(self.runtime, "run", {}, request)
-        reply_meta["counted"] = self._counted(request)
+        counted = self._counted(request)
+        reply_meta, reply = handle(self.runtime, "run", {"counted": counted}, request)
+        reply_meta["counted"] = counted
         return reply_meta, reply
 
     def _counted(self, request: Any) -> bool:
@@ -284,7 +285,11 @@ def _error(exc: BaseException) -> dict[str, Any]:
 def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
            request: Any) -> tuple[dict[str, Any], Any]:
     """One message: (reply meta, reply to forward to the client or None)."""
+    if op == "step":
+        return runtime.step(), None
     if op == "run":
+        if meta.get("counted"):
+            runtime.iterations += 1
         reply, seconds, peak = runtime.run(request)
         ok = not (isinstance(reply, dict) and reply.get("ok") is False)
         began, ended = runtime.last_span
@@ -305,6 +310,11 @@ def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
             return {"ok": True}, {"ok": True, "result": None}
         if op == "pull":
             return {"ok": True}, runtime.pull(request)
+        if op in ("load", "restore"):
+            result = runtime.load(meta) if op == "load" else runtime.restore(meta)
+            return {"ok": True, **result}, None
+        if op == "checkpoint":
+            return {"ok": True, **runtime.checkpoint(meta)}, None
         if op == "place":
             runtime.place(str(meta["device"]), int(meta["budget_bytes"]))
             return {"ok": True}, None
@@ -312,7 +322,8 @@ def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
             runtime.swap_out()
             return {"ok": True}, None
     except Exception as exc:
-        return {"ok": False}, (_error(exc) if op in _WITH_FRAME else None)
+        return {"ok": False, "message": error_text(exc)[:2000]}, (
+            _error(exc) if op in _WITH_FRAME else None)
     return {"ok": False, "message": f"unknown executor op {op!r}"}, None
 
 

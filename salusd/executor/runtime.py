@@ -18,6 +18,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -25,6 +26,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from salus.daemon.executor import checkpoint
+from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.measure import EstimationError, estimate_call_peak, held_bytes, state_bytes
 from salus.daemon.wire import compact
@@ -94,6 +97,9 @@ class JobRuntime:
         self.last_span = (0.0, 0.0)
         self._held = 0
         self._settled = False
+        self.iterations = 0  # counted calls run: a checkpoint's iteration
+        self.batch: BatchJob | None = None
+        self.cursor: DataCursor | None = None
 
     # ---- messages ---------------------------------------------------------------------------
     def attach(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -105,11 +111,7 @@ class JobRuntime:
                                                     for k in objects):
             raise TypeError("attached objects must be a dict of identifiers to objects")
         _set_rng(request)
-        self.state = State(**objects)
-        self.names = list(objects)
-        self.meter.set_baseline(self.device)
-        self._held = held_bytes(objects.values())
-        self._settled = False
+        self._hold(objects)
         return {"persistent_bytes": state_bytes(objects.values()),
                 "threads": torch.get_num_threads()}
 
@@ -128,7 +130,11 @@ class JobRuntime:
     def estimate(self, request: Any) -> tuple[int, str]:
         """Peak ephemeral bytes of the call on fake copies of the state; EstimationError when
         the call cannot run on fake tensors."""
-        fn, args, kwargs = self._decode_call(request)
+        kwargs: dict[str, Any]
+        if request is None and self.batch is not None and self.cursor is not None:
+            fn, args, kwargs = self.batch.iteration, (self.cursor.peek(),), {}
+        else:
+            fn, args, kwargs = self._decode_call(request)
         rng = torch.get_rng_state()
         try:
             return estimate_call_peak(fn, self.state, args, kwargs), "fake-tensor"
@@ -144,12 +150,7 @@ class JobRuntime:
         try:
             fn, args, kwargs = self._decode_call(request)
             before = torch.get_rng_state()
-            args, kwargs = _to_device((args, kwargs), self.device)
-            self.meter.start()
-            began = time.monotonic()
-            result = fn(self.state, *args, **kwargs)
-            self.last_span = (began, time.monotonic())
-            peak = self._settle(self.meter.peak())
+            result, peak = self._invoke(fn, args, kwargs)
             result = to_host(result)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the call
             reply = call_error(exc)
@@ -160,6 +161,97 @@ class JobRuntime:
         after = torch.get_rng_state()
         rng = None if torch.equal(before, after) else after
         return result_message(request, result, rng), time.perf_counter() - start, peak
+
+    def _invoke(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[Any, int | None]:
+        """`fn(s, *args, **kwargs)` on the job's device, with its peak measured."""
+        args, kwargs = _to_device((args, kwargs), self.device)
+        self.meter.start()
+        began = time.monotonic()
+        result = fn(self.state, *args, **kwargs)
+        self.last_span = (began, time.monotonic())
+        return result, self._settle(self.meter.peak())
+
+    # ---- batch jobs and checkpoints -----------------------------------------------------------
+    def load(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A batch job: import its entrypoint and hold what it returned; with `restore`, go on
+        from the job's latest checkpoint (if it has one)."""
+        job = load_entrypoint(str(request["path"]), str(request["function"]))
+        self.batch, self.cursor = job, DataCursor(job.data)
+        self._hold(job.state)
+        iteration = 0
+        if request.get("restore"):
+            iteration = self.restore(request)["iteration"]
+        return {"persistent_bytes": state_bytes(vars(self.state).values()),
+                "iteration": iteration}
+
+    def restore(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Load the latest checkpoint under `request["dir"]`: objects, functions, random state,
+        the iteration count and (batch jobs) where the data stood."""
+        loaded = checkpoint.load_latest(Path(str(request["dir"])))
+        if loaded is None:
+            if self.batch is not None:
+                return {"iteration": 0, "persistent_bytes": state_bytes(
+                    vars(self.state).values())}
+            raise FileNotFoundError(f"no checkpoint in {request['dir']}")
+        payload = loaded.payload
+        self._hold(payload["objects"])
+        for fid, (kind, fn) in payload.get("functions", {}).items():
+            self.functions[int(fid)], self.kinds[int(fid)] = fn, kind
+        if self.cursor is not None and payload.get("cursor"):
+            self.cursor.restore(payload["cursor"])
+        torch.set_rng_state(payload["rng"]["cpu"])
+        if torch.cuda.is_available() and payload["rng"].get("cuda"):
+            torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+        self.iterations = int(payload["iterations"])
+        return {"iteration": self.iterations,
+                "persistent_bytes": state_bytes(vars(self.state).values())}
+
+    def checkpoint(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Write the job's persistent state at this boundary (see `checkpoint.py`)."""
+        payload = {
+            "objects": {name: getattr(self.state, name) for name in self.names},
+            "functions": ({} if self.batch is not None else
+                          {fid: (self.kinds[fid], fn) for fid, fn in self.functions.items()}),
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized()
+                    else []},
+            "iterations": self.iterations,
+            "cursor": self.cursor.state() if self.cursor is not None else None,
+        }
+        saved = checkpoint.save(Path(str(request["dir"])), self.iterations, payload,
+                                extra={"job": request.get("job"), "kind": (
+                                    "batch" if self.batch else "interactive")})
+        return {"iteration": saved.iteration, "bytes": saved.bytes, "seconds": saved.seconds,
+                "path": str(saved.path), "time": time.time()}
+
+    def step(self) -> dict[str, Any]:
+        """One iteration of a batch job on its next batch; an exception fails the job, as it
+        would end the script."""
+        assert self.batch is not None and self.cursor is not None
+        start = time.perf_counter()
+        try:
+            result, peak = self._invoke(self.batch.iteration, (self.cursor.next(),), {})
+            self.iterations += 1
+            reply: dict[str, Any] = {"ok": True, "loss": scalar(result), "peak": peak}
+            every = self.batch.every
+            if self.batch.evaluate is not None and every and self.iterations % every == 0:
+                value = self.batch.evaluate(self.state)
+                reply["evaluation"] = scalar(value) if scalar(value) is not None else str(
+                    value)[:200]
+        except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the job
+            reply = {"ok": False, "peak": None, "message": error_text(exc),
+                     "traceback": call_error(exc)["traceback"]}
+        began, ended = self.last_span
+        return {**reply, "seconds": time.perf_counter() - start, "began": began,
+                "ended": ended, "iteration": self.iterations}
+
+    def _hold(self, objects: dict[str, Any]) -> None:
+        self.state = State(**objects)
+        self.names = list(objects)
+        self.meter.set_baseline(self.device)
+        self._held = held_bytes(objects.values())
+        self._settled = False
 
     def _settle(self, peak: int | None) -> int | None:
         """The first call creates state lazily (gradients, optimizer state): persistent bytes,

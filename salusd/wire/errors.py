@@ -27,6 +27,12 @@ class NotOwner(SalusError):
     code = "not_owner"
 
 
+class Conflict(SalusError):
+    """The job is in a state where the request cannot apply (e.g. resume a running job)."""
+
+    code = "conflict"
+
+
 class DoesNotFit(SalusError):
     """The job can never be admitted: it needs more memory than any device has."""
 
@@ -79,6 +85,7 @@ class DaemonUnavailable(SalusError, ConnectionError):
 
 ERRORS_BY_CODE: dict[str, type[SalusError]] = {
     cls.code: cls
-    for cls in (SalusError, BadRequest, UnknownJob, NotOwner, DoesNotFit, JobFailed, CallFailed,
+    for cls in (SalusError, BadRequest, UnknownJob, NotOwner, Conflict, DoesNotFit, JobFailed,
+                CallFailed,
                 JobCancelled, ShuttingDown, Busy, DaemonUnavailable)
 }

@@ -1,0 +1,197 @@
+"""The operator's commands, all through the REST API: status, top, submit, suspend, resume,
+cancel, priority, policy, checkpoint, token."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from salus.daemon.devices import format_size
+from salus.daemon.rest.client import RestClient, RestError, find_token, find_url
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(width=max(120, Console().width))
+    client = RestClient(find_url(args.url, args.state_dir), find_token(args.token,
+                                                                        args.state_dir))
+    try:
+        with client:
+            return COMMANDS[args.command](client, args, console)
+    except RestError as exc:
+        console.print(Text(f"salusd {args.command}: {exc}", style="red"))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _status(client: RestClient, args: argparse.Namespace, console: Console) -> int:
+    view = _view(client)
+    if args.json:
+        print(json.dumps(view, indent=2))
+    else:
+        console.print(render(view))
+    return 0
+
+
+def _top(client: RestClient, args: argparse.Namespace, console: Console) -> int:
+    """A live view, refreshed every `--interval` seconds until Ctrl-C (or `--count` frames)."""
+    previous = _view(client)
+    then = time.monotonic()
+    with Live(render(previous), console=console, auto_refresh=False,
+              screen=console.is_terminal) as live:
+        shown = 1
+        while args.count is None or shown < args.count:
+            time.sleep(args.interval)
+            view = _view(client)
+            now = time.monotonic()
+            live.update(render(view, previous, now - then), refresh=True)
+            previous, then, shown = view, now, shown + 1
+    return 0
+
+
+def _view(client: RestClient) -> dict[str, Any]:
+    return {"policy": client.get("/v1/policy"), "devices": client.get("/v1/devices"),
+            "lanes": client.get("/v1/lanes"), "jobs": client.get("/v1/jobs")}
+
+
+def _size(nbytes: Any) -> str:
+    return format_size(nbytes) if isinstance(nbytes, int) else "-"
+
+
+def shown(text: object) -> Text:
+    """Plain terminal text: no markup; control and format characters escaped."""
+    return Text("".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text)))
+
+
+def _bar(parts: list[tuple[int, str]], total: int, width: int = 30) -> Text:
+    bar = Text()
+    used = 0
+    for nbytes, style in parts:
+        cells = round(width * nbytes / total) if total else 0
+        bar.append("█" * cells, style=style)
+        used += cells
+    bar.append("·" * max(0, width - used), style="dim")
+    return bar
+
+
+def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
+           seconds: float = 0.0) -> Group:
+    """Devices with a memory bar (persistent, lanes, free), lanes, and jobs with their rate."""
+    policy = view["policy"]
+    title = f"salusd devices (policy {policy['policy']}" + (
+        f", switching to {policy['pending']})" if policy.get("pending") else ")")
+    devices = Table(title=title)
+    for col in ("device", "memory (persistent▮ lanes▮ free·)", "capacity", "persistent",
+                "lanes", "free", "jobs"):
+        devices.add_column(col)
+    lanes_by_device: dict[int, int] = {}
+    for ln in view["lanes"]:
+        lanes_by_device[ln["device"]] = lanes_by_device.get(ln["device"], 0) + ln["size_bytes"]
+    for d in view["devices"]:
+        lane_bytes = lanes_by_device.get(d["index"], 0)
+        devices.add_row(
+            f"{d['index']} {d['torch_device']}",
+            _bar([(d["persistent_bytes"], "cyan"), (lane_bytes, "magenta")],
+                 d["capacity_bytes"]),
+            _size(d["capacity_bytes"]), _size(d["persistent_bytes"]),
+            f"{d['lanes']} ({_size(lane_bytes)})", _size(d["unreserved_bytes"]), str(d["jobs"]))
+    lanes = Table(title="lanes")
+    for col in ("device.lane", "size", "jobs", "running"):
+        lanes.add_column(col)
+    for ln in view["lanes"]:
+        lanes.add_row(f"{ln['device']}.{ln['lane_id']}", _size(ln["size_bytes"]),
+                      " ".join(map(str, ln["jobs"])), str(ln["busy_job"] or "-"))
+    before = {j["id"]: j["iterations_done"] for j in (previous or {}).get("jobs", [])}
+    jobs = Table(title=f"jobs ({len(view['jobs'])})")
+    for col in ("id", "owner", "name", "kind", "state", "iterations", "it/s", "dev.lane",
+                "persistent", "ephemeral", "lane", "checkpoint", "reason"):
+        jobs.add_column(col, overflow="fold")
+    for j in view["jobs"]:
+        rate = "-"
+        if seconds > 0 and j["id"] in before:
+            rate = f"{(j['iterations_done'] - before[j['id']]) / seconds:.1f}"
+        ckpt = j.get("checkpoint")
+        jobs.add_row(
+            str(j["id"]), shown(j["owner"]), shown(j["name"]), j["kind"], shown(j["state"]),
+            f"{j['iterations_done']}/{j['iterations_total']}", rate,
+            f"{j['device']}.{j['lane']}" if j["device"] is not None else "-",
+            _size(j["persistent_bytes"]), _size(j["ephemeral_bytes"]), _size(j["lane_bytes"]),
+            f"@{ckpt['iteration']}" if ckpt else "-", shown(j["reason"])[:80])
+    return Group(devices, lanes, jobs)
+
+
+def _submit(client: RestClient, args: argparse.Namespace, console: Console) -> int:
+    job = client.call("POST", "/v1/jobs", {
+        "name": args.name or args.entrypoint.rsplit(":", 1)[-1], "entrypoint": args.entrypoint,
+        "iterations": args.iterations, "priority": args.priority, "devices": 1})
+    console.print(f"job {job['id']} submitted: {job['name']} ({job['entrypoint']}, "
+                  f"{job['iterations_total']} iterations) as {job['owner']}")
+    return 0
+
+
+def _job_action(client: RestClient, args: argparse.Namespace, console: Console) -> int:
+    path = f"/v1/jobs/{args.job}"
+    if args.command == "suspend":
+        job = client.call("POST", f"{path}/suspend", {"swap": args.swap})
+    elif args.command == "resume":
+        job = client.call("POST", f"{path}/resume")
+    elif args.command == "cancel":
+        job = client.call("DELETE", path)
+    else:
+        job = client.call("PUT", f"{path}/priority", {"priority": args.value})
+    console.print(f"job {job['id']}: {args.command} done; it is {job['state']} (changes take "
+                  "effect at its next iteration boundary)")
+    return 0
+
+
+def _checkpoint(client: RestClient, args: argparse.Namespace, console: Console) -> int:
+    done = client.call("POST", f"/v1/jobs/{args.job}/checkpoint")
+    c = done["checkpoint"]
+    console.print(f"job {args.job}: checkpoint at iteration {c['iteration']}, "
+                  f"{_size(c['bytes'])}, in {c['path']}")
+    return 0
+
+
+def _policy(client: RestClient, args: argparse.Namespace, console: Console) -> int:
+    if args.name is None:
+        out = client.get("/v1/policy")
+    else:
+        out = client.call("PUT", "/v1/policy", {"policy": args.name})
+    pending = f" (switching to {out['pending']} at the next boundaries)" if out["pending"] else ""
+    console.print(f"policy: {out['policy']}{pending}")
+    return 0
+
+
+def _token(client: RestClient, args: argparse.Namespace, console: Console) -> int:
+    if args.action == "add":
+        made = client.call("POST", "/v1/tokens", {"name": args.name,
+                                                  "user": args.user or args.name})
+        console.print(f"token {made['name']} for user {made['owner']} (shown once; keep it as "
+                      "$SALUS_TOKEN):")
+        print(made["token"])
+    elif args.action == "revoke":
+        client.call("DELETE", f"/v1/tokens/{args.name}")
+        console.print(f"token {args.name} revoked")
+    else:
+        table = Table(title="tokens")
+        for col in ("name", "user", "uid", "created", "revoked"):
+            table.add_column(col)
+        for t in client.get("/v1/tokens"):
+            table.add_row(t["name"], t["owner"], str(t["uid"]), time.strftime(
+                "%Y-%m-%d %H:%M", time.localtime(t["created"])),
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(t["revoked_at"]))
+                if t["revoked_at"] else "-")
+        console.print(table)
+    return 0
+
+
+COMMANDS = {"status": _status, "top": _top, "submit": _submit, "suspend": _job_action,
+            "resume": _job_action, "cancel": _job_action, "priority": _job_action,
+            "checkpoint": _checkpoint, "policy": _policy, "token": _token}

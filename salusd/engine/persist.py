@@ -1,0 +1,62 @@
+"""Writes the engine's events into the durable registry (`salusd.state.store.Store`).
+
+Runs on the engine's thread as an event subscriber: each state change, checkpoint and end is
+one small SQLite transaction (WAL, `synchronous=FULL`), so after `kill -9` the registry says
+which jobs were live, where their last checkpoint is and what each ended with. Progress between
+checkpoints is not written per iteration (that would be an fsync per iteration): it is written
+at every checkpoint and at the job's end, which is what a restart needs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from salus.daemon.engine.events import Event
+
+log = logging.getLogger("salusd.persist")
+ENDED = {"finish": "finished", "cancelled": "cancelled", "failed": "failed"}
+STATES = {"attach": "attached", "submit": "pending", "admit": "running", "requeue": "pending",
+          "suspend": "suspended", "resume": "running", "reattach": "running"}
+
+
+class Updates(Protocol):
+    def update_job(self, job_id: int, **fields: Any) -> None: ...
+
+
+class Persistence:
+    """Event subscriber: `engine.events.subscribe(Persistence(store).observe)`."""
+
+    def __init__(self, store: Updates) -> None:
+        self.store = store
+        self.suspended: set[int] = set()
+
+    def observe(self, event: Event) -> None:
+        if event.job_id < 0:
+            return
+        fields = self._fields(event)
+        if fields:
+            self.store.update_job(event.job_id, **fields)
+
+    def _fields(self, event: Event) -> dict[str, Any]:
+        kind, detail = event.kind, event.detail
+        if kind in ENDED:
+            self.suspended.discard(event.job_id)
+            return {"state": ENDED[kind], "reason": str(detail.get("reason", ""))[:4000],
+                    "iterations_done": int(detail.get("iterations_done", 0))}
+        if kind == "checkpoint":
+            return {"checkpoint_iteration": int(detail["iteration"]),
+                    "checkpoint_time": float(detail["time"]),
+                    "checkpoint_bytes": int(detail["bytes"]),
+                    "checkpoint_path": str(detail.get("path", "")),
+                    "iterations_done": int(detail["iteration"])}
+        if kind == "priority":
+            return {"priority": float(detail["priority"])}
+        if kind == "suspend":
+            self.suspended.add(event.job_id)
+        elif kind in ("resume", "reattach"):
+            self.suspended.discard(event.job_id)
+        elif event.job_id in self.suspended:
+            return {}  # a suspended job admitted or requeued stays suspended
+        state = STATES.get(kind)
+        return {"state": state} if state else {}

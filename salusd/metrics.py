@@ -1,0 +1,264 @@
+"""Prometheus metrics of one daemon, built only from the engine's event stream.
+
+`Metrics.observe` is an event subscriber (it runs on the engine's thread and never calls into
+the engine); `Metrics.render` gives the exposition for `GET /metrics` (on the HTTP thread). All
+state sits behind one lock and is read in one piece per scrape, so a scrape never sees a job's
+iterations without the total that includes them.
+
+Exposed (seconds and bytes; `job_id` series exist only while the job is live):
+
+| metric | labels | from |
+|---|---|---|
+| salusd_build_info | version | the installed package |
+| salusd_job_info (1) | job_id, name, owner, kind (interactive, batch) | open |
+| salusd_job_state (1 for the current state, else 0) | job_id, state | see `JOB_STATES` |
+| salusd_job_iterations_total | job_id | end, ran |
+| salusd_job_iteration_seconds (histogram) | job_id | end (1 iteration), ran (mean) |
+| salusd_job_persistent_bytes, salusd_job_ephemeral_bytes | job_id | submit, requeue |
+| salusd_iterations_total | | end, ran |
+| salusd_jobs_total | state (finished, cancelled, failed) | finish, cancelled, failed |
+| salusd_device_{capacity,persistent,ephemeral,free}_bytes, salusd_device_lanes | device | memory |
+| salusd_pending_jobs | | memory |
+| salusd_switches_total | device | end, ran |
+| salusd_admissions_total, salusd_rejections_total | | admit, reject |
+| salusd_executor_deaths_total | | failed + executor_died |
+| salusd_checkpoint_seconds (histogram), salusd_checkpoint_bytes_total | | checkpoint |
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from salus.daemon.engine.events import Event
+
+JOB_STATES = ("open", "pending", "running", "suspended")
+"""open: no admission asked yet; pending: waiting for admission (also after a swap-out or a
+re-admission); running: admitted into a lane (holds device memory, runs when picked);
+suspended: held by an operator, whatever its admission."""
+END_STATES = {"finish": "finished", "cancelled": "cancelled", "failed": "failed"}
+ITERATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                       2.5, 5.0, 10.0, 30.0, 60.0)
+CHECKPOINT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+DEVICE_GAUGES = (("capacity_bytes", "capacity_bytes", "Memory budget of the device."),
+                 ("persistent_bytes", "persistent_bytes", "Persistent state of admitted jobs."),
+                 ("ephemeral_bytes", "lane_bytes", "Memory of the device's lanes."),
+                 ("free_bytes", "free_bytes", "Budget neither persistent nor in a lane."),
+                 ("lanes", "lanes", "Lanes on the device."))
+
+
+class _Histogram:
+    """Bucket counts that take `n` observations of one value at once (a leased job reports
+    a batch of iterations as one mean), so a report costs the same whatever its size."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def add(self, value: float, n: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            out.append((floatToGoString(bound), float(total)))
+        return out
+
+
+@dataclass
+class _Job:
+    name: str
+    owner: str
+    kind: str
+    admission: str = "open"  # open, pending or running; `held` shows as suspended
+    held: bool = False
+    iterations: int = 0
+    seconds: _Histogram = field(default_factory=lambda: _Histogram(ITERATION_BUCKETS_S))
+    persistent_bytes: int = 0
+    ephemeral_bytes: int = 0
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("salusd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Metrics(Collector):
+    """The daemon's metrics in a registry of their own: subscribe `observe` to the engine's
+    events, serve `render()`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._lock = threading.Lock()
+        self._version = _version()
+        self._jobs: dict[int, _Job] = {}
+        self._last_in_lane: dict[tuple[int, int], int] = {}  # (device, lane) -> live job id
+        self._devices: dict[int, dict[str, int]] = {}
+        self._pending = 0
+        self._iterations = 0
+        self._ended = dict.fromkeys(END_STATES.values(), 0)
+        self._switches: dict[int, int] = {}
+        self._admissions = self._rejections = self._deaths = 0
+        self._last_failure: tuple[int, str] | None = None  # (job id, reason) of the last end
+        self._checkpoint_seconds = _Histogram(CHECKPOINT_BUCKETS_S)
+        self._checkpoint_bytes = 0
+        self.registry.register(self)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition in the Prometheus text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def observe(self, event: Event) -> None:
+        """Account one engine event (called on the engine's thread)."""
+        with self._lock:
+            self._observe(event)
+
+    def _observe(self, e: Event) -> None:
+        job = self._jobs.get(e.job_id)
+        d = e.detail
+        match e.kind:
+            case "open":
+                self._jobs[e.job_id] = _Job(str(d.get("name", "")), str(d.get("owner", "")),
+                                            str(d.get("job_kind", "interactive")))
+            case "submit" | "requeue" | "swap_out" if job is not None:
+                job.admission = "pending"
+                if e.kind == "submit":
+                    job.persistent_bytes = int(d.get("persistent", 0))
+                    job.ephemeral_bytes = int(d.get("ephemeral", 0))
+                elif e.kind == "requeue":
+                    job.ephemeral_bytes = int(d.get("peak", job.ephemeral_bytes))
+            case "admit":
+                self._admissions += 1
+                if job is not None:
+                    job.admission = "running"
+            case "suspend" | "resume" | "reattach" if job is not None:
+                job.held = e.kind == "suspend"
+            case "end" | "ran":
+                self._iterations_ran(e, job, max(0, int(d.get("iterations", 0))),
+                                     float(d.get("seconds", 0.0)))
+            case "finish" | "cancelled" | "failed":
+                self._ended[END_STATES[e.kind]] += 1
+                self._last_failure = (e.job_id, str(d.get("reason", ""))) if (
+                    e.kind == "failed") else None
+                if self._jobs.pop(e.job_id, None) is not None:
+                    for lane in [k for k, j in self._last_in_lane.items() if j == e.job_id]:
+                        del self._last_in_lane[lane]
+            case "reject":
+                self._rejections += 1
+            case "executor_died":
+                # Every exit of a job's executor is reported, a retired one's too; a death
+                # fails its live job first, with the death's reason, in the same engine step.
+                job_id, reason = self._last_failure or (-1, "")
+                self._deaths += job_id == e.job_id and reason.startswith(str(d.get("reason")))
+                self._last_failure = None
+            case "checkpoint":
+                self._checkpoint_seconds.add(float(d.get("seconds", 0.0)))
+                self._checkpoint_bytes += max(0, int(d.get("bytes", 0)))
+            case "memory":
+                self._pending = int(d.get("pending", 0))
+                for dev in d.get("devices", []):
+                    self._devices[int(dev["device"])] = {k: int(dev.get(k, 0)) for _, k, _ in
+                                                         DEVICE_GAUGES}
+
+    def _iterations_ran(self, e: Event, job: _Job | None, iterations: int,
+                        seconds: float) -> None:
+        """Calls of job `e.job_id` ran in lane (e.device, e.lane_id): `iterations` of them
+        counted, taking `seconds` in all. A lane switches when it runs a call of another job
+        than the live job it ran last."""
+        self._iterations += iterations
+        if job is None:  # a call that returned after its job ended
+            return
+        job.iterations += iterations
+        if iterations:
+            job.seconds.add(seconds / iterations, iterations)
+        lane = (e.device, e.lane_id)
+        last = self._last_in_lane.get(lane)
+        if last is not None and last != e.job_id:
+            self._switches[e.device] = self._switches.get(e.device, 0) + 1
+        self._last_in_lane[lane] = e.job_id
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:  # built whole under the lock: one consistent snapshot per scrape
+            return iter(list(self._families()))
+
+    def _families(self) -> Iterator[Metric]:
+        yield InfoMetricFamily("salusd_build", "The running salusd.",
+                               value={"version": self._version})
+        info = GaugeMetricFamily("salusd_job_info", "A live job's name, owner and kind (always "
+                                 "1).", labels=["job_id", "name", "owner", "kind"])
+        state = GaugeMetricFamily("salusd_job_state", "1 for a live job's current state.",
+                                  labels=["job_id", "state"])
+        iterations = CounterMetricFamily("salusd_job_iterations", "Iterations a live job ran.",
+                                         labels=["job_id"])
+        seconds = HistogramMetricFamily("salusd_job_iteration_seconds",
+                                        "Time of a live job's iterations.", labels=["job_id"])
+        persistent = GaugeMetricFamily("salusd_job_persistent_bytes",
+                                       "A live job's state booked on its device.",
+                                       labels=["job_id"])
+        ephemeral = GaugeMetricFamily("salusd_job_ephemeral_bytes", "A live job's memory per "
+                                      "call: its estimate, or its measured peak once it "
+                                      "outgrew its lane.", labels=["job_id"])
+        for job_id, job in sorted(self._jobs.items()):
+            jid = str(job_id)
+            info.add_metric([jid, job.name, job.owner, job.kind], 1)
+            now = "suspended" if job.held else job.admission
+            for s in JOB_STATES:
+                state.add_metric([jid, s], 1 if s == now else 0)
+            iterations.add_metric([jid], job.iterations)
+            seconds.add_metric([jid], job.seconds.cumulative(), job.seconds.sum)
+            persistent.add_metric([jid], job.persistent_bytes)
+            ephemeral.add_metric([jid], job.ephemeral_bytes)
+        yield from (info, state, iterations, seconds, persistent, ephemeral)
+
+        yield CounterMetricFamily("salusd_iterations", "Iterations run by all jobs.",
+                                  value=self._iterations)
+        ended = CounterMetricFamily("salusd_jobs", "Jobs ended, by how they ended.",
+                                    labels=["state"])
+        for name, count in self._ended.items():
+            ended.add_metric([name], count)
+        yield ended
+        for metric, key, text in DEVICE_GAUGES:
+            gauge = GaugeMetricFamily(f"salusd_device_{metric}", text, labels=["device"])
+            for device, values in sorted(self._devices.items()):
+                gauge.add_metric([str(device)], values[key])
+            yield gauge
+        yield GaugeMetricFamily("salusd_pending_jobs", "Jobs waiting for admission.",
+                                value=self._pending)
+        switches = CounterMetricFamily("salusd_switches", "Times a lane ran a call of another "
+                                       "job than the live job it ran last.", labels=["device"])
+        for device, count in sorted(self._switches.items()):
+            switches.add_metric([str(device)], count)
+        yield switches
+        yield CounterMetricFamily("salusd_admissions", "Jobs admitted into a lane (again after "
+                                  "a swap-out or a re-admission).", value=self._admissions)
+        yield CounterMetricFamily("salusd_rejections", "Jobs no device could ever hold.",
+                                  value=self._rejections)
+        yield CounterMetricFamily("salusd_executor_deaths", "Executors that died while their "
+                                  "job was live (the job failed).", value=self._deaths)
+        checkpoint = HistogramMetricFamily("salusd_checkpoint_seconds",
+                                           "Time to write a job's state.")
+        checkpoint.add_metric([], self._checkpoint_seconds.cumulative(),
+                              self._checkpoint_seconds.sum)
+        yield checkpoint
+        yield CounterMetricFamily("salusd_checkpoint_bytes", "Bytes of job state written.",
+                                  value=self._checkpoint_bytes)

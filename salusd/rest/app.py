@@ -1,0 +1,109 @@
+"""The FastAPI application: routers, error mapping, request bounds, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from salus.daemon.rest import routes_jobs, routes_node, routes_tokens
+from salus.daemon.rest.auth import Auth
+from salus.daemon.rest.context import Context
+from salus.daemon.rest.models import Health
+from salus.daemon.wire.errors import SalusError
+
+log = logging.getLogger("salusd.rest")
+MAX_BODY_BYTES = 64 * 1024
+STATUS = {"bad_request": 422, "unknown_job": 404, "not_owner": 403, "conflict": 409,
+          "does_not_fit": 409, "job_failed": 409, "job_cancelled": 409, "busy": 409,
+          "shutting_down": 503, "timeout": 503}
+
+health = APIRouter(tags=["health"])
+
+
+@health.get("/healthz", response_model=Health, summary="Liveness (no token)")
+async def healthz() -> Health:
+    return Health(status="ok")
+
+
+@health.get("/metrics", summary="Prometheus metrics (no token)",
+            response_class=Response)
+async def metrics(request: Request) -> Response:
+    body, content_type = request.app.state.ctx.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+class BodyLimit:
+    """Refuses request bodies over `limit` bytes (413), announced or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope.get("headers", []):
+            if key == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+                await _too_large(self.limit, send)
+                return
+        seen = 0
+
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, bounded, send)
+        except _TooLarge:
+            await _too_large(self.limit, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _too_large(limit: int, send: Send) -> None:
+    response = JSONResponse({"code": "too_large", "detail": f"request bodies are at most "
+                             f"{limit} bytes"}, status_code=413)
+    await response({"type": "http"}, _nothing, send)
+
+
+async def _nothing() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def make_app(ctx: Context, auth: Auth) -> FastAPI:
+    app = FastAPI(title="salusd", version=_version(),
+                  description="The control plane of one salusd node: jobs, devices, lanes, "
+                  "policy and tokens. Every /v1 route needs `Authorization: Bearer <token>`.")
+    app.state.ctx, app.state.auth = ctx, auth
+    for router in (health, routes_jobs.router, routes_node.router, routes_tokens.router):
+        app.include_router(router)
+
+    @app.exception_handler(SalusError)
+    async def salus_error(_: Request, exc: SalusError) -> JSONResponse:
+        return JSONResponse({"code": exc.code, "detail": str(exc)},
+                            status_code=STATUS.get(exc.code, 409))
+
+    app.add_middleware(BodyLimit)
+    return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("salusd")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+__all__ = ["Any", "make_app"]

@@ -1,0 +1,130 @@
+"""The REST API's request and response bodies (pydantic): what `/openapi.json` describes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_ITERATIONS = 2**53
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Checkpoint(BaseModel):
+    iteration: int
+    time: float = Field(description="unix seconds")
+    bytes: int
+    path: str | None = None
+
+
+class JobOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    kind: Literal["interactive", "batch"]
+    state: str
+    reason: str
+    iterations_done: int
+    iterations_total: int
+    device: int | None
+    lane: int | None
+    priority: float
+    persistent_bytes: int
+    ephemeral_bytes: int | None = Field(description="measured peak per call above the state, "
+                                        "else the admission estimate")
+    lane_bytes: int | None
+    checkpoint: Checkpoint | None
+    resumed_from: int | None
+    entrypoint: str | None = None
+    last_loss: float | None = None
+    last_evaluation: float | str | None = None
+
+
+class JobSubmit(Strict):
+    name: str = Field(min_length=1, max_length=200)
+    entrypoint: str = Field(min_length=4, max_length=1024, pattern=r"^[^:]+\.py:[A-Za-z_]\w*$",
+                            description="file.py:function, the file under the daemon's "
+                            "--job-root")
+    iterations: int = Field(ge=1, le=MAX_ITERATIONS)
+    priority: float = Field(default=1.0, gt=0, lt=1e12)
+    devices: int = Field(default=1, ge=1, le=1024)
+
+
+class Suspend(Strict):
+    swap: bool = False
+
+
+class Priority(Strict):
+    priority: float = Field(gt=0, lt=1e12)
+
+
+class PolicyIn(Strict):
+    policy: Literal["fifo", "srtf", "fair", "pack"]
+
+
+class PolicyOut(BaseModel):
+    policy: str
+    pending: str | None = Field(description="switched to once the running iterations return")
+
+
+class CheckpointDone(BaseModel):
+    id: int
+    checkpoint: Checkpoint
+
+
+class LaneOut(BaseModel):
+    device: int
+    lane_id: int
+    size_bytes: int
+    jobs: list[int]
+    busy_job: int | None
+
+
+class DeviceOut(BaseModel):
+    index: int
+    torch_device: str
+    capacity_bytes: int
+    used_bytes: int
+    persistent_bytes: int
+    unreserved_bytes: int
+    largest_free_bytes: int
+    lanes: int
+    jobs: int
+
+
+class TokenIn(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    user: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$",
+                      description="the unix user the token's jobs run as")
+
+
+class TokenOut(BaseModel):
+    name: str
+    owner: str
+    uid: int
+    created: float
+    revoked_at: float | None
+
+
+class TokenMade(TokenOut):
+    token: str = Field(description="shown once; only its hash is stored")
+
+
+class Problem(BaseModel):
+    code: str
+    detail: str
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "no token, or an unknown or revoked token"},
+    403: {"model": Problem, "description": "the token's owner may not do this"},
+    404: {"model": Problem, "description": "no such job"},
+    409: {"model": Problem, "description": "the job's state does not allow this"},
+}

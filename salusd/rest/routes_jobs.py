@@ -1,0 +1,134 @@
+"""`/v1/jobs`: list, inspect, submit batch jobs, suspend, resume, cancel, priority, checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Path
+from fastapi.concurrency import run_in_threadpool
+
+from salus.daemon.rest.auth import Principal, principal
+from salus.daemon.rest.context import Context, check_owner, context
+from salus.daemon.rest.models import (
+    ERRORS,
+    Checkpoint,
+    CheckpointDone,
+    JobOut,
+    JobSubmit,
+    Priority,
+    Suspend,
+)
+from salus.daemon.rest.views import job_out, row_out
+from salus.daemon.wire.errors import BadRequest, Conflict, UnknownJob
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
+JobId = Path(ge=1, le=2**63 - 1, description="the job id")
+
+
+@router.get("", response_model=list[JobOut], summary="Live and recently ended jobs")
+async def list_jobs(who: Principal = Depends(principal),
+                    ctx: Context = Depends(context)) -> list[JobOut]:
+    def read() -> list[JobOut]:
+        engine = ctx.engine
+        records = [*engine.registry.live.values(), *engine.registry.ended.values()]
+        return sorted((job_out(engine, r) for r in records
+                       if who.admin or r.owner.uid == who.owner.uid), key=lambda j: j.id)
+    return await ctx.bridge.run(read)
+
+
+@router.get("/{job_id}", response_model=JobOut, summary="One job")
+async def get_job(job_id: int = JobId, who: Principal = Depends(principal),
+                  ctx: Context = Depends(context)) -> JobOut:
+    try:
+        return await ctx.bridge.run(lambda: job_out(ctx.engine, ctx.find(job_id, who)))
+    except UnknownJob:
+        row = await run_in_threadpool(ctx.store.get_job, job_id)
+        if row is None:
+            raise
+        check_owner(job_id, row.uid, row.owner, who)
+        return row_out(row)
+
+
+@router.post("", response_model=JobOut, status_code=201, summary="Submit a batch job")
+async def submit(body: JobSubmit, who: Principal = Depends(principal),
+                 ctx: Context = Depends(context)) -> JobOut:
+    """The daemon imports `entrypoint` (a file under its `--job-root`) in an executor running
+    as the token's owner and drives the loop itself for `iterations` iterations."""
+    if body.devices != 1:
+        raise BadRequest("jobs on more than one device (gangs) are not available yet; "
+                         "submit with devices=1")
+    path, function = resolve_entrypoint(ctx.job_root, body.entrypoint)
+
+    def start() -> JobOut:
+        record = ctx.engine.submit_batch(who.owner, body.name, body.iterations, path,
+                                         function, body.priority)
+        return job_out(ctx.engine, record)
+    return await ctx.bridge.run(start)
+
+
+def resolve_entrypoint(job_root: str, entrypoint: str) -> tuple[str, str]:
+    """`file.py:function` → (the file's real path under `job_root`, the function's name)."""
+    file, function = entrypoint.rsplit(":", 1)
+    root = os.path.realpath(job_root)
+    path = os.path.realpath(os.path.join(root, file))
+    if os.path.commonpath([root, path]) != root:
+        raise BadRequest(f"the entrypoint must be a file under the job root {root}")
+    if not os.path.isfile(path):
+        raise BadRequest(f"there is no file {file} under the job root {root}")
+    return path, function
+
+
+async def _act(ctx: Context, job_id: int, who: Principal,
+               fn: Callable[[Any], None]) -> JobOut:
+    def act() -> JobOut:
+        record = ctx.find(job_id, who)
+        fn(record)
+        return job_out(ctx.engine, record)
+    return await ctx.bridge.run(act)
+
+
+@router.post("/{job_id}/suspend", response_model=JobOut, summary="Stop scheduling a job")
+async def suspend(body: Suspend | None = None, job_id: int = JobId,
+                  who: Principal = Depends(principal), ctx: Context = Depends(context)) -> JobOut:
+    """At its next iteration boundary; with `swap`, its memory is given back too. A
+    checkpoint is written when salusd keeps them."""
+    swap = body.swap if body else False
+    return await _act(ctx, job_id, who, lambda r: ctx.engine.suspend(r, swap))
+
+
+@router.post("/{job_id}/resume", response_model=JobOut, summary="Schedule a job again")
+async def resume(job_id: int = JobId, who: Principal = Depends(principal),
+                 ctx: Context = Depends(context)) -> JobOut:
+    return await _act(ctx, job_id, who, ctx.engine.resume)
+
+
+@router.delete("/{job_id}", response_model=JobOut, summary="Cancel a job")
+async def cancel(job_id: int = JobId, who: Principal = Depends(principal),
+                 ctx: Context = Depends(context)) -> JobOut:
+    return await _act(ctx, job_id, who, ctx.engine.cancel)
+
+
+@router.put("/{job_id}/priority", response_model=JobOut, summary="Set a job's weight (fair)")
+async def set_priority(body: Priority, job_id: int = JobId,
+                       who: Principal = Depends(principal),
+                       ctx: Context = Depends(context)) -> JobOut:
+    return await _act(ctx, job_id, who, lambda r: ctx.engine.set_priority(r, body.priority))
+
+
+@router.post("/{job_id}/checkpoint", response_model=CheckpointDone,
+             summary="Write a job's checkpoint now")
+async def checkpoint(job_id: int = JobId, who: Principal = Depends(principal),
+                     ctx: Context = Depends(context)) -> CheckpointDone:
+    """Answers once the checkpoint is on disk (after the job's running iteration)."""
+    def start(done: Callable[[Any], None]) -> None:
+        ctx.engine.checkpoint(ctx.find(job_id, who), done)
+    meta = await ctx.bridge.later(start, ctx.checkpoint_timeout_s)
+    if not meta.get("ok"):
+        raise Conflict(f"job {job_id}'s checkpoint was not written: {meta.get('message')}")
+    await asyncio.sleep(0)
+    return CheckpointDone(id=job_id, checkpoint=Checkpoint(
+        iteration=int(meta["iteration"]), time=float(meta["time"]), bytes=int(meta["bytes"]),
+        path=meta.get("path")))

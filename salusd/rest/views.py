@@ -1,0 +1,57 @@
+"""Engine records and registry rows as REST models."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.report import job_info
+from salus.daemon.rest.models import Checkpoint, JobOut
+from salus.daemon.state.store import JobRow
+
+if TYPE_CHECKING:
+    from salus.daemon.engine.engine import Engine
+
+
+def job_out(engine: Engine, record: JobRecord) -> JobOut:
+    """A live or recently ended job (on the engine's thread)."""
+    info = job_info(engine, record)
+    memory = info["memory"]
+    if record.awaiting_client or record.held and record.live:
+        state = "suspended"
+    else:
+        state = str(info["state"])
+    ephemeral = memory["ephemeral_measured_bytes"]
+    checkpoint = None
+    if record.checkpoint_iteration is not None and record.checkpoint_time is not None:
+        checkpoint = Checkpoint(iteration=record.checkpoint_iteration,
+                                time=record.checkpoint_time, bytes=record.checkpoint_bytes)
+    evaluation = record.last_evaluation
+    return JobOut(
+        id=record.job_id, name=record.name, owner=record.owner.name, kind=record.kind,
+        state=state, reason=record.reason,
+        iterations_done=max(int(info["iterations_done"]), record.done_before),
+        iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
+        priority=record.priority, persistent_bytes=record.persistent_bytes,
+        ephemeral_bytes=ephemeral if ephemeral is not None else memory[
+            "ephemeral_estimate_bytes"],
+        lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
+        resumed_from=record.resumed_from, entrypoint=record.spec.get("entrypoint"),
+        last_loss=record.last_loss,
+        last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
+
+
+def row_out(row: JobRow) -> JobOut:
+    """A job known only to the durable registry (ended before the last restart)."""
+    checkpoint = None
+    if row.checkpoint_iteration is not None and row.checkpoint_time is not None:
+        checkpoint = Checkpoint(iteration=row.checkpoint_iteration, time=row.checkpoint_time,
+                                bytes=row.checkpoint_bytes or 0, path=row.checkpoint_path)
+    return JobOut(
+        id=row.id, name=row.name, owner=row.owner,
+        kind="batch" if row.kind == "batch" else "interactive", state=row.state,
+        reason=row.reason, iterations_done=row.iterations_done,
+        iterations_total=row.iterations_total or 0, device=None, lane=None,
+        priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
+        lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
+        entrypoint=row.spec.get("entrypoint"))

@@ -1,0 +1,1 @@
+"""What the daemon keeps across restarts: the job registry and API tokens (`store.py`)."""
