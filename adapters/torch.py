@@ -86,14 +86,20 @@ def connect(name: str, iterations: int, *, address: str | None = None,
     """Open a job called `name` that plans `iterations` iterations in salusd.
 
     `timeout_s` (seconds) bounds connecting and opening; calls themselves wait as long as the
-    daemon's scheduler makes them.
+    daemon's scheduler makes them. While salusd restarts, connecting is retried for about 20 s
+    (`SALUS_RECONNECT=0` turns that off).
+
+    After a restart, salusd brings an interactive job back suspended at its last checkpoint and
+    hands it to the next `connect()` of the same owner with the same name: `job.resumed_from`
+    is then the iteration it stands at (0 for a new job), `job.attach(...)` keeps the restored
+    state (the objects passed are not shipped), and the script skips the batches already done.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a string, got {type(name).__name__}")
     if type(iterations) is not int or not 1 <= iterations <= 2**53:
         raise ValueError(f"iterations must be an int from 1 to 2**53, got {iterations!r}")
     path = parse_address(address) if address is not None else default_socket_path()
-    sock = connect_unix(path, timeout_s)
+    sock = _connect_retrying(path, timeout_s)
     job = Job(Channel(sock), name, iterations, path)
     try:
         job._hello()
@@ -102,6 +108,25 @@ def connect(name: str, iterations: int, *, address: str | None = None,
         raise
     sock.settimeout(None)
     return job
+
+
+RECONNECT_TRIES = 8  # with backoff 0.25 s doubling to 4 s: about 20 s for salusd to come back
+
+
+def _connect_retrying(path: str, timeout_s: float | None) -> socket.socket:
+    """Connect; while salusd is restarting (`$SALUS_RECONNECT`, on by default; `0` turns it
+    off) retry a bounded number of times with backoff."""
+    tries = RECONNECT_TRIES if os.environ.get("SALUS_RECONNECT", "1") != "0" else 1
+    delay = 0.25
+    for attempt in range(tries):
+        try:
+            return connect_unix(path, timeout_s)
+        except DaemonUnavailable as exc:
+            if attempt == tries - 1 or "permission denied" in str(exc):
+                raise
+            time.sleep(delay)
+            delay = min(4.0, delay * 2)
+    raise AssertionError("unreachable")
 
 
 class _Line:
@@ -156,6 +181,7 @@ class Job:
         self.iterations = iterations
         self.path = path
         self.id: str | None = None
+        self.resumed_from = 0  # > 0: salusd restored this job at that iteration (see connect)
         self.owner: str | None = None
         self.threads: int | None = None
         self.remote: Remote | None = None
@@ -290,6 +316,7 @@ class Job:
         opened = self._request({"op": "open", "name": self.name, "iterations": self.iterations,
                                 "cwd": os.getcwd()}).result()
         self.id, self.threads = str(opened["job"]), opened.get("threads")
+        self.resumed_from = int(opened.get("resumed_from") or 0)
 
     def _require_id(self) -> str:
         if self.id is None:

@@ -28,12 +28,14 @@ def running_daemon(
     log_file: Path | None = None,
     log_level: str = "warning",
     timeout_s: float = 60.0,
+    http: str = "127.0.0.1:0",
 ) -> Iterator[DaemonProcess]:
     """Run a CPU daemon on `socket` for the body; yields its address and pid. Its output goes
     to `log_file` (shown if it fails to start) or nowhere; it is terminated afterwards."""
     cmd = [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(socket),
            "--state-dir", str(state_dir), "--cpu-devices", str(cpu_devices),
-           "--cpu-memory", cpu_memory, "--policy", policy, "--log-level", log_level]
+           "--cpu-memory", cpu_memory, "--policy", policy, "--log-level", log_level,
+           "--http", http]
     if cpu_threads is not None:
         cmd += ["--cpu-threads", str(cpu_threads)]
     with contextlib.ExitStack() as stack:

@@ -31,7 +31,7 @@ def daemon_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
          "--state-dir", str(tmp_path / "state"), "--cpu-devices", "2", "--cpu-memory", "256M",
-         "--policy", "pack"],
+         "--policy", "pack", "--http", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
@@ -149,37 +149,43 @@ def _salusd(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=120)
 
 
-def test_control_commands_show_and_steer_a_running_job(daemon_proc):
+def test_control_commands_show_and_steer_a_running_job(daemon_proc, tmp_path):
+    """`salusd status|suspend|resume|priority|cancel` through the REST API, finding the daemon
+    and its admin token through its state dir."""
     proc, address = daemon_proc
-    sock = address.removeprefix("unix://")
+    state = ("--state-dir", str(tmp_path / "state"))
     model, opt, loss_fn = mlp("sgd")
     x, y = batches("mlp", 1)[0]
     with salus.connect(name="steered", iterations=100, address=address) as job:
         step = job.train_step(model, opt, loss_fn)
         step(x, y)
-        status = json.loads(_salusd("status", "--socket", sock, "--json").stdout)
+        status = json.loads(_salusd("status", *state, "--json").stdout)
         (mine,) = [j for j in status["jobs"] if j["name"] == "steered"]
         assert mine["iterations_done"] == 1 and mine["state"] == "admitted"
-        assert status["devices"][0]["used_bytes"] >= mine["memory"]["persistent_bytes"] > 0
-        table = _salusd("status", "--socket", sock)
+        assert status["devices"][0]["used_bytes"] >= mine["persistent_bytes"] > 0
+        table = _salusd("status", *state)
         assert table.returncode == 0 and "steered" in table.stdout
+        top = _salusd("top", *state, "--count", "2", "--interval", "0.2")
+        assert top.returncode == 0 and "steered" in top.stdout
 
-        assert _salusd("suspend", job.id, "--swap", "--socket", sock).returncode == 0
+        assert _salusd("suspend", job.id, "--swap", *state).returncode == 0
         deadline = time.monotonic() + 10  # the swap happens at the job's next boundary
         while True:
-            (after,) = [j for j in json.loads(_salusd("status", "--socket", sock, "--json")
+            (after,) = [j for j in json.loads(_salusd("status", *state, "--json")
                                               .stdout)["jobs"] if j["name"] == "steered"]
-            if after["memory"]["swapped_out"] or time.monotonic() > deadline:
+            if after["swapped"] or time.monotonic() > deadline:
                 break
-        assert after["state"] == "suspended" and after["memory"]["swapped_out"] is True
-        assert _salusd("resume", job.id, "--socket", sock).returncode == 0
+        assert after["state"] == "suspended" and after["swapped"] is True
+        assert _salusd("resume", job.id, *state).returncode == 0
         assert isinstance(step(x, y), float)  # runs again after resume
 
-        bad = _salusd("priority", job.id, "-1", "--socket", sock)
+        bad = _salusd("priority", job.id, "-1", *state)
         assert bad.returncode == 1 and "priority" in bad.stdout
-        missing = _salusd("cancel", "999", "--socket", sock)
-        assert missing.returncode == 1 and "no job 999" in missing.stdout
-        assert _salusd("cancel", job.id, "--socket", sock).returncode == 0
+        missing = _salusd("cancel", "999", *state)
+        assert missing.returncode == 1 and "999" in missing.stdout
+        unauthorized = _salusd("status", *state, "--token", "wrong")
+        assert unauthorized.returncode == 1 and "401" in unauthorized.stdout
+        assert _salusd("cancel", job.id, *state).returncode == 0
         with pytest.raises(SalusError):
             step(x, y)
     assert proc.poll() is None

@@ -220,6 +220,7 @@ class Engine:
         at its last checkpoint, for its client to connect again."""
         record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
                            priority=priority, job_id=job_id)
+        record.resumed_from = checkpoint_iteration or 0
         if kind == "batch":
             self._load(record, restore=True)
         elif checkpoint_iteration is None:
@@ -323,7 +324,7 @@ class Engine:
     def resume(self, record: JobRecord) -> None:
         self._require_live(record)
         if not record.held:
-            raise BadRequest(f"job {record.job_id} is not suspended")
+            raise Conflict(f"job {record.job_id} is not suspended")
         record.held = record.swap_requested = False
         if record.phase == "submitted":
             was_swapped = record.swapped
@@ -634,9 +635,9 @@ class Engine:
             return
         record.persistent_bytes = int(meta.get("persistent_bytes", 0))
         iteration = int(meta.get("iteration", 0))
-        if record.checkpoint_dir is not None and iteration:
+        if record.resumed_from is not None:  # restored after a restart
             record.resumed_from = record.done_before = iteration
-            record.checkpoint_iteration = iteration
+            record.checkpoint_iteration = iteration if iteration else None
             log.info("job %d resumed from its checkpoint at iteration %d", record.job_id,
                      iteration)
         if not record.live:

@@ -142,7 +142,8 @@ class Handlers:
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
                                   cwd)
         client.jobs.add(record.job_id)
-        return {"job": str(record.job_id), "threads": record.threads}
+        return {"job": str(record.job_id), "threads": record.threads,
+                "resumed_from": record.resumed_from}
 
     def _info(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
         return job_info(self.engine, self._record(client, request))

@@ -42,6 +42,7 @@ class JobOut(BaseModel):
     lane_bytes: int | None
     checkpoint: Checkpoint | None
     resumed_from: int | None
+    swapped: bool = Field(default=False, description="its state was moved to host memory")
     entrypoint: str | None = None
     last_loss: float | None = None
     last_evaluation: float | str | None = None

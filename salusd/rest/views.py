@@ -36,7 +36,8 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         ephemeral_bytes=ephemeral if ephemeral is not None else memory[
             "ephemeral_estimate_bytes"],
         lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
-        resumed_from=record.resumed_from, entrypoint=record.spec.get("entrypoint"),
+        resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
+        entrypoint=record.spec.get("entrypoint"),
         last_loss=record.last_loss,
         last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
 

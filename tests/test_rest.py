@@ -1,0 +1,176 @@
+"""The REST control plane against the real daemon process: batch jobs, suspend and resume,
+cancel, priority, a live policy switch, tokens and owner isolation, and restart after kill -9."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from daemon_proc import salusd
+from jobs import shuffled
+from rest_client import connect, job, wait_for
+
+from salus.daemon.executor import checkpoint
+from salus.daemon.state.store import Store
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def _root(tmp: Path) -> Path:
+    root = tmp / "job-root"
+    root.mkdir(exist_ok=True)
+    shutil.copy(JOBS / "shuffled.py", root / "shuffled.py")
+    os.chmod(root, 0o755)
+    return root
+
+
+def _serve(tmp: Path, *extra: str):
+    return salusd(tmp, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp)), *extra)
+
+
+def _submit(client, iterations: int, name: str = "shuffled", **extra) -> int:
+    reply = client.post("/v1/jobs", json={"name": name, "entrypoint": "shuffled.py:make_job",
+                                          "iterations": iterations, **extra})
+    assert reply.status_code == 201, reply.text
+    body = reply.json()
+    assert body["kind"] == "batch" and body["iterations_total"] == iterations
+    return int(body["id"])
+
+
+def test_batch_job_suspend_resume_priority_cancel(tmp_path):
+    with _serve(tmp_path, "--checkpoint-every", "1000"):
+        client = connect(tmp_path / "state")
+        jid = _submit(client, 10**9)
+        wait_for(lambda: job(client, jid)["iterations_done"] > 5, "iterations")
+        reply = client.post(f"/v1/jobs/{jid}/suspend", json={"swap": False})
+        assert reply.status_code == 200, reply.text
+        wait_for(lambda: job(client, jid)["state"] == "suspended", "suspended")
+        time.sleep(0.3)  # the running iteration, if any, ends
+        stopped = job(client, jid)["iterations_done"]
+        time.sleep(0.5)
+        assert job(client, jid)["iterations_done"] == stopped, "a suspended job ran"
+        assert job(client, jid)["checkpoint"]["iteration"] == stopped, "suspend checkpoints"
+        assert client.post(f"/v1/jobs/{jid}/resume").status_code == 200
+        wait_for(lambda: job(client, jid)["iterations_done"] > stopped + 5, "resumed")
+        assert client.post(f"/v1/jobs/{jid}/resume").status_code == 409  # not suspended
+        reply = client.put(f"/v1/jobs/{jid}/priority", json={"priority": 3.5})
+        assert reply.status_code == 200 and reply.json()["priority"] == 3.5
+        assert client.put(f"/v1/jobs/{jid}/priority", json={"priority": -1}).status_code == 422
+        made = client.post(f"/v1/jobs/{jid}/checkpoint")
+        assert made.status_code == 200, made.text
+        assert made.json()["checkpoint"]["iteration"] > stopped
+        assert client.delete(f"/v1/jobs/{jid}").status_code == 200
+        wait_for(lambda: job(client, jid)["state"] == "cancelled", "cancelled")
+        assert client.post(f"/v1/jobs/{jid}/resume").status_code == 409
+        assert client.get("/v1/jobs/999999").status_code == 404
+
+
+def test_bad_submissions_get_clear_errors(tmp_path):
+    with _serve(tmp_path):
+        client = connect(tmp_path / "state")
+        cases = [
+            ({"name": "x", "entrypoint": "../../etc/passwd.py:f", "iterations": 1}, 422,
+             "under the job root"),
+            ({"name": "x", "entrypoint": "missing.py:f", "iterations": 1}, 422, "no file"),
+            ({"name": "x", "entrypoint": "shuffled.py:f", "iterations": 0}, 422, ""),
+            ({"name": "x", "entrypoint": "shuffled.py:make_job", "iterations": 1,
+              "devices": 2}, 422, "more than one device"),
+            ({"name": "\x1b[2J", "entrypoint": "shuffled.py:make_job", "iterations": 1}, 422,
+             "printable"),
+        ]
+        for body, status, words in cases:
+            reply = client.post("/v1/jobs", json=body)
+            assert reply.status_code == status, (body, reply.text)
+            assert words in reply.text
+        reply = client.post("/v1/jobs", json={"name": "nofn", "entrypoint":
+                                              "shuffled.py:nothing", "iterations": 3})
+        jid = reply.json()["id"]  # the function is looked up in the owner's executor
+        failed = wait_for(lambda: (j := job(client, jid))["state"] == "failed" and j, "failed")
+        assert "has no function 'nothing'" in failed["reason"]
+        huge = client.post("/v1/jobs", content=b"{" + b" " * 100_000 + b"}",
+                           headers={"content-type": "application/json"})
+        assert huge.status_code == 413
+        assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_live_policy_switch_loses_no_job(tmp_path):
+    with _serve(tmp_path):
+        client = connect(tmp_path / "state")
+        jobs = [_submit(client, 10**9, name=f"j{i}") for i in range(3)]
+        for jid in jobs:
+            wait_for(lambda jid=jid: job(client, jid)["iterations_done"] > 2, "running")
+        for policy in ("fair", "fifo", "pack", "srtf"):
+            reply = client.put("/v1/policy", json={"policy": policy})
+            assert reply.status_code == 200, reply.text
+            wait_for(lambda p=policy: client.get("/v1/policy").json() == {
+                "policy": p, "pending": None}, f"switch to {policy}")
+            before = {jid: job(client, jid)["iterations_done"] for jid in jobs}
+            # Every job is still there and live; at least one of them runs under the policy.
+            wait_for(lambda b=before: any(job(client, j)["iterations_done"] > b[j]
+                                          for j in jobs), f"progress under {policy}")
+            states = {job(client, jid)["state"] for jid in jobs}
+            assert states <= {"running", "admitted", "pending"}, states
+        assert client.put("/v1/policy", json={"policy": "lottery"}).status_code == 422
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="owner tokens for other users need a root daemon")
+def test_tokens_and_owner_isolation(tmp_path):
+    with _serve(tmp_path):
+        admin = connect(tmp_path / "state")
+        jid = _submit(admin, 10**9)
+        made = admin.post("/v1/tokens", json={"name": "guest", "user": "nobody"})
+        assert made.status_code == 201, made.text
+        secret = made.json()["token"]
+        assert secret.encode() not in (tmp_path / "state" / "salusd.db").read_bytes()
+        guest = connect(tmp_path / "state", token=secret)
+        assert guest.get("/v1/jobs").json() == []  # sees only its own jobs
+        assert guest.get(f"/v1/jobs/{jid}").status_code == 403
+        assert guest.delete(f"/v1/jobs/{jid}").status_code == 403
+        assert guest.put("/v1/policy", json={"policy": "fair"}).status_code == 403
+        assert guest.get("/v1/tokens").status_code == 403
+        assert admin.post("/v1/tokens", json={"name": "guest", "user": "nobody"}
+                          ).status_code == 409
+        assert admin.post("/v1/tokens", json={"name": "x", "user": "no-such-user-here"}
+                          ).status_code == 422
+        assert admin.delete("/v1/tokens/guest").status_code == 200
+        assert guest.get("/v1/jobs").status_code == 401  # revoked
+        anonymous = admin.get("/v1/jobs", headers={"Authorization": ""})
+        assert anonymous.status_code == 401
+        assert admin.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert job(admin, jid)["state"] == "running"
+
+
+def test_kill_9_then_restart_resumes_batch_job_exactly(tmp_path):
+    iterations = 40
+    with _serve(tmp_path, "--checkpoint-every", "5") as (proc, _):
+        client = connect(tmp_path / "state")
+        jid = _submit(client, iterations)
+        wait_for(lambda: (job(client, jid)["checkpoint"] or {}).get("iteration", 0) >= 10,
+                 "a checkpoint at iteration 10 or later")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with Store.open(tmp_path / "state" / "salusd.db") as store:
+        row = store.get_job(jid)
+        assert row is not None and row.state in ("running", "pending")
+        saved = row.checkpoint_iteration
+    assert saved is not None and saved >= 10
+    with _serve(tmp_path, "--checkpoint-every", "5"):
+        client = connect(tmp_path / "state")
+        resumed = job(client, jid)
+        assert resumed["resumed_from"] is not None and resumed["resumed_from"] >= saved
+        done = wait_for(lambda: (j := job(client, jid))["state"] == "finished" and j,
+                        "the resumed job to finish", timeout_s=120)
+        assert done["iterations_done"] == iterations
+        assert _submit(client, 1) > jid  # ids never repeat across restarts
+    loaded = checkpoint.load_latest(tmp_path / "state" / "checkpoints" / str(jid))
+    assert loaded is not None and loaded.iteration == iterations
+    torch.set_num_threads(1)
+    expected = shuffled.run_directly(iterations).state_dict()
+    got = loaded.payload["objects"]["model"].state_dict()
+    for key, value in expected.items():
+        assert torch.allclose(got[key], value, rtol=0, atol=1e-6), key
