@@ -160,7 +160,7 @@ class Engine:
         self.sched = IterationScheduler([ld.capacity for ld in self.ledgers],
                                         make_policy(policy), clock)
         self.registry = Registry(clock, retention_s=retention_s)
-        self.events = EventStream()
+        self.events = EventStream(keep=1000)
         self.busy: dict[LaneKey, int] = {}
         self.leases: dict[LaneKey, int] = {}  # lanes whose job runs direct calls unasked
         self.revoking: set[LaneKey] = set()
@@ -504,6 +504,16 @@ class Engine:
                     "ok": False, "reason": "the executor sent no estimate"})
             else:
                 self._pump_job(record)
+        elif op == "ran" and not record.live:
+            # Calls that ran under the lease before the job ended, reported after: counted,
+            # nothing else to decide.
+            job = self.sched.jobs.get(record.job_id)
+            iterations = int(meta.get("iterations", 0))
+            if job is not None:
+                job.done_iterations += iterations
+            record.calls_done += int(meta.get("calls", 0))
+            self._event("ran", record.job_id, calls=int(meta.get("calls", 0)),
+                        iterations=iterations, seconds=float(meta.get("seconds", 0.0)))
         elif op == "ran" and record.live and record.phase == "submitted":
             lane = next(((k for k, j in self.leases.items() if j == record.job_id)), None)
             if lane is None:
@@ -722,15 +732,22 @@ class Engine:
         assert sent.lane is not None
         self.busy.pop(sent.lane, None)
         seconds = float(meta.get("seconds", 0.0))
-        record.calls_done += 1
-        record.calls_failed += 0 if meta.get("ok") else 1
+        counted = int(sent.counted)
+        if meta.get("empty"):  # its call had run under a lease and was reported as `ran`
+            counted = 0
+            job = self.sched.jobs.get(record.job_id)
+            if job is not None and job.state == JobState.RUNNING:
+                job.state = JobState.ADMITTED
+        else:
+            record.calls_done += 1
+            record.calls_failed += 0 if meta.get("ok") else 1
         made: list[Placement] = []
         if record.live and record.phase == "submitted":
-            made = self._account(record, sent.lane, meta, int(sent.counted), started=True)
+            made = self._account(record, sent.lane, meta, counted, started=True)
         elif not record.live:
             self._finalize(record)
         self._event("end", record.job_id, *sent.lane, seconds=seconds,
-                    iterations=int(sent.counted), ok=bool(meta.get("ok")),
+                    iterations=counted, ok=bool(meta.get("ok")),
                     began=meta.get("began"), ended=meta.get("ended"))
         if record.live and record.kind == "batch":
             self._batch_step_done(record, meta)
@@ -851,6 +868,9 @@ class Engine:
         done = self.sched.jobs[record.job_id].done_iterations if (
             record.job_id in self.sched.jobs) else record.done_before
         self.registry.end(record, state, reason)
+        for gone in [j for j in self.sched.jobs if j not in self.registry.live
+                     and j not in self.registry.ended]:
+            del self.sched.jobs[gone]  # expired from the registry: forget it here too
         self._event(state if state != "finished" else "finish", record.job_id, reason=reason,
                     iterations_done=done)
         log.info("job %d %s: %s", record.job_id, state, reason)

@@ -141,7 +141,8 @@ class Executor:
                 self._answer_client(reply)
                 self._reply(reply_meta, None)
             else:
-                self._reply({"ok": False, "seconds": 0.0, "peak": None}, None)
+                # The call already ran under a lease granted meanwhile: nothing ran now.
+                self._reply({"ok": False, "empty": True, "seconds": 0.0, "peak": None}, None)
         else:
             self._reply(*handle(self.runtime, op, meta, request))
         return False
