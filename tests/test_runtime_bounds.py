@@ -115,7 +115,7 @@ def test_a_connection_over_the_limit_gets_a_clear_refusal(tmp_path: Path) -> Non
 
 def test_huge_counts_and_hostile_names_are_refused_and_status_stays_readable(
         tmp_path: Path) -> None:
-    with salusd(tmp_path, "--policy", "srtf") as (proc, address):
+    with salusd(tmp_path, "--policy", "srtf", "--http", "127.0.0.1:0") as (proc, address):
         path = address.removeprefix("unix://")
         with pytest.raises(ValueError, match="2\\*\\*53"):
             salus.connect(name="huge", iterations=10**400, address=address)
@@ -128,7 +128,8 @@ def test_huge_counts_and_hostile_names_are_refused_and_status_stays_readable(
         with salus.connect(name="fine [bold]name[/bold] ☃", iterations=2**53,
                            address=address) as job:
             status = subprocess.run(
-                [sys.executable, "-m", "salus.daemon.cli", "status", "--socket", path],
+                [sys.executable, "-m", "salus.daemon.cli", "status", "--state-dir",
+                 str(tmp_path / "state")],
                 capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"})
             assert status.returncode == 0, status.stderr
             assert "[bold]name[/bold]" in status.stdout  # shown as text, not markup
