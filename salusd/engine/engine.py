@@ -745,6 +745,11 @@ class Engine:
         if record.live and record.phase == "submitted":
             made = self._account(record, sent.lane, meta, counted, started=True)
         elif not record.live:
+            # The client had its result (on its direct channel) and closed the job before
+            # this reply reached the daemon: count the iteration, decide nothing.
+            ended = self.sched.jobs.get(record.job_id)
+            if ended is not None:
+                ended.done_iterations += counted
             self._finalize(record)
         self._event("end", record.job_id, *sent.lane, seconds=seconds,
                     iterations=counted, ok=bool(meta.get("ok")),
