@@ -119,7 +119,7 @@ class Metrics(Collector):
         self._ended = dict.fromkeys(END_STATES.values(), 0)
         self._switches: dict[int, int] = {}
         self._admissions = self._rejections = self._deaths = 0
-        self._last_failure: tuple[int, str] | None = None  # (job id, reason) of the last end
+        self._last_failure: tuple[int, str] | None = None  # (job, reason) if the last end failed
         self._checkpoint_seconds = _Histogram(CHECKPOINT_BUCKETS_S)
         self._checkpoint_bytes = 0
         self.registry.register(self)
@@ -155,7 +155,7 @@ class Metrics(Collector):
                 job.held = e.kind == "suspend"
             case "end" | "ran":
                 self._iterations_ran(e, job, max(0, int(d.get("iterations", 0))),
-                                     float(d.get("seconds", 0.0)))
+                                     max(0.0, float(d.get("seconds", 0.0))))
             case "finish" | "cancelled" | "failed":
                 self._ended[END_STATES[e.kind]] += 1
                 self._last_failure = (e.job_id, str(d.get("reason", ""))) if (
@@ -172,7 +172,7 @@ class Metrics(Collector):
                 self._deaths += job_id == e.job_id and reason.startswith(str(d.get("reason")))
                 self._last_failure = None
             case "checkpoint":
-                self._checkpoint_seconds.add(float(d.get("seconds", 0.0)))
+                self._checkpoint_seconds.add(max(0.0, float(d.get("seconds", 0.0))))
                 self._checkpoint_bytes += max(0, int(d.get("bytes", 0)))
             case "memory":
                 self._pending = int(d.get("pending", 0))

@@ -450,14 +450,16 @@ def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return proc.stdout.readline()
 
 
-def poll(metrics: Metrics, done: Callable[[Samples], bool], timeout_s: float = 60.0) -> Samples:
-    """Scrape until `done` holds (at most `timeout_s` seconds, every 50 ms)."""
+def poll(metrics: Metrics, done: Callable[[Samples], bool], show: Callable[[Samples], object],
+         timeout_s: float = 60.0) -> Samples:
+    """Scrape until `done` holds (at most `timeout_s` seconds, every 50 ms); on failure say
+    what `show` makes of the last scrape."""
     for _ in range(int(timeout_s / 0.05)):
         samples = scrape(metrics)
         if done(samples):
             return samples
         time.sleep(0.05)
-    raise AssertionError(f"metrics never got there: {samples}")
+    raise AssertionError(f"not within {timeout_s} s; last scrape: {show(samples)}")
 
 
 @pytest.mark.slow
@@ -477,10 +479,12 @@ def test_a_real_daemon_counts_what_clients_ran(tmp_path: Path) -> None:
             ids = {name: str(r["job"]) for name, r in ran.items()}
             assert {name: r["iterations"] for name, r in ran.items()} == planned
 
+            def per_job(s: Samples) -> dict[str, float | None]:
+                return {n: s.get(("salusd_job_iterations_total", (("job_id", ids[n]),)))
+                        for n in planned}
+
             # leased calls are reported in batches: wait until the daemon has them all
-            s = poll(m, lambda s: all(
-                s.get(("salusd_job_iterations_total", (("job_id", ids[n]),))) == planned[n]
-                for n in planned))
+            s = poll(m, lambda s: per_job(s) == planned, per_job)
             me = pwd.getpwuid(os.getuid()).pw_name
             for name, job_id in ids.items():
                 assert value(s, "salusd_job_info", job_id=job_id, name=name, owner=me,
@@ -503,7 +507,7 @@ def test_a_real_daemon_counts_what_clients_ran(tmp_path: Path) -> None:
                 out, err = clients[name].communicate(line, timeout=120)
                 assert clients[name].returncode == 0, err
             assert out.strip() == "JobFailed", out
-            s = poll(m, lambda s: not job_series(s))
+            s = poll(m, lambda s: not job_series(s), job_series)
         finally:
             for c in clients.values():
                 if c.poll() is None:

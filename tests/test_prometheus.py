@@ -194,14 +194,14 @@ def free_port() -> int:
         return port
 
 
-def wait_for(what: str, fn: Callable[[], Any], timeout_s: float = 60.0,
-             every_s: float = 0.5) -> Any:
-    """`fn()` once it is truthy, trying every `every_s` for at most `timeout_s` seconds."""
+def wait_for(what: str, fn: Callable[[], Any], done: Callable[[Any], bool] = bool,
+             timeout_s: float = 60.0, every_s: float = 0.5) -> Any:
+    """`fn()` once `done` says so, trying every `every_s` for at most `timeout_s` seconds."""
     last: Any = None
     for _ in range(int(timeout_s / every_s) + 1):
         with contextlib.suppress(httpx.HTTPError):
             last = fn()
-            if last:
+            if done(last):
                 return last
         time.sleep(every_s)
     raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
@@ -286,7 +286,7 @@ def test_a_real_prometheus_sees_the_iterations_jobs_ran(tmp_path: Path) -> None:
                     return {ids[r["metric"]["job_id"]]: float(r["value"][1])
                             for r in query(http, url, "salusd_job_iterations_total")}
 
-                wait_for("each job's iterations", lambda: per_job() == planned)
+                wait_for("each job's iterations", per_job, lambda got: got == planned)
                 (up,) = query(http, url, 'up{job="salusd"}')
                 assert up["value"][1] == "1"
                 named = query(http, url, "salusd_job_iterations_total * on(instance, job_id) "
@@ -299,12 +299,13 @@ def test_a_real_prometheus_sees_the_iterations_jobs_ran(tmp_path: Path) -> None:
                     _, err = client.communicate("\n", timeout=120)
                     assert client.returncode == 0, err
 
-                def after_end() -> bool:
+                def after_end() -> tuple[list[float], int]:
                     total = query(http, url, "salusd_iterations_total")
-                    return (bool(total) and float(total[0]["value"][1]) == sum(planned.values())
-                            and not query(http, url, "salusd_job_iterations_total"))
+                    return ([float(r["value"][1]) for r in total],
+                            len(query(http, url, "salusd_job_iterations_total")))
 
-                wait_for("the total, and no job series once the jobs ended", after_end)
+                wait_for("the total, and no job series once the jobs ended", after_end,
+                         lambda got: got == ([sum(planned.values())], 0))
                 (finished,) = query(http, url, 'salusd_jobs_total{state="finished"}')
                 assert float(finished["value"][1]) == len(planned)
         finally:

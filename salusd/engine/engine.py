@@ -732,13 +732,14 @@ class Engine:
         assert sent.lane is not None
         self.busy.pop(sent.lane, None)
         seconds = float(meta.get("seconds", 0.0))
-        counted = int(sent.counted)
-        if meta.get("empty"):  # its call had run under a lease and was reported as `ran`
-            counted = 0
+        # The executor says what it ran: the call asked for may have run under a lease
+        # meanwhile, and the next queued call (maybe of the other kind) in its place.
+        counted = 0 if meta.get("empty") else int(bool(meta.get("counted", sent.counted)))
+        if not counted:
             job = self.sched.jobs.get(record.job_id)
             if job is not None and job.state == JobState.RUNNING:
                 job.state = JobState.ADMITTED
-        else:
+        if not meta.get("empty"):
             record.calls_done += 1
             record.calls_failed += 0 if meta.get("ok") else 1
         made: list[Placement] = []
