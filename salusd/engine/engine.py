@@ -505,12 +505,9 @@ class Engine:
             else:
                 self._pump_job(record)
         elif op == "ran" and not record.live:
-            # Calls that ran under the lease before the job ended, reported after: counted,
-            # nothing else to decide.
-            job = self.sched.jobs.get(record.job_id)
+            # Calls that ran under the lease before the job ended, reported after.
             iterations = int(meta.get("iterations", 0))
-            if job is not None:
-                job.done_iterations += iterations
+            self._count_after_end(record, iterations)
             record.calls_done += int(meta.get("calls", 0))
             self._event("ran", record.job_id, calls=int(meta.get("calls", 0)),
                         iterations=iterations, seconds=float(meta.get("seconds", 0.0)))
@@ -747,10 +744,8 @@ class Engine:
             made = self._account(record, sent.lane, meta, counted, started=True)
         elif not record.live:
             # The client had its result (on its direct channel) and closed the job before
-            # this reply reached the daemon: count the iteration, decide nothing.
-            ended = self.sched.jobs.get(record.job_id)
-            if ended is not None:
-                ended.done_iterations += counted
+            # this reply reached the daemon.
+            self._count_after_end(record, counted)
             self._finalize(record)
         self._event("end", record.job_id, *sent.lane, seconds=seconds,
                     iterations=counted, ok=bool(meta.get("ok")),
@@ -762,6 +757,12 @@ class Engine:
             self._swap_if_idle(record)
         self._apply(made)
         self._pump(sent.lane)
+
+    def _count_after_end(self, record: JobRecord, iterations: int) -> None:
+        """Iterations of an ended job that ran before it ended: counted, nothing to decide."""
+        job = self.sched.jobs.get(record.job_id)
+        if job is not None:
+            job.done_iterations += iterations
 
     def _account(self, record: JobRecord, key: LaneKey, meta: dict[str, Any], iterations: int,
                  *, started: bool = False) -> list[Placement]:

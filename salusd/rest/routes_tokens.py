@@ -11,6 +11,7 @@ from fastapi.concurrency import run_in_threadpool
 from salus.daemon.rest.auth import Principal, admin
 from salus.daemon.rest.context import Context, context
 from salus.daemon.rest.models import ERRORS, TokenIn, TokenMade, TokenOut
+from salus.daemon.state.store import TokenRow
 from salus.daemon.wire.errors import BadRequest, Conflict
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"], responses=ERRORS)
@@ -19,9 +20,7 @@ router = APIRouter(prefix="/v1/tokens", tags=["tokens"], responses=ERRORS)
 @router.get("", response_model=list[TokenOut], summary="Owner tokens (never their secrets)")
 async def list_tokens(_: Principal = Depends(admin),
                       ctx: Context = Depends(context)) -> list[TokenOut]:
-    rows = await run_in_threadpool(ctx.store.list_tokens)
-    return [TokenOut(name=r.name, owner=r.owner, uid=r.uid, created=r.created,
-                     revoked_at=r.revoked_at) for r in rows]
+    return [_out(r) for r in await run_in_threadpool(ctx.store.list_tokens)]
 
 
 @router.post("", response_model=TokenMade, status_code=201, summary="Make an owner token")
@@ -42,8 +41,7 @@ async def add_token(body: TokenIn, _: Principal = Depends(admin),
         raise Conflict(str(exc)) from None
     row = next(r for r in await run_in_threadpool(ctx.store.list_tokens)
                if r.name == body.name and r.revoked_at is None)
-    return TokenMade(name=row.name, owner=row.owner, uid=row.uid, created=row.created,
-                     revoked_at=None, token=clear)
+    return TokenMade(**_out(row).model_dump(), token=clear)
 
 
 @router.delete("/{name}", response_model=TokenOut, summary="Revoke an owner token")
@@ -52,5 +50,9 @@ async def revoke_token(name: str, _: Principal = Depends(admin),
     if not await run_in_threadpool(ctx.store.revoke_token, name):
         raise HTTPException(404, f"no active token named {name[:64]!r}")
     row = next(r for r in await run_in_threadpool(ctx.store.list_tokens) if r.name == name)
+    return _out(row)
+
+
+def _out(row: TokenRow) -> TokenOut:
     return TokenOut(name=row.name, owner=row.owner, uid=row.uid, created=row.created,
                     revoked_at=row.revoked_at)
