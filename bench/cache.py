@@ -38,7 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.datacache import CachedDataset
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 
 BATCH = 16
 WORLD = 2
@@ -192,8 +192,7 @@ def _gang_worker(rank: int, port: int, url: str, cache: str, files: int,
     record["held"] = len(ds.held())
     torch.save(record, Path(out) / f"rank{rank}.pt")
     comm.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def gang(tmp: Path, url: str, files: int, file_bytes: int,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from salus.daemon.services.comm import Comm
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 
 WORLD = 2
 PG_TIMEOUT_S = 300
@@ -151,8 +151,7 @@ def _worker(rank: int, port: int, steps: int, rounds: int, out: str) -> None:
         record[name] = {"runs": runs, "auto_picked": auto_picked}
     torch.save(record, Path(out) / f"rank{rank}.pt")
     comm.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def main() -> None:

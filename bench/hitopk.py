@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from salus.daemon.services import topk as topk_module
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 from salus.daemon.services.sparse_allreduce import all_gather, node_layout
 from salus.daemon.services.topk import hitopk_allreduce, topk
 
@@ -107,7 +107,7 @@ def _worker(rank: int, port: int, numel: int, density: float, repeats: int, out:
             sent_inter.append(float(inter[0]))
         stats[name] = {"seconds": secs, "bytes": sent, "inter_node_bytes": sent_inter}
     torch.save(stats, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    leave_group()
 
 
 def main() -> None:

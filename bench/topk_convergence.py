@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 from salus.daemon.services.topk import hitopk_allreduce
 
 WORLD, LOCAL_SIZE = 4, 2
@@ -91,7 +91,7 @@ def _worker(rank: int, port: int, steps: int, density: float, out: str) -> None:
     result = {mode: train(mode, steps, density, rank) for mode in ("dense", "hitopk")}
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    leave_group()
 
 
 def main() -> None:

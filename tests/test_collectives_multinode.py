@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from salus.daemon.services.collectives import Topology, pack_trees, three_phase_allreduce
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 
 NODES, LOCAL = 2, 3
 PG_TIMEOUT_S, JOIN_TIMEOUT_S = 60, 150
@@ -56,7 +56,7 @@ def _node(node: int, port: int, out_dir: str) -> None:
     three_phase_allreduce(xs, plan, chunk_bytes=3000)
     res["float"] = (xs, dense)
     torch.save(res, Path(out_dir) / f"node{node}.pt")
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.fixture(scope="module")

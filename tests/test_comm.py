@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from salus.daemon.services.comm import Comm
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 
 PG_TIMEOUT_S = 60
 JOIN_TIMEOUT_S = 85
@@ -284,8 +284,7 @@ def _worker(rank: int, port: int, world: int, out_dir: str) -> None:
     _gradient_cases(rank, world, res)
     _pto_cases(rank, world, res)
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -482,7 +481,7 @@ def _single_rank_worker(rank: int, port: int, out_dir: str) -> None:
     res["bytes_sent"] = comm.stats.bytes_sent
     torch.save(res, Path(out_dir) / "rank0.pt")
     comm.close()
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.slow

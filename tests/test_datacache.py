@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.datacache import CachedDataset
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 
 N_SAMPLES = 24
 PER_RANK = 3
@@ -198,8 +198,7 @@ def _worker(rank: int, port: int, world: int, root: str, out_dir: str) -> None:
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     ds.close()
     comm.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.slow

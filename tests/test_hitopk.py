@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 from salus.daemon.services.topk import hitopk_allreduce
 
 WORLD = 4
@@ -130,7 +130,7 @@ def _worker(rank: int, port: int, local_size: int, out_dir: str) -> None:
         res["mismatch_error"] = str(exc)
 
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

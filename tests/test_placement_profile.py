@@ -24,7 +24,7 @@ from salus.daemon.services.placement import (
     links_from_topology,
     profile_model,
 )
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 M, K, N = 16, 32, 24
@@ -147,7 +147,7 @@ def _cluster_worker(rank: int, port: int, out_dir: str) -> None:
     init_loopback(rank, 2, port, timeout_s=60)
     cluster = benchmark_cluster(2**28 * (rank + 1), min_run_time_s=0.05)
     (Path(out_dir) / f"rank{rank}.json").write_text(cluster.to_json())
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from salus.daemon.services.procgroup import free_port, init_loopback, run_local_group
+from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 
 WORLD = 2
 PG_TIMEOUT_S = 20
@@ -38,7 +38,7 @@ def _all_reduce(rank: int, port: int, out_dir: str) -> None:
         "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
     }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _raise_on_rank_one(rank: int) -> None:

@@ -69,6 +69,19 @@ def init_loopback(
     )
 
 
+def leave_group() -> None:
+    """Leave the default process group and every sub-group, after all ranks got here.
+
+    The barrier matters: gloo aborts the process (``terminate called without an active
+    exception``) whose groups are destroyed while a peer is still inside a collective of one of
+    them, which a busy machine makes likely at the end of a run.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_local_group(
     fn: Callable[..., object],
     nprocs: int,

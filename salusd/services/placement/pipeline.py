@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from ..procgroup import free_port, init_loopback, run_local_group
+from ..procgroup import free_port, init_loopback, leave_group, run_local_group
 
 ModelFactory = Callable[[], nn.Module]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -114,5 +114,7 @@ def _stage_worker(rank: int, world: int, port: int, model_factory: ModelFactory,
         torch.save(module.state_dict(), Path(out) / f"stage{rank}.pt")
         if last:
             torch.save(torch.stack(step_losses), Path(out) / "losses.pt")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the peers may never get there
+        raise
+    leave_group()
