@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from salus.daemon.engine.events import Event, EventStream
+from salus.daemon.engine.gang import GangReply
 from salus.daemon.engine.ledger import DeviceLedger, aligned
 from salus.daemon.engine.registry import (
     Answer,
@@ -34,6 +35,7 @@ from salus.daemon.engine.registry import (
     check_iterations,
     check_name,
 )
+from salus.daemon.wire.address import free_port
 from salus.daemon.wire.errors import (
     BadRequest,
     Busy,
@@ -109,6 +111,8 @@ class _Sent:
     lane: LaneKey | None = None
     counted: bool = False
     on_done: Callable[[dict[str, Any]], None] | None = None  # gets the executor's reply meta
+    gang: GangReply | None = None  # sent to every replica of a gang: their replies merge
+    replica: int = 0
 
 
 def _refuse(call: Call, error: SalusError) -> None:
@@ -164,6 +168,7 @@ class Engine:
         self.busy: dict[LaneKey, int] = {}
         self.leases: dict[LaneKey, int] = {}  # lanes whose job runs direct calls unasked
         self.revoking: set[LaneKey] = set()
+        self.reserved: dict[LaneKey, int] = {}  # idle lanes held for a gang until all are idle
         self._sent: dict[int, deque[_Sent]] = {}  # id(executor) -> what it was asked
         self._by_executor: dict[int, JobRecord] = {}
         self.stopping = False
@@ -194,6 +199,7 @@ class Engine:
         record.threads = self.threads
         record.cwd = cwd
         record.kind, record.spec, record.priority = kind, dict(spec or {}), priority
+        record.gang = int(record.spec.get("devices", 1))
         record.device_kind = "cuda" if self.torch_devices[0].startswith("cuda") else "cpu"
         if self.checkpoints is not None:
             record.checkpoint_dir = os.path.join(self.checkpoints.root, str(record.job_id))
@@ -204,10 +210,18 @@ class Engine:
         return record
 
     def submit_batch(self, owner: Owner, name: object, iterations: object, path: str,
-                     function: str, priority: float = 1.0) -> JobRecord:
+                     function: str, priority: float = 1.0, *, devices: int = 1) -> JobRecord:
         """A batch job: its executor imports `path`, calls `function` and the daemon drives
-        the loop for `iterations` iterations."""
-        spec = {"entrypoint": f"{path}:{function}", "path": path, "function": function}
+        the loop for `iterations` iterations. With `devices` > 1 it is a gang: one executor
+        per device, each running every iteration on its part of the batch (see
+        `salusd/executor/gang.py`), admitted on that many devices at once."""
+        if type(devices) is not int or not 1 <= devices <= len(self.ledgers):
+            raise BadRequest(f"this node has {len(self.ledgers)} device(s); a job may ask for 1 "
+                             f"to {len(self.ledgers)}, not {devices!r}")
+        spec: dict[str, Any] = {"entrypoint": f"{path}:{function}", "path": path,
+                                "function": function}
+        if devices > 1:
+            spec["devices"] = devices
         record = self.open(owner, name, iterations, os.path.dirname(path), kind="batch",
                            spec=spec, priority=priority)
         self._load(record, restore=False)
@@ -231,16 +245,29 @@ class Engine:
             self._load(record, restore=True)
 
     def _load(self, record: JobRecord, restore: bool) -> None:
-        record.executor = self.executors.acquire(record, record.cwd)
-        self._sent[id(record.executor)] = deque()
-        self._by_executor[id(record.executor)] = record
+        record.replicas = [self.executors.acquire(record, record.cwd)
+                           for _ in range(record.gang)]
+        record.executor = record.replicas[0]
+        for executor in record.replicas:
+            self._sent[id(executor)] = deque()
+            self._by_executor[id(executor)] = record
         if record.kind == "batch":
             meta = {"op": "load", "path": record.spec["path"],
-                    "function": record.spec["function"], "restore": restore,
-                    "dir": record.checkpoint_dir}
+                    "function": record.spec["function"], "restore": restore}
         else:
-            meta = {"op": "restore", "dir": record.checkpoint_dir}
-        self._send(record, _Sent("load"), meta, None)
+            meta = {"op": "restore"}
+        metas = [{**meta, "dir": self._replica_dir(record, r)} for r in range(record.gang)]
+        if record.gang > 1:
+            port = free_port()
+            for rank, m in enumerate(metas):
+                m["gang"] = {"rank": rank, "world": record.gang, "port": port}
+        self._send_all(record, "load", metas)
+
+    def _replica_dir(self, record: JobRecord, replica: int) -> str | None:
+        """Where replica `replica` of the job keeps its checkpoints."""
+        if record.checkpoint_dir is None or record.gang == 1:
+            return record.checkpoint_dir
+        return os.path.join(record.checkpoint_dir, f"replica{replica}")
 
     def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward the client's state to the job's executor, which loads and measures it."""
@@ -374,9 +401,9 @@ class Engine:
             raise Conflict(f"job {record.job_id} has no state to checkpoint yet")
         record.checkpointing += 1
         record.since_checkpoint, record.since_checkpoint_s = 0, 0.0
-        self._send(record, _Sent("checkpoint", on_done=on_done),
-                   {"op": "checkpoint", "dir": record.checkpoint_dir, "job": record.job_id},
-                   None)
+        self._send_all(record, "checkpoint", [
+            {"op": "checkpoint", "dir": self._replica_dir(record, r), "job": record.job_id}
+            for r in range(record.gang)], on_done=on_done)
 
     def set_policy(self, name: object) -> None:
         """Switch the scheduling policy at the next boundaries: no new call starts until the
@@ -405,6 +432,11 @@ class Engine:
                 frame.close_fd()
             return
         sent = queue.popleft()
+        if sent.gang is not None:
+            if not sent.gang.add(sent.replica, meta, frame):
+                return  # other replicas have yet to answer
+            gang, meta, frame = sent.gang, sent.gang.merged(), sent.gang.frame
+            sent = gang.head
         if sent.kind == "run":
             self._finished_call(record, sent, meta)
         elif sent.kind == "revoke":
@@ -473,6 +505,9 @@ class Engine:
                 record.checkpointing -= 1
             if sent.on_done is not None:
                 sent.on_done({"ok": False, "message": str(error)})
+        for sibling in record.replicas:  # a gang without one replica cannot go on
+            if id(sibling) in self._by_executor:
+                self.executors.kill(sibling)
         self._event("executor_died", record.job_id, reason=reason)
         self._switch_if_quiet()
         self._pump_all()
@@ -483,6 +518,24 @@ class Engine:
               frame: RawFrame | None) -> None:
         self._sent[id(record.executor)].append(sent)
         self.executors.send(record.executor, meta, frame)
+
+    def _send_all(self, record: JobRecord, kind: str, metas: list[dict[str, Any]], *,
+                  lanes: list[LaneKey] | None = None, counted: bool = False,
+                  on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Send `metas[r]` to replica r of the job; their replies come back as one (replica
+        0's `_Sent`, with the merged meta). A job of one replica gets a plain `_send`."""
+        if record.gang == 1:
+            self._send(record, _Sent(kind, None, lanes[0] if lanes else None, counted,
+                                     on_done), metas[0], None)
+            return
+        gang = GangReply(record.gang, list(lanes or []))
+        for replica, (executor, meta) in enumerate(zip(record.replicas, metas, strict=True)):
+            sent = _Sent(kind, None, lanes[replica] if lanes else None, counted,
+                         on_done if replica == 0 else None, gang, replica)
+            if replica == 0:
+                gang.head = sent
+            self._sent[id(executor)].append(sent)
+            self.executors.send(executor, meta, None)
 
     # ---- direct calls and leases -------------------------------------------------------------
     def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
@@ -534,7 +587,8 @@ class Engine:
             wanted = self._lease_candidate(lane.residents)
             if holder is not None and holder != wanted:
                 self._revoke(key, holder)
-            elif holder is None and wanted is not None and key not in self.busy:
+            elif (holder is None and wanted is not None and key not in self.busy
+                  and key not in self.reserved):
                 record = self.registry.live[wanted]
                 self.leases[key] = wanted
                 self.busy[key] = wanted
@@ -599,7 +653,7 @@ class Engine:
                   persistent_bytes=aligned(record.persistent_bytes),
                   ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
                   name=record.name, priority=record.priority,
-                  done_iterations=record.done_before)
+                  done_iterations=record.done_before, gang=record.gang)
         try:
             made = self.sched.submit(job)
         except ValueError as exc:
@@ -619,6 +673,7 @@ class Engine:
         if self.pending_policy is None or self.busy:
             return
         policy, self.pending_policy = self.pending_policy, None
+        self.reserved.clear()  # the lanes are made anew
         old = self.sched.policy.name
         made = self.sched.set_policy(policy)
         self._event("policy", -1, policy=policy.name, previous=old)
@@ -657,6 +712,12 @@ class Engine:
                 self._end(record, "finished", f"ran its {iteration} iterations")
                 return
             record.phase = "estimating"
+            if record.gang > 1:
+                # Replicas call collectives: a fake-tensor run of one replica alone would
+                # issue them without its peers. The first real iteration is measured instead.
+                self._estimated(record, {"ok": False, "reason": "a gang job is measured on "
+                                         "its first iteration"})
+                return
             self._send(record, _Sent("estimate"), {"op": "estimate", "frame": False}, None)
 
     def _checkpointed(self, record: JobRecord, meta: dict[str, Any]) -> None:
@@ -706,10 +767,18 @@ class Engine:
         """If lane `key` is idle, start the call of the job the policy picks."""
         if key in self.busy or self.stopping or self.pending_policy is not None:
             return
+        holder = self.reserved.get(key)
+        if holder is not None:
+            self._start_gang(holder)
+            if key in self.reserved or key in self.busy:
+                return
         decision = self.sched.next_iteration(*key, ready=self._ready)
         if decision is None:
             return
         record = self.registry.live[decision.job_id]
+        if record.gang > 1:
+            self._reserve_gang(record)
+            return
         if record.kind == "batch":  # the daemon drives the loop: the next batch, in its lane
             self.sched.iteration_started(record.job_id)
             self.busy[key] = record.job_id
@@ -725,9 +794,50 @@ class Engine:
         if call.frame is not None:
             call.frame.close_fd()
 
+    def _gang_lanes(self, job_id: int) -> list[LaneKey]:
+        """A gang's lanes, by replica rank (placements in device order)."""
+        placed = sorted(self.sched.lanes.placements(job_id), key=lambda p: p.device)
+        return [(p.device, p.lane_id) for p in placed]
+
+    def _reserve_gang(self, record: JobRecord) -> None:
+        """The policy picked gang `record` in one of its lanes: hold all its lanes (all or
+        none, so two gangs never hold each other's) and start it once every one is idle."""
+        lanes = self._gang_lanes(record.job_id)
+        if any(self.reserved.get(k, record.job_id) != record.job_id for k in lanes):
+            return  # another gang holds one of them: the policy asks again when it ran
+        for key in lanes:
+            self.reserved[key] = record.job_id
+        self._start_gang(record.job_id)
+
+    def _start_gang(self, job_id: int) -> None:
+        """Run one iteration of gang `job_id` on all its lanes if they are all idle; drop its
+        reservations if it can no longer run."""
+        record = self.registry.live.get(job_id)
+        job = self.sched.jobs.get(job_id)
+        lanes = self._gang_lanes(job_id) if record is not None else []
+        held = [k for k, j in self.reserved.items() if j == job_id]
+        if (record is None or job is None or record.cancel_requested or not lanes
+                or job.state not in (JobState.ADMITTED, JobState.RUNNING)
+                or set(held) != set(lanes)):
+            for key in held:
+                del self.reserved[key]
+            for key in held:
+                self._pump(key)
+            return
+        if any(k in self.busy for k in lanes):
+            return  # the last busy lane to finish starts it
+        for key in lanes:
+            del self.reserved[key]
+            self.busy[key] = job_id
+        self.sched.iteration_started(job_id)
+        self._send_all(record, "run", [{"op": "step"}] * record.gang, lanes=lanes,
+                       counted=True)
+
     def _finished_call(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
         assert sent.lane is not None
-        self.busy.pop(sent.lane, None)
+        lanes = sent.gang.lanes if sent.gang is not None else [sent.lane]
+        for key in lanes:
+            self.busy.pop(key, None)
         seconds = float(meta.get("seconds", 0.0))
         # The executor says what it ran: the call asked for may have run under a lease
         # meanwhile, and the next queued call (maybe of the other kind) in its place.
@@ -756,7 +866,10 @@ class Engine:
         if record.live and record.swap_requested:
             self._swap_if_idle(record)
         self._apply(made)
-        self._pump(sent.lane)
+        if len(lanes) > 1:
+            self._pump_all()  # a gang's end may unblock lanes beyond its own
+        else:
+            self._pump(sent.lane)
 
     def _count_after_end(self, record: JobRecord, iterations: int) -> None:
         """Iterations of an ended job that ran before it ended: counted, nothing to decide."""
@@ -829,11 +942,17 @@ class Engine:
         for p in made:
             self._event("admit", p.job_id, p.device, p.lane_id)
             record = self.registry.live.get(p.job_id)
-            if record is not None:
-                self._send(record, _Sent("place"), {
-                    "op": "place", "device": self.torch_devices[p.device],
-                    "budget_bytes": self.sched.jobs[p.job_id].persistent_bytes + p.lane_bytes,
-                }, None)
+            if record is None:
+                continue
+            replica = 0
+            if record.gang > 1:
+                replica = self._gang_lanes(p.job_id).index((p.device, p.lane_id))
+            executor = record.replicas[replica] if record.replicas else record.executor
+            self._sent[id(executor)].append(_Sent("place"))
+            self.executors.send(executor, {
+                "op": "place", "device": self.torch_devices[p.device],
+                "budget_bytes": self.sched.jobs[p.job_id].persistent_bytes + p.lane_bytes,
+            }, None)
         for p in made:
             self._pump((p.device, p.lane_id))
         self._refresh_leases()
@@ -857,7 +976,9 @@ class Engine:
             return
         record.swap_requested = False
         record.swapped = True
-        self._send(record, _Sent("swap_out"), {"op": "swap_out"}, None)
+        for executor in record.replicas or [record.executor]:
+            self._sent[id(executor)].append(_Sent("swap_out"))
+            self.executors.send(executor, {"op": "swap_out"}, None)
         self._event("swap_out", record.job_id)
         self._apply(self.sched.swap_out(record.job_id))
 
@@ -875,6 +996,8 @@ class Engine:
         done = self.sched.jobs[record.job_id].done_iterations if (
             record.job_id in self.sched.jobs) else record.done_before
         self.registry.end(record, state, reason)
+        for key in [k for k, j in self.reserved.items() if j == record.job_id]:
+            del self.reserved[key]
         for gone in [j for j in self.sched.jobs if j not in self.registry.live
                      and j not in self.registry.ended]:
             del self.sched.jobs[gone]  # expired from the registry: forget it here too
@@ -893,16 +1016,20 @@ class Engine:
         self._refresh_leases()
 
     def _kill_if_running(self, record: JobRecord) -> None:
-        if record.job_id in self.busy.values() and id(record.executor) in self._by_executor:
-            log.warning("job %d did not return within %.1f s of its end: killing its executor",
-                        record.job_id, self.cancel_grace_s)
-            self.executors.kill(record.executor)
+        if record.job_id not in self.busy.values():
+            return
+        for executor in record.replicas or [record.executor]:
+            if id(executor) in self._by_executor:
+                log.warning("job %d did not return within %.1f s of its end: killing its "
+                            "executor", record.job_id, self.cancel_grace_s)
+                self.executors.kill(executor)
 
     def _finalize(self, record: JobRecord) -> None:
-        if record.executor is not None and id(record.executor) in self._by_executor:
-            code = "job_failed" if record.end_state == "failed" else "job_cancelled"
-            self.executors.retire(record.executor, code,
-                                  f"job {record.job_id} has {record.end_state}: {record.reason}")
+        code = "job_failed" if record.end_state == "failed" else "job_cancelled"
+        for executor in record.replicas or [record.executor]:
+            if executor is not None and id(executor) in self._by_executor:
+                self.executors.retire(executor, code, f"job {record.job_id} has "
+                                      f"{record.end_state}: {record.reason}")
 
     def _require_attached(self, record: JobRecord) -> None:
         self._require_live(record)

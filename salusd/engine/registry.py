@@ -63,7 +63,9 @@ class JobRecord:
     name: str
     planned_iterations: int
     opened_s: float
-    executor: Any = None
+    executor: Any = None  # a gang's replica 0
+    replicas: list[Any] = field(default_factory=list)  # a gang's executors, by replica rank
+    gang: int = 1  # devices (replicas) the job runs on
     cwd: str | None = None
     phase: Phase = "open"
     calls: deque[Call] = field(default_factory=deque)

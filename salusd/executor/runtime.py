@@ -26,10 +26,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from salus.daemon.executor import checkpoint
+from salus.daemon.executor import checkpoint, gang
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.measure import EstimationError, estimate_call_peak, held_bytes, state_bytes
+from salus.daemon.services.comm import Comm
 from salus.daemon.wire import compact
 from salus.daemon.wire.codec import Pickled, PickledPayload
 from salus.daemon.wire.frames import FUNCTION_MASK
@@ -100,6 +101,8 @@ class JobRuntime:
         self.iterations = 0  # counted calls run: a checkpoint's iteration
         self.batch: BatchJob | None = None
         self.cursor: DataCursor | None = None
+        self.gang: gang.GangSpec | None = None  # this replica's place in a gang job
+        self.comm: Comm | None = None
 
     # ---- messages ---------------------------------------------------------------------------
     def attach(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -176,13 +179,19 @@ class JobRuntime:
     def load(self, request: dict[str, Any]) -> dict[str, Any]:
         """A batch job: import its entrypoint and hold what it returned; with `restore`, go on
         from the job's latest checkpoint (if it has one)."""
+        spec = gang.GangSpec.parse(request.get("gang"))
         job = load_entrypoint(str(request["path"]), str(request["function"]))
         self.batch, self.cursor = job, DataCursor(job.data)
         self._hold(job.state)
+        if spec is not None and self.comm is None:
+            self.gang, self.comm = spec, gang.join(spec, self.device)
+            self.state.comm = self.comm
         iteration = 0
         if request.get("restore"):
             iteration = self.restore(request)["iteration"]
-        return {"persistent_bytes": state_bytes(vars(self.state).values()),
+        elif self.comm is not None:
+            gang.broadcast_state(self.comm, self._objects())
+        return {"persistent_bytes": state_bytes(self._objects().values()),
                 "iteration": iteration}
 
     def restore(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +201,7 @@ class JobRuntime:
         if loaded is None:
             if self.batch is not None:
                 return {"iteration": 0, "persistent_bytes": state_bytes(
-                    vars(self.state).values())}
+                    self._objects().values())}
             raise FileNotFoundError(f"no checkpoint in {request['dir']}")
         payload = loaded.payload
         self._hold(payload["objects"])
@@ -205,12 +214,12 @@ class JobRuntime:
             torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
         self.iterations = int(payload["iterations"])
         return {"iteration": self.iterations,
-                "persistent_bytes": state_bytes(vars(self.state).values())}
+                "persistent_bytes": state_bytes(self._objects().values())}
 
     def checkpoint(self, request: dict[str, Any]) -> dict[str, Any]:
         """Write the job's persistent state at this boundary (see `checkpoint.py`)."""
         payload = {
-            "objects": {name: getattr(self.state, name) for name in self.names},
+            "objects": self._objects(),
             "functions": ({} if self.batch is not None else
                           {fid: (self.kinds[fid], fn) for fid, fn in self.functions.items()}),
             "rng": {"cpu": torch.get_rng_state(),
@@ -231,7 +240,10 @@ class JobRuntime:
         assert self.batch is not None and self.cursor is not None
         start = time.perf_counter()
         try:
-            result, peak = self._invoke(self.batch.iteration, (self.cursor.next(),), {})
+            batch = self.cursor.next()
+            if self.gang is not None:
+                batch = gang.shard(batch, self.gang.rank, self.gang.world)
+            result, peak = self._invoke(self.batch.iteration, (batch,), {})
             self.iterations += 1
             reply: dict[str, Any] = {"ok": True, "loss": scalar(result), "peak": peak}
             every = self.batch.every
@@ -246,9 +258,15 @@ class JobRuntime:
         return {**reply, "seconds": time.perf_counter() - start, "began": began,
                 "ended": ended, "iteration": self.iterations}
 
+    def _objects(self) -> dict[str, Any]:
+        """The job's named objects (``s.comm``, a service, is not one of them)."""
+        return {name: getattr(self.state, name) for name in self.names}
+
     def _hold(self, objects: dict[str, Any]) -> None:
         self.state = State(**objects)
         self.names = list(objects)
+        if self.comm is not None:
+            self.state.comm = self.comm
         self.meter.set_baseline(self.device)
         self._held = held_bytes(objects.values())
         self._settled = False
@@ -259,7 +277,7 @@ class JobRuntime:
         if self._settled or peak is None:
             return peak
         self._settled = True
-        grown = max(0, held_bytes(vars(self.state).values()) - self._held)
+        grown = max(0, held_bytes(self._objects().values()) - self._held)
         self.meter.baseline += grown
         return max(0, peak - grown)
 

@@ -56,15 +56,13 @@ async def get_job(job_id: int = JobId, who: Principal = Depends(principal),
 async def submit(body: JobSubmit, who: Principal = Depends(principal),
                  ctx: Context = Depends(context)) -> JobOut:
     """The daemon imports `entrypoint` (a file under its `--job-root`) in an executor running
-    as the token's owner and drives the loop itself for `iterations` iterations."""
-    if body.devices != 1:
-        raise BadRequest("jobs on more than one device (gangs) are not available yet; "
-                         "submit with devices=1")
+    as the token's owner and drives the loop itself for `iterations` iterations; with
+    `devices` > 1 it runs as a gang of that many replicas, one per device (data-parallel)."""
     path, function = resolve_entrypoint(ctx.job_root, body.entrypoint)
 
     def start() -> JobOut:
         record = ctx.engine.submit_batch(who.owner, body.name, body.iterations, path,
-                                         function, body.priority)
+                                         function, body.priority, devices=body.devices)
         return job_out(ctx.engine, record)
     return await ctx.bridge.run(start)
 

@@ -10,7 +10,6 @@ group over ``tcp://127.0.0.1:<port>``. NCCL on GPUs works the same with ``backen
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,20 +18,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LOOPBACK = "127.0.0.1"
+from salus.daemon.wire.address import LOOPBACK, free_port
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it).
-
-    Written by hand rather than torch's elastic ``get_free_port``, which binds "localhost" and
-    may check ::1 instead of the IPv4 address the process group connects to. The port is
-    released before it is returned, so another program may take it first; callers pick one per
-    group, right before starting it.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+__all__ = ["LOOPBACK", "free_port", "init_loopback", "leave_group", "run_local_group"]
 
 
 def init_loopback(

@@ -89,3 +89,19 @@ def parse_address(address: str) -> str:
 def format_address(path: str | os.PathLike[str]) -> str:
     """The `unix://` address of a socket path (made absolute)."""
     return "unix://" + os.path.abspath(os.fspath(path))
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it).
+
+    Written by hand rather than torch's elastic ``get_free_port``, which binds "localhost" and
+    may check ::1 instead of the IPv4 address the process group connects to. The port is
+    released before it is returned, so another program may take it first; callers pick one per
+    group, right before starting it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,93 @@
+"""One replica of a gang job: the process group over the gang's executors, and its batch shard.
+
+A gang job (``"devices": N``) runs in N executors, one per device, all running the same
+entrypoint. The daemon picks a loopback port and tells each replica its rank when it loads the
+job; the replicas join one ``torch.distributed`` group (gloo on CPU devices, NCCL on CUDA ones)
+and the job's iteration gets it as ``s.comm`` (`salus.daemon.services.comm.Comm`). Replica 0's
+tensors are broadcast to the others once the job is loaded, as DDP does when it wraps a model,
+so replicas start equal even when the entrypoint does not seed its initialisation. A replica
+never leaves the group: its executor ends with ``os._exit`` when the job ends, and a peer still
+inside a collective then gets an error within `GANG_TIMEOUT_S` instead of destroying a group
+under it (which makes gloo abort).
+
+Every replica iterates the same data in the same order (same random state at each epoch start,
+as the cursor restores it) and keeps its slice of each batch: tensors are split along dim 0 into
+N nearly equal parts (`torch.tensor_split`), replica r keeping part r. With a batch size that N
+divides and a mean-reduced loss, averaged gradients (``s.comm.all_reduce_gradients``) equal the
+gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from salus.daemon.services.comm import Comm
+from salus.daemon.services.procgroup import init_loopback
+
+GANG_TIMEOUT_S = 120.0
+"""Bounds the gang's rendezvous and each of its collectives (a lost replica becomes an error)."""
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """Where this replica stands in its gang."""
+
+    rank: int
+    world: int
+    port: int
+
+    @classmethod
+    def parse(cls, raw: object) -> GangSpec | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise TypeError(f"'gang' must be an object, got {type(raw).__name__}")
+        spec = cls(int(raw["rank"]), int(raw["world"]), int(raw["port"]))
+        if not 0 <= spec.rank < spec.world or not 0 < spec.port < 65536:
+            raise ValueError(f"bad gang placement {raw!r}")
+        return spec
+
+
+def join(spec: GangSpec, device: torch.device) -> Comm:
+    """Join the gang's process group (blocks until every replica has) and wrap it in a Comm."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init_loopback(spec.rank, spec.world, spec.port, timeout_s=GANG_TIMEOUT_S, backend=backend)
+    return Comm(local_size=spec.world)
+
+
+def state_tensors(objects: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a job's state that replicas must hold equal: module parameters and
+    buffers, and top-level tensors (in a fixed order, the same on every replica)."""
+    found: list[torch.Tensor] = []
+    for name in sorted(objects):
+        obj = objects[name]
+        if isinstance(obj, nn.Module):
+            found += [t.data for t in obj.parameters()] + list(obj.buffers())
+        elif isinstance(obj, torch.Tensor):
+            found.append(obj.data)
+    return found
+
+
+def broadcast_state(comm: Comm, objects: dict[str, Any]) -> None:
+    """Make every replica's state equal to replica 0's."""
+    works = [comm.broadcast(t, src=0, async_op=True) for t in state_tensors(objects)]
+    for work in works:
+        assert work is not None
+        work.wait()
+
+
+def shard(batch: Any, rank: int, world: int) -> Any:
+    """Replica `rank`'s part of `batch`: every tensor split along dim 0 into `world` parts;
+    other leaves (and 0-d tensors) are kept whole."""
+
+    def part(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return torch.tensor_split(leaf, world)[rank]
+        return leaf
+
+    return pytree.tree_map(part, batch)

@@ -1,0 +1,85 @@
+"""Gang (data-parallel) batch jobs through the real daemon with 2 CPU devices.
+
+Four gangs of 2 replicas, each averaging gradients another way (ring, Blink trees, sparse
+top-k, ring then the PTO sharded step), run at once with a one-device job beside them. Each
+must end with the parameters of one process training on the whole batches (the reference here
+is that plain loop). Float sums differ in order (two half-batch means averaged, against one
+mean over the batch), hence the 1e-6 tolerance. Within one node ``sparse_all_reduce`` reduces
+exactly (Hi-TopK prunes only what crosses nodes), so the sparse gang must match too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from daemon_proc import salusd
+from jobs import dataparallel
+from rest_client import connect, job, wait_for
+
+from salus.daemon.executor import checkpoint
+
+JOBS = Path(__file__).parent / "jobs"
+ITERATIONS = 14  # more than one epoch (6 batches each)
+GANGS = ("ring", "tree", "sparse", "sharded")
+
+
+def _root(tmp: Path) -> Path:
+    root = tmp / "job-root"
+    root.mkdir(exist_ok=True)
+    for name in ("dataparallel.py", "shuffled.py"):
+        shutil.copy(JOBS / name, root / name)
+    os.chmod(root, 0o755)
+    return root
+
+
+def _submit(client, name: str, entrypoint: str, devices: int, iterations: int) -> int:
+    reply = client.post("/v1/jobs", json={"name": name, "entrypoint": entrypoint,
+                                          "iterations": iterations, "devices": devices})
+    assert reply.status_code == 201, reply.text
+    return int(reply.json()["id"])
+
+
+def _params(state_dir: Path, jid: int, replica: int) -> dict[str, torch.Tensor]:
+    loaded = checkpoint.load_latest(state_dir / "checkpoints" / str(jid) / f"replica{replica}")
+    assert loaded is not None and loaded.iteration == ITERATIONS
+    return loaded.payload["objects"]["model"].state_dict()
+
+
+@pytest.mark.slow
+def test_gangs_train_like_one_process_on_whole_batches(tmp_path):
+    state = tmp_path / "state"
+    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp_path)),
+                "--checkpoint-every", "1000"):
+        client = connect(state)
+        ids = {name: _submit(client, name, f"dataparallel.py:make_{name}", 2, ITERATIONS)
+               for name in GANGS}
+        single = _submit(client, "single", "shuffled.py:make_job", 1, 30)
+        for jid in [*ids.values(), single]:
+            wait_for(lambda j=jid: job(client, j)["state"] in ("finished", "failed"),
+                     f"job {jid} to end", timeout_s=300)
+        ended = {name: job(client, jid) for name, jid in ids.items()}
+        assert job(client, single)["state"] == "finished"
+        too_many = client.post("/v1/jobs", json={"name": "x", "iterations": 1, "devices": 3,
+                                                 "entrypoint": "dataparallel.py:make_ring"})
+        assert too_many.status_code == 422 and "2 device" in too_many.json()["detail"]
+    for name, info in ended.items():
+        assert info["state"] == "finished", (name, info["reason"])
+        assert info["iterations_done"] == ITERATIONS
+
+    torch.set_num_threads(1)
+    reference = dataparallel.run_directly(ITERATIONS).state_dict()
+    for name, jid in ids.items():
+        replicas = [_params(state, jid, r) for r in (0, 1)]
+        for key, want in reference.items():
+            assert torch.equal(replicas[0][key], replicas[1][key]), (name, key)
+            assert torch.allclose(replicas[0][key], want, rtol=0, atol=1e-6), (name, key)
+
+    # PTO: each replica holds the momentum of half the parameters' elements.
+    full = sum(p.numel() * p.element_size() for p in reference.values())
+    shard = ended["sharded"]["last_evaluation"]
+    assert abs(shard - full / 2) <= 64, (shard, full)
+    assert ended["ring"]["last_evaluation"] == full  # unsharded: all of it
