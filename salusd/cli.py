@@ -118,6 +118,8 @@ def _control_commands(sub: Any) -> None:
             cmd.add_argument("--iterations", type=int, required=True)
             cmd.add_argument("--name", help="the job's name (default: the function's)")
             cmd.add_argument("--priority", type=float, default=1.0)
+            cmd.add_argument("--devices", type=int, default=1,
+                             help="replicas, one per device: a data-parallel gang (default 1)")
         elif name == "policy":
             cmd.add_argument("name", nargs="?", choices=["fifo", "srtf", "fair", "pack"])
         elif name == "token":

@@ -130,7 +130,8 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
 def _submit(client: RestClient, args: argparse.Namespace, console: Console) -> int:
     job = client.call("POST", "/v1/jobs", {
         "name": args.name or args.entrypoint.rsplit(":", 1)[-1], "entrypoint": args.entrypoint,
-        "iterations": args.iterations, "priority": args.priority, "devices": 1})
+        "iterations": args.iterations, "priority": args.priority,
+        "devices": args.devices})
     console.print(f"job {job['id']} submitted: {job['name']} ({job['entrypoint']}, "
                   f"{job['iterations_total']} iterations) as {job['owner']}")
     return 0

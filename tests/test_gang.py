@@ -83,3 +83,21 @@ def test_gangs_train_like_one_process_on_whole_batches(tmp_path):
     shard = ended["sharded"]["last_evaluation"]
     assert abs(shard - full / 2) <= 64, (shard, full)
     assert ended["ring"]["last_evaluation"] == full  # unsharded: all of it
+
+
+@pytest.mark.slow
+def test_a_failing_replica_fails_its_gang_only_and_a_cancelled_gang_frees_its_lanes(tmp_path):
+    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp_path))):
+        client = connect(tmp_path / "state")
+        failing = _submit(client, "failing", "dataparallel.py:make_failing", 2, 10)
+        endless = _submit(client, "endless", "dataparallel.py:make_ring", 2, 10**9)
+        info = wait_for(lambda: (j := job(client, failing))["state"] == "failed" and j,
+                        "the failing gang to fail", timeout_s=120)
+        assert "replica 1" in info["reason"] and "broke on purpose" in info["reason"]
+        wait_for(lambda: job(client, endless)["iterations_done"] > 3, "the other gang runs on")
+        assert client.delete(f"/v1/jobs/{endless}").status_code == 200
+        wait_for(lambda: job(client, endless)["state"] == "cancelled", "cancelled")
+        after = _submit(client, "after", "dataparallel.py:make_tree", 2, 4)
+        wait_for(lambda: job(client, after)["state"] == "finished", "a gang on the freed lanes",
+                 timeout_s=120)
+        assert client.get("/healthz").status_code == 200

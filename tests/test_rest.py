@@ -79,7 +79,7 @@ def test_bad_submissions_get_clear_errors(tmp_path):
             ({"name": "x", "entrypoint": "missing.py:f", "iterations": 1}, 422, "no file"),
             ({"name": "x", "entrypoint": "shuffled.py:f", "iterations": 0}, 422, ""),
             ({"name": "x", "entrypoint": "shuffled.py:make_job", "iterations": 1,
-              "devices": 2}, 422, "more than one device"),
+              "devices": 3}, 422, "this node has 2 device(s)"),
             ({"name": "\x1b[2J", "entrypoint": "shuffled.py:make_job", "iterations": 1}, 422,
              "printable"),
         ]

@@ -433,6 +433,9 @@ class Engine:
             return
         sent = queue.popleft()
         if sent.gang is not None:
+            if sent.kind == "run" and not meta.get("ok") and record.live:
+                self._gang_broke(record, sent, meta)
+                return
             if not sent.gang.add(sent.replica, meta, frame):
                 return  # other replicas have yet to answer
             gang, meta, frame = sent.gang, sent.gang.merged(), sent.gang.frame
@@ -832,6 +835,18 @@ class Engine:
         self.sched.iteration_started(job_id)
         self._send_all(record, "run", [{"op": "step"}] * record.gang, lanes=lanes,
                        counted=True)
+
+    def _gang_broke(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
+        """A replica's iteration raised: its peers wait in a collective it will never join,
+        so the job fails now and every replica is killed (their deaths free the lanes)."""
+        if sent.lane is not None and self.busy.get(sent.lane) == record.job_id:
+            del self.busy[sent.lane]
+        message = str(meta.get("message", ""))[:2000]
+        self._end(record, "failed", f"iteration {int(meta.get('iteration', 0)) + 1} raised on "
+                  f"replica {sent.replica}: {message}", executor_gone=True)
+        for executor in record.replicas:
+            if id(executor) in self._by_executor:
+                self.executors.kill(executor)
 
     def _finished_call(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
         assert sent.lane is not None

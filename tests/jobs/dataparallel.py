@@ -108,3 +108,17 @@ def run_directly(iterations: int) -> nn.Module:
         opt.step()
         done += 1
     return model
+
+
+def make_failing():
+    """Replica 1 raises in its third iteration (replica 0 waits in the collective meanwhile)."""
+    job = _job(_ring)
+    calls = [0]
+
+    def iteration(s, batch):
+        calls[0] += 1
+        if s.comm.rank == 1 and calls[0] == 3:
+            raise RuntimeError("replica 1 broke on purpose")
+        return job["iteration"](s, batch)
+
+    return {**job, "iteration": iteration}
