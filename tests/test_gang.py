@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_gangs_train_like_one_process_on_whole_batches(tmp_path):
                                                  "entrypoint": "dataparallel.py:make_ring"})
         assert too_many.status_code == 422 and "2 device" in too_many.json()["detail"]
     for name, info in ended.items():
-        assert info["state"] == "finished", (name, info["reason"])
+        assert info["state"] == "finished" and info["devices"] == 2, (name, info["reason"])
         assert info["iterations_done"] == ITERATIONS
 
     torch.set_num_threads(1)
@@ -101,3 +102,31 @@ def test_a_failing_replica_fails_its_gang_only_and_a_cancelled_gang_frees_its_la
         wait_for(lambda: job(client, after)["state"] == "finished", "a gang on the freed lanes",
                  timeout_s=120)
         assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.slow
+def test_kill_9_then_restart_resumes_a_gang_from_its_replicas_checkpoints(tmp_path):
+    iterations, state = 30, tmp_path / "state"
+    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp_path)),
+                "--checkpoint-every", "4") as (proc, _):
+        client = connect(state)
+        jid = _submit(client, "ring", "dataparallel.py:make_ring", 2, iterations)
+        wait_for(lambda: (job(client, jid)["checkpoint"] or {}).get("iteration", 0) >= 8,
+                 "a checkpoint at iteration 8 or later")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp_path)),
+                "--checkpoint-every", "4"):
+        client = connect(state)
+        done = wait_for(lambda: (j := job(client, jid))["state"] in ("finished", "failed") and j,
+                        "the resumed gang to end", timeout_s=120)
+        assert done["state"] == "finished", done["reason"]
+        assert done["resumed_from"] >= 8 and done["iterations_done"] == iterations
+    torch.set_num_threads(1)
+    reference = dataparallel.run_directly(iterations).state_dict()
+    for replica in (0, 1):
+        loaded = checkpoint.load_latest(state / "checkpoints" / str(jid) / f"replica{replica}")
+        assert loaded is not None and loaded.iteration == iterations
+        got = loaded.payload["objects"]["model"].state_dict()
+        for key, want in reference.items():
+            assert torch.allclose(got[key], want, rtol=0, atol=1e-6), (replica, key)

@@ -35,6 +35,7 @@ class JobOut(BaseModel):
     iterations_total: int
     device: int | None
     lane: int | None
+    devices: int = 1  # replicas of a gang, one per device (device and lane: replica 0's)
     priority: float
     persistent_bytes: int
     ephemeral_bytes: int | None = Field(description="measured peak per call above the state, "

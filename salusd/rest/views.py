@@ -17,7 +17,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     """A live or recently ended job (on the engine's thread)."""
     info = job_info(engine, record)
     memory = info["memory"]
-    if record.awaiting_client or record.held and record.live:
+    if record.live and (record.awaiting_client or record.held):
         state = "suspended"
     else:
         state = str(info["state"])
@@ -32,7 +32,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         state=state, reason=record.reason,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
-        priority=record.priority, persistent_bytes=record.persistent_bytes,
+        devices=record.gang, priority=record.priority, persistent_bytes=record.persistent_bytes,
         ephemeral_bytes=ephemeral if ephemeral is not None else memory[
             "ephemeral_estimate_bytes"],
         lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
@@ -53,6 +53,7 @@ def row_out(row: JobRow) -> JobOut:
         kind="batch" if row.kind == "batch" else "interactive", state=row.state,
         reason=row.reason, iterations_done=row.iterations_done,
         iterations_total=row.iterations_total or 0, device=None, lane=None,
+        devices=int(row.spec.get("devices", 1)),
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
         entrypoint=row.spec.get("entrypoint"))
