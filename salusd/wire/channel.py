@@ -40,6 +40,7 @@ from salus.daemon.wire.frames import (
     error_from_reply,
     queue_descriptors,
     reply_result,
+    unpack_fixed,
 )
 
 __all__ = [
@@ -168,14 +169,7 @@ class Channel:
         """
         if not self._fill(HEADER_BYTES):
             raise ConnectionClosed("the peer closed the connection")
-        magic, version, flags, _, header_len, body_len = _FIXED.unpack_from(self._buf,
-                                                                            self._start)
-        if magic != MAGIC:
-            raise FrameError(f"not a salusd frame (magic {bytes(magic)!r}, expected {MAGIC!r})",
-                             recoverable=False)
-        if version != VERSION:
-            raise FrameError(f"frame version {version}, this side speaks {VERSION}: install "
-                             "matching salusd and adapter versions", recoverable=False)
+        flags, header_len, body_len = unpack_fixed(self._buf, self._start)
         self._start += HEADER_BYTES
         size = header_len + body_len
         fd = self._fds.popleft() if flags & FLAGS_WITH_FD and self._fds else None

@@ -73,6 +73,19 @@ class FrameTooLarge(FrameError):
     code = "too_large"
 
 
+def unpack_fixed(buf: bytes | bytearray, offset: int = 0) -> tuple[int, int, int]:
+    """(flags, header bytes, body bytes) of the fixed header at `buf[offset:]`; FrameError
+    (framing lost) when it is not a salusd frame of this version."""
+    magic, version, flags, _, header_len, body_len = FIXED.unpack_from(buf, offset)
+    if magic != MAGIC:
+        raise FrameError(f"not a salusd frame (magic {bytes(magic)!r}, expected {MAGIC!r})",
+                         recoverable=False)
+    if version != VERSION:
+        raise FrameError(f"frame version {version}, this side speaks {VERSION}: install "
+                         "matching salusd and adapter versions", recoverable=False)
+    return flags, header_len, body_len
+
+
 _ERRORS: dict[str, type[SalusError]] = {
     **ERRORS_BY_CODE, FrameError.code: FrameError, FrameTooLarge.code: FrameTooLarge,
 }
@@ -215,13 +228,7 @@ class FrameReader:
     def _frames(self) -> list[RawFrame]:
         out = []
         while len(self._buf) >= HEADER_BYTES:
-            magic, version, flags, _, header_len, body_len = FIXED.unpack_from(self._buf, 0)
-            if magic != MAGIC:
-                raise FrameError(f"not a salusd frame (magic {bytes(magic)!r})",
-                                 recoverable=False)
-            if version != VERSION:
-                raise FrameError(f"frame version {version}, this side speaks {VERSION}: install "
-                                 "matching salusd and adapter versions", recoverable=False)
+            flags, header_len, body_len = unpack_fixed(self._buf)
             if flags & ~KNOWN_FLAGS or header_len % ALIGN:
                 raise FrameError(f"malformed frame (flags {flags:#x}, header {header_len} "
                                  "bytes)", recoverable=False)
