@@ -43,6 +43,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from salus.daemon.state.durable import fsync_dir
+
 log = logging.getLogger("salusd.checkpoint")
 
 FORMAT_VERSION = 1
@@ -203,7 +205,7 @@ def save(root: Path, iteration: int, payload: dict[str, Any], *, extra: dict[str
     with open(tmp / MANIFEST_FILE, "w") as f:
         json.dump(manifest, f, indent=1)
         _fsync_file(f)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
     if _before_rename is not None:
         _before_rename()
@@ -211,7 +213,7 @@ def save(root: Path, iteration: int, payload: dict[str, Any], *, extra: dict[str
     if final.exists():  # saved again at this iteration: the new one wins
         os.rename(final, root / f"tmp-replaced-{iteration}-{os.getpid()}")
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _prune(root, keep)
     size = sum(p.stat().st_size for p in final.iterdir())
     return SavedCheckpoint(final, iteration, size, time.perf_counter() - start)
@@ -286,14 +288,6 @@ def _prune(root: Path, keep: int) -> None:
 def _fsync_file(f: IO[Any]) -> None:
     f.flush()
     os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["FORMAT_VERSION", "LoadedCheckpoint", "SavedCheckpoint", "latest_iteration",

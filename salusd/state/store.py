@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from salus.daemon.state.durable import fsync_dir
+
 DB_NAME = "salusd.db"
 ADMIN_TOKEN_NAME = "admin.token"
 TOKEN_PREFIX = "salus_"
@@ -379,7 +381,7 @@ def ensure_admin_token(state_dir: Path) -> str:
         return _read_admin_token(path)
     finally:
         tmp.unlink()
-        _fsync_dir(state_dir)
+        fsync_dir(state_dir)
     return token
 
 
@@ -402,14 +404,6 @@ def _read_admin_token(path: Path) -> str:
     if not token or "\n" in token:
         raise ValueError(f"{path} does not hold one token; remove it to make a new one")
     return token
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["ENDED_STATES", "JOB_KINDS", "JOB_STATES", "SCHEMA_VERSION", "JobRow", "Store",
