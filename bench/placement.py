@@ -23,12 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from jsonout import stdout_to_stderr  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from torch import nn  # noqa: E402
@@ -190,20 +188,6 @@ def run_cell(blocks: list[LayerProfile], num_devices: int, num_layers: int,
         bound = opt.max_stage_time_s * (1 - opt.mip_gap)
         cell["sky_gap_to_optimal_at_most"] = sky.max_stage_time_s / bound - 1
     return cell
-
-
-@contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """Keep stdout for the one JSON object, whatever a native library writes there."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def fmt(x: float | None, spec: str) -> str:

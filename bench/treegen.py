@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import combinations
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from jsonout import stdout_to_stderr  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -43,20 +41,6 @@ PRESETS = {"dgx1p": Topology.dgx1p, "dgx1v": Topology.dgx1v}
 SIZES = range(3, 9)
 QUICK_PER_SIZE = 6
 err = Console(stderr=True, width=120)
-
-
-@contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """HiGHS writes solver chatter to the C-level stdout; keep stdout for the JSON object."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def subsets(quick: bool, seed: int) -> list[tuple[int, ...]]:
