@@ -36,3 +36,12 @@ def salusd(tmp: Path, *args: str, devices: int = 2, memory: str = "512M"
             proc.kill()
             proc.wait()
         log.close()
+
+
+def rss(pid: int) -> int:
+    """Resident set size of process `pid`, in bytes (from /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"/proc/{pid}/status has no VmRSS")

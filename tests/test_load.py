@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from daemon_proc import salusd
+from daemon_proc import rss, salusd
 from rest_client import connect, wait_for
 from torch import nn
 
@@ -19,14 +19,6 @@ import salus.adapters.torch as salus
 
 CLIENTS = 200
 ITERATIONS = 3
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def _client(address: str, index: int) -> int:
@@ -53,7 +45,7 @@ def test_200_clients_and_rest_polling(tmp_path):
         with ThreadPoolExecutor(16) as pool:  # warm-up: allocator and pools at steady state
             assert sum(pool.map(lambda i: _client(address, i), range(1000, 1064))) == 192
         time.sleep(1.0)
-        baseline = _rss(proc.pid)
+        baseline = rss(proc.pid)
         stop = threading.Event()
         polls = []
 
@@ -82,6 +74,6 @@ def test_200_clients_and_rest_polling(tmp_path):
         done = {j["iterations_done"] for j in jobs}
         assert done == {ITERATIONS}, sorted(done)
         time.sleep(1.0)
-        after = _rss(proc.pid)
+        after = rss(proc.pid)
         assert proc.poll() is None
         assert after <= baseline * 1.10, (baseline, after)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import salusd
+from daemon_proc import rss, salusd
 from torch import nn
 
 import salus.adapters.torch as salus
@@ -23,14 +23,6 @@ from salus.daemon.wire.errors import BadRequest, Busy, JobCancelled
 from salus.daemon.wire.frames import FIXED, MAGIC, VERSION, FrameReader, json_frame
 
 pytestmark = pytest.mark.slow
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def _raw(path: str, message: object) -> dict[str, object]:
@@ -59,7 +51,7 @@ def _train(address: str, steps: int = 5) -> float:
 def test_slow_frames_pin_nothing_and_are_dropped_at_the_deadline(tmp_path: Path) -> None:
     with salusd(tmp_path, "--frame-timeout", "2") as (proc, address):
         path = address.removeprefix("unix://")
-        before = _rss(proc.pid)
+        before = rss(proc.pid)
         slow = []
         for _ in range(32):  # each announces a 64 MiB frame and sends 1 KiB of it
             s = socket.socket(socket.AF_UNIX)
@@ -67,7 +59,7 @@ def test_slow_frames_pin_nothing_and_are_dropped_at_the_deadline(tmp_path: Path)
             s.sendall(FIXED.pack(MAGIC, VERSION, 0, 0, 64, 64 * 2**20 - 64) + bytes(1024))
             slow.append(s)
         assert _train(address) < 10  # others are served meanwhile
-        grown = _rss(proc.pid) - before
+        grown = rss(proc.pid) - before
         assert grown < 32 * 2**20, f"slow frames pinned {grown} bytes"
         time.sleep(4)
         for s in slow:  # dropped by the deadline: the daemon closed them
