@@ -199,7 +199,6 @@ class Engine:
         record.threads = self.threads
         record.cwd = cwd
         record.kind, record.spec, record.priority = kind, dict(spec or {}), priority
-        record.gang = int(record.spec.get("devices", 1))
         record.device_kind = "cuda" if self.torch_devices[0].startswith("cuda") else "cpu"
         if self.checkpoints is not None:
             record.checkpoint_dir = os.path.join(self.checkpoints.root, str(record.job_id))
@@ -245,12 +244,7 @@ class Engine:
             self._load(record, restore=True)
 
     def _load(self, record: JobRecord, restore: bool) -> None:
-        record.replicas = [self.executors.acquire(record, record.cwd)
-                           for _ in range(record.gang)]
-        record.executor = record.replicas[0]
-        for executor in record.replicas:
-            self._sent[id(executor)] = deque()
-            self._by_executor[id(executor)] = record
+        self._acquire(record, record.gang)
         if record.kind == "batch":
             meta = {"op": "load", "path": record.spec["path"],
                     "function": record.spec["function"], "restore": restore}
@@ -282,9 +276,7 @@ class Engine:
         if record.phase != "open" or record.executor is not None:
             raise BadRequest(f"job {record.job_id} already holds its state; open another job "
                              "with salus.connect() for other objects")
-        record.executor = self.executors.acquire(record, record.cwd)
-        self._sent[id(record.executor)] = deque()
-        self._by_executor[id(record.executor)] = record
+        self._acquire(record, 1)
         self._send(record, _Sent("attach", answer), {"op": "attach"}, frame)
 
     def define(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
@@ -456,7 +448,7 @@ class Engine:
             self._by_executor.pop(id(executor), None)
             self._sent.pop(id(executor), None)
             self.executors.retire(executor)
-            record.executor = None
+            record.replicas = []
         elif sent.kind == "estimate":
             self._estimated(record, meta)
         elif sent.kind == "load":
@@ -508,19 +500,35 @@ class Engine:
                 record.checkpointing -= 1
             if sent.on_done is not None:
                 sent.on_done({"ok": False, "message": str(error)})
-        for sibling in record.replicas:  # a gang without one replica cannot go on
-            if id(sibling) in self._by_executor:
-                self.executors.kill(sibling)
+        self._kill_all(record)  # a gang without one replica cannot go on
         self._event("executor_died", record.job_id, reason=reason)
         self._switch_if_quiet()
         self._pump_all()
         self._refresh_leases()
 
     # ---- internals --------------------------------------------------------------------------
+    def _acquire(self, record: JobRecord, count: int) -> None:
+        """`count` executors for the job (its replicas), known to the engine from now on."""
+        record.replicas = [self.executors.acquire(record, record.cwd) for _ in range(count)]
+        for executor in record.replicas:
+            self._sent[id(executor)] = deque()
+            self._by_executor[id(executor)] = record
+
+    def _kill_all(self, record: JobRecord) -> None:
+        """Kill every executor of the job that is still running."""
+        for executor in record.replicas:
+            if id(executor) in self._by_executor:
+                self.executors.kill(executor)
+
     def _send(self, record: JobRecord, sent: _Sent, meta: dict[str, Any],
               frame: RawFrame | None) -> None:
-        self._sent[id(record.executor)].append(sent)
-        self.executors.send(record.executor, meta, frame)
+        self._send_to(record.executor, sent, meta, frame)
+
+    def _send_to(self, executor: object, sent: _Sent, meta: dict[str, Any],
+                 frame: RawFrame | None = None) -> None:
+        """Send one message to `executor`; its reply is matched with `sent`."""
+        self._sent[id(executor)].append(sent)
+        self.executors.send(executor, meta, frame)
 
     def _send_all(self, record: JobRecord, kind: str, metas: list[dict[str, Any]], *,
                   lanes: list[LaneKey] | None = None, counted: bool = False,
@@ -537,8 +545,7 @@ class Engine:
                          on_done if replica == 0 else None, gang, replica)
             if replica == 0:
                 gang.head = sent
-            self._sent[id(executor)].append(sent)
-            self.executors.send(executor, meta, None)
+            self._send_to(executor, sent, meta)
 
     # ---- direct calls and leases -------------------------------------------------------------
     def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
@@ -844,9 +851,7 @@ class Engine:
         message = str(meta.get("message", ""))[:2000]
         self._end(record, "failed", f"iteration {int(meta.get('iteration', 0)) + 1} raised on "
                   f"replica {sent.replica}: {message}", executor_gone=True)
-        for executor in record.replicas:
-            if id(executor) in self._by_executor:
-                self.executors.kill(executor)
+        self._kill_all(record)
 
     def _finished_call(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
         assert sent.lane is not None
@@ -962,12 +967,10 @@ class Engine:
             replica = 0
             if record.gang > 1:
                 replica = self._gang_lanes(p.job_id).index((p.device, p.lane_id))
-            executor = record.replicas[replica] if record.replicas else record.executor
-            self._sent[id(executor)].append(_Sent("place"))
-            self.executors.send(executor, {
+            self._send_to(record.replicas[replica], _Sent("place"), {
                 "op": "place", "device": self.torch_devices[p.device],
                 "budget_bytes": self.sched.jobs[p.job_id].persistent_bytes + p.lane_bytes,
-            }, None)
+            })
         for p in made:
             self._pump((p.device, p.lane_id))
         self._refresh_leases()
@@ -991,9 +994,8 @@ class Engine:
             return
         record.swap_requested = False
         record.swapped = True
-        for executor in record.replicas or [record.executor]:
-            self._sent[id(executor)].append(_Sent("swap_out"))
-            self.executors.send(executor, {"op": "swap_out"}, None)
+        for executor in record.replicas:
+            self._send_to(executor, _Sent("swap_out"), {"op": "swap_out"})
         self._event("swap_out", record.job_id)
         self._apply(self.sched.swap_out(record.job_id))
 
@@ -1031,18 +1033,16 @@ class Engine:
         self._refresh_leases()
 
     def _kill_if_running(self, record: JobRecord) -> None:
-        if record.job_id not in self.busy.values():
-            return
-        for executor in record.replicas or [record.executor]:
-            if id(executor) in self._by_executor:
-                log.warning("job %d did not return within %.1f s of its end: killing its "
-                            "executor", record.job_id, self.cancel_grace_s)
-                self.executors.kill(executor)
+        if record.job_id in self.busy.values() and any(
+                id(executor) in self._by_executor for executor in record.replicas):
+            log.warning("job %d did not return within %.1f s of its end: killing its "
+                        "executor(s)", record.job_id, self.cancel_grace_s)
+            self._kill_all(record)
 
     def _finalize(self, record: JobRecord) -> None:
         code = "job_failed" if record.end_state == "failed" else "job_cancelled"
-        for executor in record.replicas or [record.executor]:
-            if executor is not None and id(executor) in self._by_executor:
+        for executor in record.replicas:
+            if id(executor) in self._by_executor:
                 self.executors.retire(executor, code, f"job {record.job_id} has "
                                       f"{record.end_state}: {record.reason}")
 

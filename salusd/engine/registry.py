@@ -63,9 +63,7 @@ class JobRecord:
     name: str
     planned_iterations: int
     opened_s: float
-    executor: Any = None  # a gang's replica 0
-    replicas: list[Any] = field(default_factory=list)  # a gang's executors, by replica rank
-    gang: int = 1  # devices (replicas) the job runs on
+    replicas: list[Any] = field(default_factory=list)  # its executors, by replica rank
     cwd: str | None = None
     phase: Phase = "open"
     calls: deque[Call] = field(default_factory=deque)
@@ -105,6 +103,21 @@ class JobRecord:
     @property
     def live(self) -> bool:
         return self.phase != "ended"
+
+    @property
+    def gang(self) -> int:
+        """Devices (replicas) the job runs on."""
+        return spec_devices(self.spec)
+
+    @property
+    def executor(self) -> Any:
+        """The job's executor (a gang's replica 0), or None before it has one."""
+        return self.replicas[0] if self.replicas else None
+
+
+def spec_devices(spec: dict[str, Any]) -> int:
+    """Devices a job was submitted for: a spec without `devices` is a one-device job."""
+    return int(spec.get("devices", 1))
 
 
 def check_name(name: object) -> str:

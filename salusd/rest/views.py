@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.registry import JobRecord, spec_devices
 from salus.daemon.engine.report import job_info
 from salus.daemon.rest.models import Checkpoint, JobOut
 from salus.daemon.state.store import JobRow
@@ -53,7 +53,7 @@ def row_out(row: JobRow) -> JobOut:
         kind="batch" if row.kind == "batch" else "interactive", state=row.state,
         reason=row.reason, iterations_done=row.iterations_done,
         iterations_total=row.iterations_total or 0, device=None, lane=None,
-        devices=int(row.spec.get("devices", 1)),
+        devices=spec_devices(row.spec),
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
         entrypoint=row.spec.get("entrypoint"))
