@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--job-root", metavar="DIR", type=Path, default=None,
                        help="where REST batch jobs' entrypoint files live (default "
                        "<state-dir>/job-root)")
+    serve.add_argument("--cluster", metavar="HOST:PORT", default=None,
+                       help="join a cluster of daemons whose rendezvous store is HOST:PORT "
+                       "(node 0 hosts it), or `env` for torchrun's MASTER_ADDR, MASTER_PORT, "
+                       "NNODES and NODE_RANK; multi-node gangs need it")
+    serve.add_argument("--nodes", metavar="K", type=int, default=None,
+                       help="nodes in the cluster (with --cluster)")
+    serve.add_argument("--node-rank", metavar="R", type=int, default=None,
+                       help="this node's rank in the cluster, 0 to K-1 (with --cluster)")
     serve.add_argument("--checkpoint-every", metavar="N", default="10m",
                        help="checkpoint each job every N iterations, or every DURATION of the "
                        "job's own run time with a unit: 90s, 10m (default 10m)")
@@ -120,6 +128,12 @@ def _control_commands(sub: Any) -> None:
             cmd.add_argument("--priority", type=float, default=1.0)
             cmd.add_argument("--devices", type=int, default=1,
                              help="replicas, one per device: a data-parallel gang (default 1)")
+            cmd.add_argument("--nodes", type=int, default=1,
+                             help="nodes of the cluster the gang spans, --devices on each; "
+                             "submit it to every node's salusd alike (default 1)")
+            cmd.add_argument("--rendezvous", metavar="ID", default=None,
+                             help="a multi-node gang's id, the same on every node and new for "
+                             "each submission (default: the job's name)")
         elif name == "policy":
             cmd.add_argument("name", nargs="?", choices=["fifo", "srtf", "fair", "pack"])
         elif name == "token":
@@ -176,6 +190,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     log = logging.getLogger("salusd")
 
+    from salus.daemon.cluster import parse_cluster
     from salus.daemon.daemon import Daemon, DaemonConfig
     from salus.daemon.devices import cpu_threads_default, discover, format_size, parse_size
     from salus.daemon.rest.server import parse_listen
@@ -186,6 +201,7 @@ def serve(args: argparse.Namespace) -> int:
         devices = discover(args.cpu_devices, memory)
         http = parse_listen(args.http)
         every, every_s = parse_every(args.checkpoint_every)
+        cluster = parse_cluster(args.cluster, args.nodes, args.node_rank)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -197,13 +213,15 @@ def serve(args: argparse.Namespace) -> int:
                           frame_timeout_s=args.frame_timeout, cancel_grace_s=args.cancel_grace,
                           standby_executors=args.standby_executors, state_dir=state_dir,
                           http=http, job_root=args.job_root, checkpoint_every=every,
-                          checkpoint_every_s=every_s)
+                          checkpoint_every_s=every_s, cluster=cluster)
     try:
         daemon = Daemon(config)
         daemon.start()
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         return 1
+    if cluster is not None:
+        log.info("cluster: %s", cluster.describe())
     for d in devices:
         log.info("device %d: %s (%s), budget %s", d.index, d.name, d.kind,
                  format_size(d.memory_bytes))

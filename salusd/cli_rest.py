@@ -131,7 +131,8 @@ def _submit(client: RestClient, args: argparse.Namespace, console: Console) -> i
     job = client.call("POST", "/v1/jobs", {
         "name": args.name or args.entrypoint.rsplit(":", 1)[-1], "entrypoint": args.entrypoint,
         "iterations": args.iterations, "priority": args.priority,
-        "devices": args.devices})
+        "devices": args.devices, "nodes": args.nodes,
+        **({"rendezvous": args.rendezvous} if args.rendezvous else {})})
     console.print(f"job {job['id']} submitted: {job['name']} ({job['entrypoint']}, "
                   f"{job['iterations_total']} iterations) as {job['owner']}")
     return 0

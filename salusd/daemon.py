@@ -10,11 +10,13 @@ import logging
 import os
 import pwd
 import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from salus.daemon.cluster import ClusterSpec, start_store, stop_store
 from salus.daemon.devices import DeviceSpec
 from salus.daemon.engine.engine import CheckpointPolicy, Engine
 from salus.daemon.engine.persist import Persistence
@@ -54,6 +56,7 @@ class DaemonConfig:
     job_root: Path | None = None  # where REST batch entrypoints live (default state/job-root)
     checkpoint_every: int | None = None  # iterations; None: every checkpoint_every_s
     checkpoint_every_s: float = 600.0
+    cluster: ClusterSpec | None = None  # several daemons joined for multi-node gangs
 
 
 class Daemon:
@@ -76,7 +79,7 @@ class Daemon:
             clock=time.monotonic, timers=self.loop,
             torch_devices=[d.torch_device for d in config.devices], threads=config.threads,
             retention_s=config.retention_s, cancel_grace_s=config.cancel_grace_s,
-            store=self.store, checkpoints=checkpoints)
+            store=self.store, checkpoints=checkpoints, cluster=config.cluster)
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:
@@ -90,6 +93,7 @@ class Daemon:
                                    group=config.group, max_connections=config.max_connections,
                                    frame_timeout_s=config.frame_timeout_s)
         self._stop = False
+        self.cluster_store: subprocess.Popen[bytes] | None = None
 
     def _make_rest(self, address: tuple[str, int]) -> RestServer:
         assert self.store is not None and self.config.state_dir is not None, (
@@ -107,6 +111,9 @@ class Daemon:
     def start(self) -> None:
         """Start the executor zygote (it imports torch once), bring back the jobs that were
         live when salusd last stopped, then listen."""
+        cluster = self.config.cluster
+        if cluster is not None and cluster.node_rank == 0:
+            self.cluster_store = start_store(cluster)
         self.supervisor.start()
         self.supervisor.wait_ready()
         if self.store is not None:
@@ -147,6 +154,8 @@ class Daemon:
         while any(link.out for link in self.loop.links) and time.monotonic() < flush_deadline:
             self.loop.run_once(0.05)
         self.supervisor.stop()
+        if self.cluster_store is not None:
+            stop_store(self.cluster_store)
         if self.rest is not None:
             self.rest.stop()
         self.loop.shutdown()

@@ -25,8 +25,9 @@ class Job:
     Sizes are bytes, times are seconds. `est_iter_s` is the declared estimate of one iteration;
     `iter_s` the measured mean once the job has run (None before). `util` is the share of a
     device the job keeps busy when it runs alone (0-1]; `gang` the number of devices it needs at
-    once (trace jobs asking for several GPUs). `start_s` is when admission placed it,
-    `first_run_s` when its first iteration began, `finish_s` when it ended.
+    once (trace jobs asking for several GPUs); `exclusive` that it needs lanes of its own (a gang
+    spanning nodes, whose iterations wait for peers another node schedules). `start_s` is when
+    admission placed it, `first_run_s` when its first iteration began, `finish_s` when it ended.
     """
 
     job_id: int
@@ -42,6 +43,7 @@ class Job:
     util: float = 1.0
     priority: float = 1.0
     gang: int = 1
+    exclusive: bool = False
     state: JobState = JobState.PENDING
     attained_s: float = 0.0
     start_s: float | None = None

@@ -15,7 +15,11 @@ An empty lane is freed and the pending list is re-run in submit order; a pending
 not fit never blocks a later one that does. With several devices a job tries devices in order of
 fewest admitted jobs, then lower device id (spreads load); a new lane on any device is preferred
 to sharing a lane. A gang job (``gang = g``) is admitted only when g distinct devices take it at
-once, each holding its full persistent and ephemeral size.
+once, each holding its full persistent and ephemeral size. In pack mode an ``exclusive`` job
+only ever gets new lanes, and no job joins a lane it holds: its iterations never wait behind
+another job's in a lane (needed by a gang whose iterations wait for peers on other nodes, which
+would otherwise deadlock with a job queued behind it there). Single mode has one lane per
+device and cannot honour it: a caller refuses such jobs there.
 
 After every public call no pending job fits (`fits_now` is False for all of them). Only memory
 that was freed can change that, so a re-run after a release visits only the pending jobs whose
@@ -45,6 +49,7 @@ class Lane:
     device: int
     size: int
     residents: list[int] = field(default_factory=list)
+    exclusive: bool = False  # pack mode: held by one exclusive job, which no other joins
 
 
 @dataclass(frozen=True)
@@ -289,12 +294,14 @@ class LaneManager:
                 best = dev
         if best is not None:
             return best, None
+        if job.exclusive:
+            return None
         lanes = [
             lane
             for dev in self._devices
             if dev.unreserved >= p
             for lane in dev.lanes.values()
-            if lane.size >= e
+            if lane.size >= e and not lane.exclusive
         ]
         if not lanes:
             return None
@@ -310,14 +317,18 @@ class LaneManager:
             return lane if dev.unreserved + size >= p + max(size, e) else False
         if dev.unreserved >= p + e:
             return None
-        fits = [lane for lane in dev.lanes.values() if lane.size >= e and dev.unreserved >= p]
+        if job.exclusive:
+            return False
+        fits = [lane for lane in dev.lanes.values()
+                if lane.size >= e and dev.unreserved >= p and not lane.exclusive]
         if not fits:
             return False
         return min(fits, key=lambda lane: (lane.size, len(lane.residents), lane.lane_id))
 
     def _occupy(self, dev: _Device, lane: Lane | None, job: Job) -> Placement:
         if lane is None:
-            lane = Lane(self._next_lane, dev.index, job.ephemeral_bytes)
+            lane = Lane(self._next_lane, dev.index, job.ephemeral_bytes,
+                        exclusive=job.exclusive and self.mode == "pack")
             self._next_lane += 1
             dev.lanes[lane.lane_id] = lane
             dev.lane_bytes += lane.size
@@ -368,6 +379,13 @@ class LaneManager:
                     placed.setdefault(jid, []).append(
                         Placement(jid, dev.index, lane.lane_id, lane.size)
                     )
+            for lane in dev.lanes.values():
+                assert not lane.exclusive or (
+                    len(lane.residents) == 1 and self._jobs[lane.residents[0]].exclusive), (
+                    f"exclusive lane {lane.lane_id} shared: {lane.residents}")
+                if self.mode == "pack":
+                    assert all(lane.exclusive or not self._jobs[j].exclusive
+                               for j in lane.residents), f"an exclusive job shares {lane.lane_id}"
             if self.mode == "single":
                 assert len(dev.lanes) <= 1, f"device {dev.index} has {len(dev.lanes)} lanes"
                 for lane in dev.lanes.values():

@@ -8,6 +8,11 @@ at all, each on its own lane and never beside another job's call in that lane; n
 in a lane held for a gang that waits for its other lanes; a replica is
 placed on the device of its rank's lane; the ledgers match the scheduler. At the end every job
 has run exactly its iterations, none waits for ever (no two gangs hold each other's lanes).
+
+Some jobs span two nodes (this engine is node 0 of a cluster): under the pack policy each of
+their lanes is theirs alone, so their iterations never wait behind another job's (on a real
+cluster the other node's replicas wait for them in a collective); the other policies refuse
+them, and refuse to switch to while one is live.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.wire.errors import BadRequest
 from salus.scheduler import POLICIES
 
 DEVICES = 3
@@ -77,7 +85,7 @@ class NoTimers:
 def _reply(ex: FakeExecutor, meta: dict[str, Any]) -> dict[str, Any]:
     op = meta["op"]
     if op == "load":
-        return {"ok": True, "persistent_bytes": 4096, "iteration": 0}
+        return {"ok": True, "persistent_bytes": 1 << 19, "iteration": 0}
     if op == "estimate":  # one-replica jobs only: gangs are measured on their first step
         assert ex.record.gang == 1
         return {"ok": True, "bytes": 1 << 20, "method": "fake-tensor"}
@@ -102,27 +110,43 @@ def _check_gang_calls(engine: Engine, port: FakePort) -> None:
         assert all(engine.busy.get(k) == job_id for k in lanes)
         for rank, (device, _) in enumerate(lanes):
             assert record.replicas[rank].device == f"cpu:{device}", "replica on another device"
+    for record in engine.registry.live.values():
+        if record.spec.get("nodes", 1) > 1:
+            for key in engine._gang_lanes(record.job_id):
+                assert engine.busy.get(key, record.job_id) == record.job_id
+                assert engine.reserved.get(key, record.job_id) == record.job_id
+                lane = engine.sched.lanes.lane(*key)
+                assert lane is not None and lane.residents == [record.job_id]
     engine.check_invariants()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy=st.sampled_from(sorted(POLICIES)),
-    jobs=st.lists(st.tuples(st.integers(1, DEVICES), st.integers(1, 6)), min_size=1,
-                  max_size=7),
+    jobs=st.lists(st.tuples(st.integers(1, DEVICES), st.integers(1, 6),
+                            st.sampled_from([False, False, True])), min_size=1, max_size=7),
     seed=st.integers(0, 2**32 - 1),
+    capacity=st.sampled_from([CAPACITY, 9 << 19]),  # 4.5 MiB of 512 KiB states: lanes shared
 )
 def test_gang_iterations_are_all_or_nothing_and_every_job_finishes(
-        policy: str, jobs: list[tuple[int, int]], seed: int) -> None:
+        policy: str, jobs: list[tuple[int, int, bool]], seed: int, capacity: int) -> None:
     rng = random.Random(seed)
     port = FakePort()
     now = [0.0]
-    engine = Engine([CAPACITY] * DEVICES, policy, port, clock=lambda: now[0], timers=NoTimers(),
-                    torch_devices=[f"cpu:{d}" for d in range(DEVICES)])
+    engine = Engine([capacity] * DEVICES, policy, port, clock=lambda: now[0], timers=NoTimers(),
+                    torch_devices=[f"cpu:{d}" for d in range(DEVICES)],
+                    cluster=ClusterSpec("127.0.0.1", 29500, nodes=2, node_rank=0))
     port.engine = engine
+    if POLICIES[policy].lane_mode != "pack":
+        with pytest.raises(BadRequest, match="pack"):
+            engine.submit_batch(OWNER, "spanning", 1, "/jobs/s.py", "make", nodes=2)
+        jobs = [(gang, iterations, False) for gang, iterations, _ in jobs]
     records = [engine.submit_batch(OWNER, f"job{i}", iterations, f"/jobs/j{i}.py", "make",
-                                   devices=gang)
-               for i, (gang, iterations) in enumerate(jobs)]
+                                   devices=gang, nodes=2 if spanning else 1)
+               for i, (gang, iterations, spanning) in enumerate(jobs)]
+    if any(spanning for *_, spanning in jobs):
+        with pytest.raises(BadRequest, match="lanes of their own"):
+            engine.set_policy("fair")
     _check_gang_calls(engine, port)
     for _ in range(10_000):
         waiting = [ex for ex in port.executors if ex.inbox]
@@ -133,8 +157,29 @@ def test_gang_iterations_are_all_or_nothing_and_every_job_finishes(
         now[0] += 0.01
         engine.on_executor_reply(ex, _reply(ex, meta), None)
         _check_gang_calls(engine, port)
-    for record, (_, iterations) in zip(records, jobs, strict=True):
+    for record, (_, iterations, _) in zip(records, jobs, strict=True):
         assert record.end_state == "finished", (record.job_id, record.phase, record.reason)
         assert engine.sched.jobs[record.job_id].done_iterations == iterations
         assert all(ex.iterations == iterations for ex in record.replicas)
     assert not engine.busy and not engine.reserved
+
+
+def test_no_job_joins_the_lanes_of_a_gang_spanning_nodes() -> None:
+    """4.5 MiB devices and 512 KiB states: the fifth gang would share the oldest lane (the
+    spanning gang's) if it could; it takes the next one instead."""
+    port = FakePort()
+    engine = Engine([9 << 19] * DEVICES, "pack", port, clock=lambda: 0.0, timers=NoTimers(),
+                    torch_devices=[f"cpu:{d}" for d in range(DEVICES)],
+                    cluster=ClusterSpec("127.0.0.1", 29500, nodes=2, node_rank=0))
+    port.engine = engine
+    spanning = engine.submit_batch(OWNER, "spanning", 10, "/jobs/s.py", "make", devices=3,
+                                   nodes=2)
+    others = [engine.submit_batch(OWNER, f"g{i}", 10, "/jobs/g.py", "make", devices=3)
+              for i in range(4)]
+    for ex in list(port.executors):  # loads answered in submit order
+        engine.on_executor_reply(ex, _reply(ex, ex.inbox.pop(0)), None)
+    lanes = engine._gang_lanes(spanning.job_id)
+    assert [engine.sched.lanes.lane(*k).residents for k in lanes] == [[spanning.job_id]] * 3
+    shared = engine._gang_lanes(others[-1].job_id)
+    assert all(len(engine.sched.lanes.lane(*k).residents) == 2 for k in shared)
+    engine.check_invariants()

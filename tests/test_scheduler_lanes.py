@@ -28,8 +28,10 @@ class FullPassLaneManager(LaneManager):
         return made
 
 
-def _job(jid: int, submit: float, p: int, e: int, gang: int = 1) -> Job:
-    return Job(jid, submit, total_iterations=1, persistent_bytes=p, ephemeral_bytes=e, gang=gang)
+def _job(jid: int, submit: float, p: int, e: int, gang: int = 1, exclusive: bool = False
+         ) -> Job:
+    return Job(jid, submit, total_iterations=1, persistent_bytes=p, ephemeral_bytes=e, gang=gang,
+               exclusive=exclusive)
 
 
 def _snapshot(lm: LaneManager, ids: Iterable[int]) -> tuple[object, ...]:
@@ -61,15 +63,17 @@ class AdmissionMachine(RuleBasedStateMachine):
         e=st.integers(0, 400),
         gang=st.integers(1, 3),
         earlier=st.booleans(),
+        exclusive=st.sampled_from([False, False, True]),
     )
-    def submit(self, p: int, e: int, gang: int, earlier: bool) -> None:
+    def submit(self, p: int, e: int, gang: int, earlier: bool, exclusive: bool) -> None:
         gang = min(gang, self.fast.num_devices)
         # Mostly increasing submit times, sometimes an earlier one (a clock that went back).
         self.clock += 1.0
         submit = self.clock - 5.5 if earlier else self.clock
         jid = self.next_id
         self.next_id += 1
-        a, b = _job(jid, submit, p, e, gang), _job(jid, submit, p, e, gang)
+        a, b = (_job(jid, submit, p, e, gang, exclusive),
+                _job(jid, submit, p, e, gang, exclusive))
         if not self.fast.can_ever_fit(a):
             with pytest.raises(ValueError, match="needs"):
                 self.fast.submit(a)
@@ -208,3 +212,19 @@ def test_swap_out_frees_memory_and_resume_readmits_in_order() -> None:
     sched.swap_out(1)
     assert sched.cancel(1) == [] and a.state == JobState.CANCELLED
     sched.lanes.check_invariants()
+
+
+def test_an_exclusive_job_gets_lanes_of_its_own_and_nobody_joins_them() -> None:
+    lm = LaneManager([100, 100], "pack")
+    lm.submit(_job(0, 0.0, 10, 40))
+    lm.submit(_job(1, 1.0, 10, 40))  # a new lane on device 1
+    spanning = _job(2, 2.0, 10, 30, gang=2, exclusive=True)
+    [a, b] = lm.submit(spanning)
+    assert {a.device, b.device} == {0, 1}
+    assert all(lm.lane(p.device, p.lane_id).residents == [2] for p in (a, b))
+    # 10 B left per device: a small job would join a lane, but not the exclusive ones.
+    assert lm.submit(_job(3, 3.0, 0, 30)) and lm.placements(3)[0].lane_id not in (
+        a.lane_id, b.lane_id)
+    # With no room for lanes of its own, an exclusive job waits rather than share.
+    assert lm.submit(_job(4, 4.0, 0, 15, exclusive=True)) == []
+    lm.check_invariants()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.events import Event, EventStream
 from salus.daemon.engine.gang import GangReply
 from salus.daemon.engine.ledger import DeviceLedger, aligned
@@ -35,7 +36,7 @@ from salus.daemon.engine.registry import (
     check_iterations,
     check_name,
 )
-from salus.daemon.wire.address import free_port
+from salus.daemon.engine.rendezvous import check_nodes, gang_places, spec_nodes
 from salus.daemon.wire.errors import (
     BadRequest,
     Busy,
@@ -152,8 +153,10 @@ class Engine:
         max_queued_calls: int = 64,
         store: JobStore | None = None,
         checkpoints: CheckpointPolicy | None = None,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         self.clock = clock
+        self.cluster = cluster
         self.timers = timers
         self.executors = executors
         self.torch_devices = list(torch_devices)
@@ -209,18 +212,26 @@ class Engine:
         return record
 
     def submit_batch(self, owner: Owner, name: object, iterations: object, path: str,
-                     function: str, priority: float = 1.0, *, devices: int = 1) -> JobRecord:
+                     function: str, priority: float = 1.0, *, devices: int = 1,
+                     nodes: int = 1, rendezvous: str | None = None) -> JobRecord:
         """A batch job: its executor imports `path`, calls `function` and the daemon drives
         the loop for `iterations` iterations. With `devices` > 1 it is a gang: one executor
         per device, each running every iteration on its part of the batch (see
-        `salusd/executor/gang.py`), admitted on that many devices at once."""
+        `salusd/executor/gang.py`), admitted on that many devices at once. With `nodes` > 1
+        the gang spans that many nodes of the cluster, `devices` on each, and is submitted to
+        each node's daemon alike (`salusd/cluster.py`)."""
         if type(devices) is not int or not 1 <= devices <= len(self.ledgers):
             raise BadRequest(f"this node has {len(self.ledgers)} device(s); a job may ask for 1 "
                              f"to {len(self.ledgers)}, not {devices!r}")
         spec: dict[str, Any] = {"entrypoint": f"{path}:{function}", "path": path,
-                                "function": function}
+                                "function": function,
+                                **check_nodes(nodes, rendezvous, str(name), self.cluster)}
         if devices > 1:
             spec["devices"] = devices
+        policy = self.pending_policy or self.sched.policy
+        if spec_nodes(spec) > 1 and policy.lane_mode != "pack":
+            raise BadRequest(f"a multi-node gang needs lanes of its own, which only the pack "
+                             f"policy gives (the policy is {policy.name})")
         record = self.open(owner, name, iterations, os.path.dirname(path), kind="batch",
                            spec=spec, priority=priority)
         self._load(record, restore=False)
@@ -234,7 +245,10 @@ class Engine:
         record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
                            priority=priority, job_id=job_id)
         record.resumed_from = checkpoint_iteration or 0
-        if kind == "batch":
+        if spec_nodes(spec) > 1 and self.cluster is None:
+            self._end(record, "failed", f"job {job_id} spans {spec_nodes(spec)} nodes and this "
+                      "salusd restarted without --cluster")
+        elif kind == "batch":
             self._load(record, restore=True)
         elif checkpoint_iteration is None:
             self._end(record, "failed", f"salusd restarted before job {job_id}'s first "
@@ -251,10 +265,9 @@ class Engine:
         else:
             meta = {"op": "restore"}
         metas = [{**meta, "dir": self._replica_dir(record, r)} for r in range(record.gang)]
-        if record.gang > 1:
-            port = free_port()
-            for rank, m in enumerate(metas):
-                m["gang"] = {"rank": rank, "world": record.gang, "port": port}
+        places = gang_places(record.spec, record.gang, record.owner.name, self.cluster)
+        for m, place in zip(metas, places or [], strict=False):
+            m["gang"] = place
         self._send_all(record, "load", metas)
 
     def _replica_dir(self, record: JobRecord, replica: int) -> str | None:
@@ -404,6 +417,10 @@ class Engine:
             policy = make_policy(str(name))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        spanning = [r.job_id for r in self.registry.live.values() if spec_nodes(r.spec) > 1]
+        if policy.lane_mode != "pack" and spanning:
+            raise BadRequest(f"{policy.name} shares one lane per device, and multi-node gangs "
+                             f"{spanning} need lanes of their own: end them first")
         self.pending_policy = policy
         self._refresh_leases()
         self._switch_if_quiet()
@@ -663,7 +680,8 @@ class Engine:
                   persistent_bytes=aligned(record.persistent_bytes),
                   ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
                   name=record.name, priority=record.priority,
-                  done_iterations=record.done_before, gang=record.gang)
+                  done_iterations=record.done_before, gang=record.gang,
+                  exclusive=spec_nodes(record.spec) > 1)
         try:
             made = self.sched.submit(job)
         except ValueError as exc:
@@ -722,7 +740,7 @@ class Engine:
                 self._end(record, "finished", f"ran its {iteration} iterations")
                 return
             record.phase = "estimating"
-            if record.gang > 1:
+            if record.gang > 1 or spec_nodes(record.spec) > 1:
                 # Replicas call collectives: a fake-tensor run of one replica alone would
                 # issue them without its peers. The first real iteration is measured instead.
                 self._estimated(record, {"ok": False, "reason": "a gang job is measured on "

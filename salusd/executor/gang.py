@@ -1,8 +1,9 @@
 """One replica of a gang job: the process group over the gang's executors, and its batch shard.
 
 A gang job (``"devices": N``) runs in N executors, one per device, all running the same
-entrypoint. The daemon picks a loopback port and tells each replica its rank when it loads the
-job; the replicas join one ``torch.distributed`` group (gloo on CPU devices, NCCL on CUDA ones)
+entrypoint. The daemon picks a loopback port (or, for a gang across nodes, names the cluster's
+store, `salusd/cluster.py`) and tells each replica its rank when it loads the job; the replicas
+join one ``torch.distributed`` group (gloo on CPU devices, NCCL on CUDA ones)
 and the job's iteration gets it as ``s.comm`` (`salus.daemon.services.comm.Comm`). Replica 0's
 tensors are broadcast to the others once the job is loaded, as DDP does when it wraps a model,
 so replicas start equal even when the entrypoint does not seed its initialisation. A replica
@@ -19,6 +20,7 @@ gradient of the whole batch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from salus.daemon.services.comm import Comm
-from salus.daemon.services.procgroup import init_loopback
+from salus.daemon.services.procgroup import init_loopback, init_through_store
 
 GANG_TIMEOUT_S = 120.0
 """Bounds the gang's rendezvous and each of its collectives (a lost replica becomes an error)."""
@@ -35,11 +37,21 @@ GANG_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class GangSpec:
-    """Where this replica stands in its gang."""
+    """Where this replica stands in its gang.
+
+    A gang on one node rendezvouses on loopback ``port`` (replica 0 hosts the store). A gang
+    across nodes (`salusd/cluster.py`) goes through the cluster's store at ``store``
+    (HOST:PORT) under the prefix ``key``; ``local`` replicas run on each node (ranks are
+    node-major), and ``loopback`` says every node is on this machine.
+    """
 
     rank: int
     world: int
-    port: int
+    port: int = 0
+    store: str | None = None
+    key: str = ""
+    local: int = 0  # replicas per node; 0: all of them (one node)
+    loopback: bool = True
 
     @classmethod
     def parse(cls, raw: object) -> GangSpec | None:
@@ -47,17 +59,34 @@ class GangSpec:
             return None
         if not isinstance(raw, dict):
             raise TypeError(f"'gang' must be an object, got {type(raw).__name__}")
-        spec = cls(int(raw["rank"]), int(raw["world"]), int(raw["port"]))
-        if not 0 <= spec.rank < spec.world or not 0 < spec.port < 65536:
+        spec = cls(int(raw["rank"]), int(raw["world"]), int(raw.get("port", 0)),
+                   raw.get("store"), str(raw.get("key", "")), int(raw.get("local", 0)),
+                   bool(raw.get("loopback", True)))
+        port = spec.port if spec.store is None else int(spec.store.rpartition(":")[2])
+        if not 0 <= spec.rank < spec.world or not 0 < port < 65536 or not (
+                0 <= spec.local <= spec.world):
             raise ValueError(f"bad gang placement {raw!r}")
         return spec
 
+    @property
+    def local_size(self) -> int:
+        return self.local or self.world
+
 
 def join(spec: GangSpec, device: torch.device) -> Comm:
-    """Join the gang's process group (blocks until every replica has) and wrap it in a Comm."""
+    """Join the gang's process group (blocks until every replica has) and wrap it in a Comm
+    whose nodes are the gang's nodes (the hierarchical and top-k algorithms use them)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    init_loopback(spec.rank, spec.world, spec.port, timeout_s=GANG_TIMEOUT_S, backend=backend)
-    return Comm(local_size=spec.world)
+    if spec.store is None:
+        init_loopback(spec.rank, spec.world, spec.port, timeout_s=GANG_TIMEOUT_S,
+                      backend=backend)
+    else:
+        if spec.loopback and os.path.exists("/sys/class/net/lo"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        host, _, port = spec.store.rpartition(":")
+        init_through_store(spec.rank, spec.world, host, int(port), spec.key,
+                           timeout_s=GANG_TIMEOUT_S, backend=backend)
+    return Comm(local_size=spec.local_size)
 
 
 def state_tensors(objects: dict[str, Any]) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ class JobOut(BaseModel):
     device: int | None
     lane: int | None
     devices: int = 1  # replicas of a gang, one per device (device and lane: replica 0's)
+    nodes: int = 1  # nodes the gang spans, `devices` replicas on each
     priority: float
     persistent_bytes: int
     ephemeral_bytes: int | None = Field(description="measured peak per call above the state, "
@@ -56,7 +57,14 @@ class JobSubmit(Strict):
                             "--job-root")
     iterations: int = Field(ge=1, le=MAX_ITERATIONS)
     priority: float = Field(default=1.0, gt=0, lt=1e12)
-    devices: int = Field(default=1, ge=1, le=1024)
+    devices: int = Field(default=1, ge=1, le=1024, description="replicas on this node, one "
+                         "per device (a data-parallel gang when above 1)")
+    nodes: int = Field(default=1, ge=1, le=1024, description="nodes of the cluster the gang "
+                       "spans (submit it to each of them alike); needs salusd --cluster")
+    rendezvous: str | None = Field(default=None, min_length=1, max_length=128,
+                                   pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                   description="a multi-node gang's id, the same on every "
+                                   "node and new for each submission (default: the name)")
 
 
 class Suspend(Strict):

@@ -57,12 +57,14 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
                  ctx: Context = Depends(context)) -> JobOut:
     """The daemon imports `entrypoint` (a file under its `--job-root`) in an executor running
     as the token's owner and drives the loop itself for `iterations` iterations; with
-    `devices` > 1 it runs as a gang of that many replicas, one per device (data-parallel)."""
+    `devices` > 1 it runs as a gang of that many replicas, one per device (data-parallel);
+    with `nodes` > 1 the gang spans that many nodes of the cluster (submitted to each)."""
     path, function = resolve_entrypoint(ctx.job_root, body.entrypoint)
 
     def start() -> JobOut:
         record = ctx.engine.submit_batch(who.owner, body.name, body.iterations, path,
-                                         function, body.priority, devices=body.devices)
+                                         function, body.priority, devices=body.devices,
+                                         nodes=body.nodes, rendezvous=body.rendezvous)
         return job_out(ctx.engine, record)
     return await ctx.bridge.run(start)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from salus.daemon.engine.registry import JobRecord, spec_devices
+from salus.daemon.engine.rendezvous import spec_nodes
 from salus.daemon.engine.report import job_info
 from salus.daemon.rest.models import Checkpoint, JobOut
 from salus.daemon.state.store import JobRow
@@ -32,7 +33,8 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         state=state, reason=record.reason,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
-        devices=record.gang, priority=record.priority, persistent_bytes=record.persistent_bytes,
+        devices=record.gang, nodes=spec_nodes(record.spec), priority=record.priority,
+        persistent_bytes=record.persistent_bytes,
         ephemeral_bytes=ephemeral if ephemeral is not None else memory[
             "ephemeral_estimate_bytes"],
         lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
@@ -53,7 +55,7 @@ def row_out(row: JobRow) -> JobOut:
         kind="batch" if row.kind == "batch" else "interactive", state=row.state,
         reason=row.reason, iterations_done=row.iterations_done,
         iterations_total=row.iterations_total or 0, device=None, lane=None,
-        devices=spec_devices(row.spec),
+        devices=spec_devices(row.spec), nodes=spec_nodes(row.spec),
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
         entrypoint=row.spec.get("entrypoint"))

@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 
 from salus.daemon.wire.address import LOOPBACK, free_port
 
-__all__ = ["LOOPBACK", "free_port", "init_loopback", "leave_group", "run_local_group"]
+__all__ = ["LOOPBACK", "free_port", "init_loopback", "init_through_store", "leave_group",
+           "run_local_group"]
 
 
 def init_loopback(
@@ -55,6 +56,40 @@ def init_loopback(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def init_through_store(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    key: str,
+    *,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+) -> int:
+    """Join the default process group of ``world_size`` ranks (on several hosts) through the
+    TCP store another process hosts on host:port, under the prefix ``key``; returns the
+    generation joined.
+
+    A long-lived store outlives many groups of one ``key`` (a job submitted again, a gang
+    restarted): each rank counts its arrival under ``key`` and takes generation
+    ``(arrivals - 1) // world_size``, so every rank of one rendezvous lands in the same fresh
+    namespace ``key/generation`` as long as each rendezvous is joined by all its ranks once.
+    ``timeout_s`` bounds reaching the store, the rendezvous and every later collective.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    generation = (base.add(f"{key}/arrivals", 1) - 1) // world_size
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"{key}/{generation}/", base),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return generation
 
 
 def leave_group() -> None:
