@@ -110,7 +110,9 @@ def test_kill_9_then_restart_resumes_a_gang_from_its_replicas_checkpoints(tmp_pa
     with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp_path)),
                 "--checkpoint-every", "4") as (proc, _):
         client = connect(state)
-        jid = _submit(client, "ring", "dataparallel.py:make_ring", 2, iterations)
+        # The PTO gang: each replica's momentum for its half of the parameters lives in the
+        # Comm's shard optimizer, which the replicas' checkpoints must carry.
+        jid = _submit(client, "sharded", "dataparallel.py:make_sharded", 2, iterations)
         wait_for(lambda: (job(client, jid)["checkpoint"] or {}).get("iteration", 0) >= 8,
                  "a checkpoint at iteration 8 or later")
         proc.send_signal(signal.SIGKILL)

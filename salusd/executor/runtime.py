@@ -209,6 +209,8 @@ class JobRuntime:
             self.functions[int(fid)], self.kinds[int(fid)] = fn, kind
         if self.cursor is not None and payload.get("cursor"):
             self.cursor.restore(payload["cursor"])
+        if self.comm is not None and payload.get("comm"):
+            self.comm.restore_state(payload["comm"])  # sharded optimizer state, residuals
         torch.set_rng_state(payload["rng"]["cpu"])
         if torch.cuda.is_available() and payload["rng"].get("cuda"):
             torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
@@ -227,6 +229,7 @@ class JobRuntime:
                     else []},
             "iterations": self.iterations,
             "cursor": self.cursor.state() if self.cursor is not None else None,
+            "comm": self.comm.checkpoint_state() if self.comm is not None else None,
         }
         saved = checkpoint.save(Path(str(request["dir"])), self.iterations, payload,
                                 extra={"job": request.get("job"), "kind": (

@@ -28,7 +28,7 @@ import socket
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,8 @@ class Comm:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="salus-comm")
         self._routes: TreeRoutes | None = None
         self._tree: TreeAllreduce | None = None
-        self._residuals: dict[tuple[int, ...], torch.Tensor] = {}
+        # Error-feedback residual per gradient bucket: (the bucket's parameters, residual).
+        self._residuals: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
         self._shards: weakref.WeakKeyDictionary[torch.optim.Optimizer, ShardedOptimizer] = (
             weakref.WeakKeyDictionary()
         )
@@ -372,18 +373,19 @@ class Comm:
         self.all_reduce(present, algorithm="ring")
         used = [p for p, count in zip(params, present.tolist(), strict=True) if count > 0]
         buckets = plan_buckets(used, self.bucket_bytes)
-        residuals: dict[tuple[int, ...], torch.Tensor] = {}
+        residuals: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
         in_flight = []
         for bucket in buckets:
             flat = flatten_grads(bucket, used)
             if density is None:
                 work = self.all_reduce(flat, algorithm=algorithm, async_op=True)
             else:
-                key = tuple(id(used[i]) for i in bucket.params)
-                residual = self._residuals.get(key)
+                members: list[torch.Tensor] = [used[i] for i in bucket.params]
+                key = tuple(id(p) for p in members)
+                _, residual = self._residuals.get(key, (members, None))
                 if residual is None or residual.shape != flat.shape:
                     residual = torch.zeros_like(flat)
-                residuals[key] = residual
+                residuals[key] = (members, residual)
                 work = self.sparse_all_reduce(flat, density, residual, async_op=True)
             in_flight.append((bucket, flat, work))
         if density is not None:
@@ -411,6 +413,35 @@ class Comm:
         shard.step()
         # LR schedulers on `optimizer` warn unless its own step ran; this call stands for it.
         optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a job's checkpoint keeps of this Comm: each sharded optimizer's shard state
+        (this rank's 1/N) and each gradient bucket's error-feedback residual.
+
+        Optimizers and parameters appear as the objects themselves: pickled in one payload with
+        the job's objects (as the executor's checkpoint does), they come back as the restored
+        job's own, which `restore_state` needs.
+        """
+        return {
+            "rank": self.rank, "size": self.size,
+            "shards": [(opt, shard.shard.state_dict() if shard.shard is not None else None)
+                       for opt, shard in self._shards.items()],
+            "residuals": [(params, residual) for params, residual in self._residuals.values()],
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Take back what `checkpoint_state` returned, on the same rank of a group of the same
+        size (a shard's state is this rank's slice). Not collective."""
+        if (state["rank"], state["size"]) != (self.rank, self.size):
+            raise ValueError(f"the Comm state was saved by rank {state['rank']} of "
+                             f"{state['size']}; this is rank {self.rank} of {self.size}")
+        for optimizer, shard_state in state["shards"]:
+            shard = ShardedOptimizer(optimizer, self.rank, self.size, self._gather)
+            if shard.shard is not None and shard_state is not None:
+                shard.shard.load_state_dict(shard_state)
+            self._shards[optimizer] = shard
+        self._residuals = {tuple(id(p) for p in params): (list(params), residual)
+                           for params, residual in state["residuals"]}
 
     def _gather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         self.all_gather(output, tensor)
