@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-memory", metavar="SIZE", default=None,
                        help="memory budget per CPU device, e.g. 2G (default: a quarter of the "
                        "available memory split across devices, at most 8 GiB each)")
+    serve.add_argument("--cpu-device-slowdown", metavar="SPEC", default=None,
+                       help="SIMULATE slower CPU devices (heterogeneity for tests and "
+                       "benchmarks): seed=N draws each device's compute factor from U[1, 2) "
+                       "as Sky Computing's experiments did, or give one factor per CPU device, "
+                       "e.g. 1,1.8; a device's executors sleep (factor - 1) x the CPU time of "
+                       "each call")
     serve.add_argument("--cpu-threads", metavar="N", type=int, default=None,
                        help="intra-op threads per torch op on CPU devices (default: half the "
                        "cores per CPU device, at least 1: lanes run in parallel and share them)")
@@ -78,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--job-root", metavar="DIR", type=Path, default=None,
                        help="where REST batch jobs' entrypoint files live (default "
                        "<state-dir>/job-root)")
+    serve.add_argument("--cache-dir", metavar="DIR", type=Path, default=None,
+                       help="the data cache of jobs' salus.data.CachedDataset (level 1: raw "
+                       "files on local disk, a folder per owner; default <state-dir>/cache)")
+    serve.add_argument("--cache-bytes", metavar="SIZE", default="10G",
+                       help="level 1's cap per replica, e.g. 50G (default 10G)")
     serve.add_argument("--cluster", metavar="HOST:PORT", default=None,
                        help="join a cluster of daemons whose rendezvous store is HOST:PORT "
                        "(node 0 hosts it), or `env` for torchrun's MASTER_ADDR, MASTER_PORT, "
@@ -128,6 +139,13 @@ def _control_commands(sub: Any) -> None:
             cmd.add_argument("--priority", type=float, default=1.0)
             cmd.add_argument("--devices", type=int, default=1,
                              help="replicas, one per device: a data-parallel gang (default 1)")
+            cmd.add_argument("--pipeline", action="store_true",
+                             help="split the model into one stage per device and train it as "
+                             "a GPipe pipeline (the entrypoint gives 'loss'; docs/pipeline.md)")
+            cmd.add_argument("--placement", choices=["even", "sky", "optimal"], default=None,
+                             help="how a pipeline's layers are split (default even)")
+            cmd.add_argument("--microbatches", type=int, default=None,
+                             help="micro-batches per pipeline step (default 1)")
             cmd.add_argument("--nodes", type=int, default=1,
                              help="nodes of the cluster the gang spans, --devices on each; "
                              "submit it to every node's salusd alike (default 1)")
@@ -192,16 +210,25 @@ def serve(args: argparse.Namespace) -> int:
 
     from salus.daemon.cluster import parse_cluster
     from salus.daemon.daemon import Daemon, DaemonConfig
-    from salus.daemon.devices import cpu_threads_default, discover, format_size, parse_size
+    from salus.daemon.devices import (
+        cpu_threads_default,
+        discover,
+        format_size,
+        parse_size,
+        with_cpu_slowdown,
+    )
     from salus.daemon.rest.server import parse_listen
     from salus.daemon.wire.address import default_socket_path, default_state_dir
 
     try:
         memory = parse_size(args.cpu_memory) if args.cpu_memory else None
         devices = discover(args.cpu_devices, memory)
+        if args.cpu_device_slowdown is not None:
+            devices = with_cpu_slowdown(devices, args.cpu_device_slowdown)
         http = parse_listen(args.http)
         every, every_s = parse_every(args.checkpoint_every)
         cluster = parse_cluster(args.cluster, args.nodes, args.node_rank)
+        cache_bytes = parse_size(args.cache_bytes)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -213,7 +240,8 @@ def serve(args: argparse.Namespace) -> int:
                           frame_timeout_s=args.frame_timeout, cancel_grace_s=args.cancel_grace,
                           standby_executors=args.standby_executors, state_dir=state_dir,
                           http=http, job_root=args.job_root, checkpoint_every=every,
-                          checkpoint_every_s=every_s, cluster=cluster)
+                          checkpoint_every_s=every_s, cluster=cluster,
+                          cache_dir=args.cache_dir, cache_bytes=cache_bytes)
     try:
         daemon = Daemon(config)
         daemon.start()
@@ -223,8 +251,9 @@ def serve(args: argparse.Namespace) -> int:
     if cluster is not None:
         log.info("cluster: %s", cluster.describe())
     for d in devices:
-        log.info("device %d: %s (%s), budget %s", d.index, d.name, d.kind,
-                 format_size(d.memory_bytes))
+        log.info("device %d: %s (%s), budget %s%s", d.index, d.name, d.kind,
+                 format_size(d.memory_bytes), "" if d.compute_slowdown == 1.0 else
+                 f", SIMULATED compute slowdown x{d.compute_slowdown:.3g}")
     log.info("policy %s; %d intra-op thread(s) per job; state in %s; running as %s",
              args.policy, threads, state_dir,
              "root: each job runs as its owner" if os.geteuid() == 0 else

@@ -96,8 +96,10 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
         lanes_by_device[ln["device"]] = lanes_by_device.get(ln["device"], 0) + ln["size_bytes"]
     for d in view["devices"]:
         lane_bytes = lanes_by_device.get(d["index"], 0)
+        slow = d.get("compute_slowdown", 1.0)
         devices.add_row(
-            f"{d['index']} {d['torch_device']}",
+            f"{d['index']} {d['torch_device']}" + (
+                f" (SIMULATED x{slow:.3g} slower)" if slow != 1.0 else ""),
             _bar([(d["persistent_bytes"], "cyan"), (lane_bytes, "magenta")],
                  d["capacity_bytes"]),
             _size(d["capacity_bytes"]), _size(d["persistent_bytes"]),
@@ -127,12 +129,20 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
     return Group(devices, lanes, jobs)
 
 
+def pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline fields of a submission, as given on the command line."""
+    given = {"pipeline": args.pipeline or None, "placement": args.placement,
+             "microbatches": args.microbatches}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _submit(client: RestClient, args: argparse.Namespace, console: Console) -> int:
     job = client.call("POST", "/v1/jobs", {
         "name": args.name or args.entrypoint.rsplit(":", 1)[-1], "entrypoint": args.entrypoint,
         "iterations": args.iterations, "priority": args.priority,
         "devices": args.devices, "nodes": args.nodes,
-        **({"rendezvous": args.rendezvous} if args.rendezvous else {})})
+        **({"rendezvous": args.rendezvous} if args.rendezvous else {}),
+        **pipeline_options(args)})
     console.print(f"job {job['id']} submitted: {job['name']} ({job['entrypoint']}, "
                   f"{job['iterations_total']} iterations) as {job['owner']}")
     return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from salus.daemon.cluster import ClusterSpec, start_store, stop_store
 from salus.daemon.devices import DeviceSpec
-from salus.daemon.engine.engine import CheckpointPolicy, Engine
+from salus.daemon.engine.engine import CheckpointPolicy, DataCachePolicy, Engine
 from salus.daemon.engine.persist import Persistence
 from salus.daemon.engine.registry import Owner
 from salus.daemon.executor.supervisor import Supervisor
@@ -57,6 +57,8 @@ class DaemonConfig:
     checkpoint_every: int | None = None  # iterations; None: every checkpoint_every_s
     checkpoint_every_s: float = 600.0
     cluster: ClusterSpec | None = None  # several daemons joined for multi-node gangs
+    cache_dir: Path | None = None  # jobs' data cache, level 1 (default <state-dir>/cache)
+    cache_bytes: int = 10 << 30  # its cap per replica
 
 
 class Daemon:
@@ -68,9 +70,13 @@ class Daemon:
         self.supervisor = Supervisor(self.loop, standby=config.standby_executors,
                                      threads=config.threads)
         self.store: Store | None = None
-        checkpoints = None
+        checkpoints = data_cache = None
         if config.state_dir is not None:
             state = prepare_state_dir(config.state_dir)
+            cache = config.cache_dir or state / "cache"
+            cache.mkdir(parents=True, exist_ok=True)
+            os.chmod(cache, 0o711)
+            data_cache = DataCachePolicy(str(cache), make_owner_dir, config.cache_bytes)
             self.store = Store.open(state / "salusd.db")
             checkpoints = CheckpointPolicy(str(state / "checkpoints"), make_owner_dir,
                                            config.checkpoint_every, config.checkpoint_every_s)
@@ -79,7 +85,9 @@ class Daemon:
             clock=time.monotonic, timers=self.loop,
             torch_devices=[d.torch_device for d in config.devices], threads=config.threads,
             retention_s=config.retention_s, cancel_grace_s=config.cancel_grace_s,
-            store=self.store, checkpoints=checkpoints, cluster=config.cluster)
+            store=self.store, checkpoints=checkpoints, cluster=config.cluster,
+            data_cache=data_cache,
+            compute_slowdowns=[d.compute_slowdown for d in config.devices])
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:

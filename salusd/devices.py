@@ -3,18 +3,23 @@
 A CPU device is a first-class backend: it gets a budget of `--cpu-memory` bytes and runs lanes
 like a GPU does. Its default size is a quarter of the memory available at start, split across
 the CPU devices and capped at 8 GiB each, so a laptop run never pushes the host into swap.
+
+`--cpu-device-slowdown` simulates heterogeneous devices on one machine: CPU device i's
+executors stretch their computation by a factor (`ComputeSlowdown`: they sleep (factor - 1) x
+the CPU seconds of each call). It is a simulation, and says so wherever devices are shown.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _CPU_CAP_BYTES = 8 * 2**30
+MAX_SLOWDOWN = 100.0
 
 
 def parse_size(text: str | int) -> int:
@@ -45,6 +50,7 @@ class DeviceSpec:
     torch_device: str
     name: str
     memory_bytes: int
+    compute_slowdown: float = 1.0  # simulated (`--cpu-device-slowdown`); 1.0: none
 
     def describe(self) -> dict[str, object]:
         return {
@@ -53,6 +59,7 @@ class DeviceSpec:
             "torch_device": self.torch_device,
             "name": self.name,
             "memory_bytes": self.memory_bytes,
+            "compute_slowdown": self.compute_slowdown,
         }
 
 
@@ -77,6 +84,41 @@ def cpu_devices(count: int = 1, memory_bytes: int | None = None) -> list[DeviceS
     if memory_bytes < 2**20:
         raise ValueError(f"--cpu-memory must be at least 1 MiB, got {memory_bytes} bytes")
     return [DeviceSpec(i, "cpu", "cpu", f"cpu{i}", memory_bytes) for i in range(count)]
+
+
+def with_cpu_slowdown(devices: list[DeviceSpec], text: str) -> list[DeviceSpec]:
+    """The CPU devices with `--cpu-device-slowdown` applied (ValueError says what is wrong).
+
+    `seed=N` gives CPU device i the compute factor of `draw_slowdowns(len(devices), N)[i]`
+    (U[1, 2), as Sky Computing's experiments drew them); `1,1.8` gives the factors, one per CPU
+    device in index order, each from 1 (not slowed) to `MAX_SLOWDOWN`.
+    """
+    if any(d.kind != "cpu" for d in devices):
+        raise ValueError("--cpu-device-slowdown simulates slow CPU devices; this daemon serves "
+                         "CUDA devices (ask for --cpu-devices N to serve CPU devices)")
+    text = text.strip()
+    if text.startswith("seed="):
+        from salus.daemon.services.slowdown import draw_slowdowns
+
+        seed = text.removeprefix("seed=")
+        if not seed.isdigit():
+            raise ValueError(f"--cpu-device-slowdown seed=N wants a non-negative integer, got "
+                             f"{seed!r}")
+        factors = [s.compute for s in draw_slowdowns(len(devices), int(seed))]
+    else:
+        try:
+            factors = [float(part) for part in text.split(",")]
+        except ValueError:
+            raise ValueError(f"--cpu-device-slowdown wants seed=N or one factor per CPU device "
+                             f"(e.g. 1,1.8), got {text!r}") from None
+        if len(factors) != len(devices):
+            raise ValueError(f"--cpu-device-slowdown gives {len(factors)} factor(s) for "
+                             f"{len(devices)} CPU device(s)")
+        bad = [f for f in factors if not 1.0 <= f <= MAX_SLOWDOWN]
+        if bad:
+            raise ValueError(f"--cpu-device-slowdown factors must be from 1 to {MAX_SLOWDOWN:g}, "
+                             f"got {bad}")
+    return [replace(d, compute_slowdown=f) for d, f in zip(devices, factors, strict=True)]
 
 
 def cpu_threads_default(cpu_device_count: int) -> int:

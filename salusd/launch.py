@@ -6,7 +6,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,15 +29,18 @@ def running_daemon(
     log_level: str = "warning",
     timeout_s: float = 60.0,
     http: str = "127.0.0.1:0",
+    extra_args: Sequence[str] = (),
 ) -> Iterator[DaemonProcess]:
     """Run a CPU daemon on `socket` for the body; yields its address and pid. Its output goes
-    to `log_file` (shown if it fails to start) or nowhere; it is terminated afterwards."""
+    to `log_file` (shown if it fails to start) or nowhere; it is terminated afterwards.
+    `extra_args` are more `salusd serve` options."""
     cmd = [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(socket),
            "--state-dir", str(state_dir), "--cpu-devices", str(cpu_devices),
            "--cpu-memory", cpu_memory, "--policy", policy, "--log-level", log_level,
            "--http", http]
     if cpu_threads is not None:
         cmd += ["--cpu-threads", str(cpu_threads)]
+    cmd += list(extra_args)
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(log_file, "wb")) if log_file else subprocess.DEVNULL
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

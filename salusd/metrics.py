@@ -23,6 +23,11 @@ Exposed (seconds and bytes; `job_id` series exist only while the job is live):
 | salusd_admissions_total, salusd_rejections_total | | admit, reject |
 | salusd_executor_deaths_total | | failed + executor_died |
 | salusd_checkpoint_seconds (histogram), salusd_checkpoint_bytes_total | | checkpoint |
+| salusd_job_cache_{hits,misses}_total | job_id, level (memory, disk) | end (`cache`) |
+| salusd_job_cache_source_bytes_total | job_id | end (`cache`) |
+
+The cache counters are a batch job's `salus.data.CachedDataset` reads, as its executors
+last reported them (all replicas); they start again from zero when the job is restored.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import threading
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -94,6 +100,7 @@ class _Job:
     seconds: _Histogram = field(default_factory=lambda: _Histogram(ITERATION_BUCKETS_S))
     persistent_bytes: int = 0
     ephemeral_bytes: int = 0
+    cache: dict[str, Any] | None = None  # the data cache's counters, as last reported
 
 
 def _version() -> str:
@@ -156,6 +163,8 @@ class Metrics(Collector):
             case "end" | "ran":
                 self._iterations_ran(e, job, max(0, int(d.get("iterations", 0))),
                                      max(0.0, float(d.get("seconds", 0.0))))
+                if job is not None and isinstance(d.get("cache"), dict):
+                    job.cache = d["cache"]
             case "finish" | "cancelled" | "failed":
                 self._ended[END_STATES[e.kind]] += 1
                 self._last_failure = (e.job_id, str(d.get("reason", ""))) if (
@@ -197,6 +206,24 @@ class Metrics(Collector):
             self._switches[e.device] = self._switches.get(e.device, 0) + 1
         self._last_in_lane[lane] = e.job_id
 
+    def _cache_families(self) -> Iterator[Metric]:
+        hits = CounterMetricFamily("salusd_job_cache_hits", "Samples a live job's data sets "
+                                   "served from a cache level.", labels=["job_id", "level"])
+        misses = CounterMetricFamily("salusd_job_cache_misses", "Samples a live job's data "
+                                     "sets did not find in a cache level.",
+                                     labels=["job_id", "level"])
+        source = CounterMetricFamily("salusd_job_cache_source_bytes", "Bytes a live job's data "
+                                     "sets read from their source.", labels=["job_id"])
+        for job_id, job in sorted(self._jobs.items()):
+            if job.cache is None:
+                continue
+            for level in ("memory", "disk"):
+                counts = job.cache.get(level) or {}
+                hits.add_metric([str(job_id), level], float(counts.get("hits", 0)))
+                misses.add_metric([str(job_id), level], float(counts.get("misses", 0)))
+            source.add_metric([str(job_id)], float(job.cache.get("source_bytes", 0)))
+        yield from (hits, misses, source)
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:  # built whole under the lock: one consistent snapshot per scrape
             return iter(list(self._families()))
@@ -229,6 +256,7 @@ class Metrics(Collector):
             persistent.add_metric([jid], job.persistent_bytes)
             ephemeral.add_metric([jid], job.ephemeral_bytes)
         yield from (info, state, iterations, seconds, persistent, ephemeral)
+        yield from self._cache_families()
 
         yield CounterMetricFamily("salusd_iterations", "Iterations run by all jobs.",
                                   value=self._iterations)

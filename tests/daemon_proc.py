@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -45,3 +46,17 @@ def rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"/proc/{pid}/status has no VmRSS")
+
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def job_root(tmp: Path, *names: str) -> Path:
+    """`tmp/job-root` (made readable to every job owner) holding the job files `names` from
+    tests/jobs, for a daemon's `--job-root`."""
+    root = tmp / "job-root"
+    root.mkdir(exist_ok=True)
+    for name in names:
+        shutil.copy(JOBS / name, root / name)
+    os.chmod(root, 0o755)
+    return root

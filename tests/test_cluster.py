@@ -11,14 +11,12 @@ error feedback): its held-out loss must be within 5 % of the dense one's.
 
 from __future__ import annotations
 
-import os
-import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import salusd
+from daemon_proc import job_root, salusd
 from jobs import dataparallel, heldout
 from rest_client import connect, job, wait_for
 
@@ -26,7 +24,6 @@ from salus.daemon.cluster import ClusterSpec, parse_cluster
 from salus.daemon.executor import checkpoint
 from salus.daemon.wire.address import free_port
 
-JOBS = Path(__file__).parent / "jobs"
 ITERATIONS = 8
 HELD_OUT_ITERATIONS = 100
 
@@ -50,12 +47,7 @@ def test_cluster_flags_and_torchrun_environment() -> None:
 
 
 def _root(tmp: Path) -> Path:
-    root = tmp / "job-root"
-    root.mkdir(exist_ok=True)
-    for name in ("dataparallel.py", "heldout.py"):
-        shutil.copy(JOBS / name, root / name)
-    os.chmod(root, 0o755)
-    return root
+    return job_root(tmp, "dataparallel.py", "heldout.py")
 
 
 def _submit(client, name: str, entrypoint: str, iterations: int = ITERATIONS, **extra) -> int:

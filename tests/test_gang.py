@@ -10,31 +10,23 @@ exactly (Hi-TopK prunes only what crosses nodes), so the sparse gang must match 
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import salusd
+from daemon_proc import job_root, salusd
 from jobs import dataparallel
 from rest_client import connect, job, wait_for
 
 from salus.daemon.executor import checkpoint
 
-JOBS = Path(__file__).parent / "jobs"
 ITERATIONS = 14  # more than one epoch (6 batches each)
 GANGS = ("ring", "tree", "sparse", "sharded")
 
 
 def _root(tmp: Path) -> Path:
-    root = tmp / "job-root"
-    root.mkdir(exist_ok=True)
-    for name in ("dataparallel.py", "shuffled.py"):
-        shutil.copy(JOBS / name, root / name)
-    os.chmod(root, 0o755)
-    return root
+    return job_root(tmp, "dataparallel.py", "shuffled.py")
 
 
 def _submit(client, name: str, entrypoint: str, devices: int, iterations: int) -> int:

@@ -130,6 +130,26 @@ def test_job_series_follow_the_states_and_vanish_when_the_job_ends() -> None:
     assert value(s, "salusd_jobs_total", state="failed") == 2
 
 
+def test_data_cache_counters_are_the_last_reported_per_live_job() -> None:
+    m = Metrics()
+    first = {"memory": {"hits": 0, "misses": 8}, "disk": {"hits": 1, "misses": 7},
+             "source_bytes": 700}
+    later = {"memory": {"hits": 16, "misses": 8}, "disk": {"hits": 1, "misses": 7},
+             "source_bytes": 700}
+    feed(m, ("open", 1, -1, -1), ("end", 1, 0, 0, {"seconds": 0.1, "iterations": 1,
+                                                  "cache": first}),
+         ("end", 1, 0, 0, {"seconds": 0.1, "iterations": 1}),  # no data set: keeps the last
+         ("end", 1, 0, 0, {"seconds": 0.1, "iterations": 1, "cache": later}),
+         ("open", 2, -1, -1))
+    s = scrape(m)
+    assert value(s, "salusd_job_cache_hits_total", job_id="1", level="memory") == 16
+    assert value(s, "salusd_job_cache_misses_total", job_id="1", level="disk") == 7
+    assert value(s, "salusd_job_cache_source_bytes_total", job_id="1") == 700
+    assert not [k for k in s if k[0].startswith("salusd_job_cache") and ("job_id", "2") in k[1]]
+    feed(m, ("finish", 1, -1, -1))
+    assert not [k for k in scrape(m) if k[0].startswith("salusd_job_cache")]
+
+
 def test_a_leased_batch_is_observed_as_its_mean_per_iteration() -> None:
     m = Metrics()
     feed(m, ("open", 7, -1, -1), ("admit", 7, 0, 0),

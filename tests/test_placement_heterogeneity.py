@@ -1,5 +1,5 @@
 """Simulated heterogeneity: the anchor's slowdown ranges, seeding, applying them to a cluster,
-and a real CPU run made slower by a factor."""
+a real CPU run made slower by a factor, and the daemon's `--cpu-device-slowdown`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from salus.daemon.devices import DeviceSpec, cpu_devices, with_cpu_slowdown
 from salus.daemon.services.placement import (
     DeviceProfile,
     DeviceSlowdown,
@@ -16,6 +17,7 @@ from salus.daemon.services.placement import (
     draw_slowdowns,
     heterogeneous_cluster,
 )
+from salus.daemon.services.slowdown import ComputeSlowdown
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 BASE = DeviceProfile("gpu", 1e13, 1e12, 16 * 2**30)
@@ -76,3 +78,33 @@ def test_compute_slowdown_slows_a_real_cpu_run() -> None:
             _work()
         slowed.append(time.perf_counter() - start)
     assert 1.5 < min(slowed) / min(base) < 3.0
+
+
+def test_compute_slowdown_stretches_computation_not_waiting() -> None:
+    slept: list[float] = []
+    slow = ComputeSlowdown(3.0, sleep=slept.append)  # clock: this thread's CPU seconds
+    with slow:
+        time.sleep(0.2)  # blocked, as in a wait for a peer's message: not stretched
+    with slow:
+        _work()
+    assert slept[0] < 0.02 and slept[1] > 0.01
+    slow.factor = 1.0
+    with slow:
+        _work()
+    assert len(slept) == 2
+
+
+def test_cpu_device_slowdown_option() -> None:
+    devices = cpu_devices(3, 2**30)
+    seeded = with_cpu_slowdown(devices, "seed=4")
+    assert [d.compute_slowdown for d in seeded] == [s.compute for s in draw_slowdowns(3, 4)]
+    given = with_cpu_slowdown(devices, "1, 1.8,2")
+    assert [d.compute_slowdown for d in given] == [1.0, 1.8, 2.0]
+    assert given[1].describe()["compute_slowdown"] == 1.8
+    for bad, reason in (("1,2", "2 factor"), ("1,0.5,1", "from 1 to"), ("1,nan,1", "from 1"),
+                        ("fast", "seed=N or one factor"), ("seed=x", "non-negative integer")):
+        with pytest.raises(ValueError, match=reason):
+            with_cpu_slowdown(devices, bad)
+    gpu = [DeviceSpec(0, "cuda", "cuda:0", "gpu", 2**30)]
+    with pytest.raises(ValueError, match="CPU devices"):
+        with_cpu_slowdown(gpu, "2")

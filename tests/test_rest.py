@@ -4,29 +4,22 @@ cancel, priority, a live policy switch, tokens and owner isolation, and restart 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import salusd
+from daemon_proc import job_root, salusd
 from jobs import shuffled
 from rest_client import connect, job, wait_for
 
 from salus.daemon.executor import checkpoint
 from salus.daemon.state.store import Store
 
-JOBS = Path(__file__).parent / "jobs"
-
 
 def _root(tmp: Path) -> Path:
-    root = tmp / "job-root"
-    root.mkdir(exist_ok=True)
-    shutil.copy(JOBS / "shuffled.py", root / "shuffled.py")
-    os.chmod(root, 0o755)
-    return root
+    return job_root(tmp, "shuffled.py")
 
 
 def _serve(tmp: Path, *extra: str):

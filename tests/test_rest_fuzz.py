@@ -3,24 +3,17 @@
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import httpx
 import pytest
 import schemathesis
-from daemon_proc import salusd
+from daemon_proc import job_root, salusd
 from hypothesis import HealthCheck, given, settings
-
-JOBS = Path(__file__).parent / "jobs"
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
-    root = tmp / "job-root"
-    root.mkdir()
-    shutil.copy(JOBS / "shuffled.py", root / "shuffled.py")
+    root = job_root(tmp, "shuffled.py")
     with salusd(tmp, "--http", "127.0.0.1:0", "--job-root", str(root)) as (proc, _):
         state = tmp / "state"
         yield proc, (state / "http.url").read_text().strip(), (

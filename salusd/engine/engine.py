@@ -25,6 +25,7 @@ from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.events import Event, EventStream
 from salus.daemon.engine.gang import GangReply
 from salus.daemon.engine.ledger import DeviceLedger, aligned
+from salus.daemon.engine.pipeline_spec import check_pipeline
 from salus.daemon.engine.registry import (
     Answer,
     Call,
@@ -99,6 +100,17 @@ class CheckpointPolicy:
     every_s: float = 600.0
 
 
+@dataclass(frozen=True)
+class DataCachePolicy:
+    """The node's data cache for jobs' `salus.data.CachedDataset`s: level 1 of an owner's jobs
+    in `root/<owner>/` (made by `make_dir` as the owner), at most `bytes_per_replica` bytes
+    per replica."""
+
+    root: str
+    make_dir: Callable[[str, Owner], None]
+    bytes_per_replica: int
+
+
 class Timers(Protocol):
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None: ...
 
@@ -154,9 +166,14 @@ class Engine:
         store: JobStore | None = None,
         checkpoints: CheckpointPolicy | None = None,
         cluster: ClusterSpec | None = None,
+        data_cache: DataCachePolicy | None = None,
+        compute_slowdowns: Sequence[float] | None = None,
     ) -> None:
         self.clock = clock
+        #: per device, its simulated compute slowdown (`--cpu-device-slowdown`; 1.0: none)
+        self.compute_slowdowns = list(compute_slowdowns or [1.0] * len(capacities))
         self.cluster = cluster
+        self.data_cache = data_cache
         self.timers = timers
         self.executors = executors
         self.torch_devices = list(torch_devices)
@@ -213,13 +230,16 @@ class Engine:
 
     def submit_batch(self, owner: Owner, name: object, iterations: object, path: str,
                      function: str, priority: float = 1.0, *, devices: int = 1,
-                     nodes: int = 1, rendezvous: str | None = None) -> JobRecord:
+                     nodes: int = 1, rendezvous: str | None = None,
+                     pipeline: dict[str, Any] | None = None) -> JobRecord:
         """A batch job: its executor imports `path`, calls `function` and the daemon drives
         the loop for `iterations` iterations. With `devices` > 1 it is a gang: one executor
         per device, each running every iteration on its part of the batch (see
         `salusd/executor/gang.py`), admitted on that many devices at once. With `nodes` > 1
         the gang spans that many nodes of the cluster, `devices` on each, and is submitted to
-        each node's daemon alike (`salusd/cluster.py`)."""
+        each node's daemon alike (`salusd/cluster.py`). With `pipeline` ({"placement",
+        "microbatches"}) the replicas run the model split into stages instead
+        (`salusd/engine/pipeline_spec.py`)."""
         if type(devices) is not int or not 1 <= devices <= len(self.ledgers):
             raise BadRequest(f"this node has {len(self.ledgers)} device(s); a job may ask for 1 "
                              f"to {len(self.ledgers)}, not {devices!r}")
@@ -228,6 +248,7 @@ class Engine:
                                 **check_nodes(nodes, rendezvous, str(name), self.cluster)}
         if devices > 1:
             spec["devices"] = devices
+        spec.update(check_pipeline(pipeline, devices, spec_nodes(spec)))
         policy = self.pending_policy or self.sched.policy
         if spec_nodes(spec) > 1 and policy.lane_mode != "pack":
             raise BadRequest(f"a multi-node gang needs lanes of its own, which only the pack "
@@ -261,7 +282,9 @@ class Engine:
         self._acquire(record, record.gang)
         if record.kind == "batch":
             meta = {"op": "load", "path": record.spec["path"],
-                    "function": record.spec["function"], "restore": restore}
+                    "function": record.spec["function"], "restore": restore,
+                    "pipeline": record.spec.get("pipeline"),
+                    "cache": self._cache_for(record.owner)}
         else:
             meta = {"op": "restore"}
         metas = [{**meta, "dir": self._replica_dir(record, r)} for r in range(record.gang)]
@@ -269,6 +292,14 @@ class Engine:
         for m, place in zip(metas, places or [], strict=False):
             m["gang"] = place
         self._send_all(record, "load", metas)
+
+    def _cache_for(self, owner: Owner) -> dict[str, Any] | None:
+        """Where `owner`'s jobs keep their data cache, and its cap per replica."""
+        if self.data_cache is None:
+            return None
+        path = os.path.join(self.data_cache.root, owner.name)
+        self.data_cache.make_dir(path, owner)
+        return {"dir": path, "bytes": self.data_cache.bytes_per_replica}
 
     def _replica_dir(self, record: JobRecord, replica: int) -> str | None:
         """Where replica `replica` of the job keeps its checkpoints."""
@@ -497,6 +528,7 @@ class Engine:
         else:
             where = f"while job {record.job_id} was between calls"
         error: SalusError
+        was_live = record.live
         if record.live:
             error = JobFailed(f"{reason} {where}")
             log.warning("%s", error)
@@ -517,7 +549,8 @@ class Engine:
                 record.checkpointing -= 1
             if sent.on_done is not None:
                 sent.on_done({"ok": False, "message": str(error)})
-        self._kill_all(record)  # a gang without one replica cannot go on
+        if was_live:  # a gang without one replica cannot go on; an ended one's replicas
+            self._kill_all(record)  # were retired and may still be writing their checkpoints
         self._event("executor_died", record.job_id, reason=reason)
         self._switch_if_quiet()
         self._pump_all()
@@ -768,6 +801,8 @@ class Engine:
                       f"raised {str(meta.get('message', ''))[:2000]}")
             return
         record.last_loss = meta.get("loss")
+        if isinstance(meta.get("cache"), dict):
+            record.cache = meta["cache"]
         if "evaluation" in meta:
             record.last_evaluation = meta["evaluation"]
         job = self.sched.jobs.get(record.job_id)
@@ -897,7 +932,8 @@ class Engine:
             self._finalize(record)
         self._event("end", record.job_id, *sent.lane, seconds=seconds,
                     iterations=counted, ok=bool(meta.get("ok")),
-                    began=meta.get("began"), ended=meta.get("ended"))
+                    began=meta.get("began"), ended=meta.get("ended"),
+                    **({"cache": meta["cache"]} if isinstance(meta.get("cache"), dict) else {}))
         if record.live and record.kind == "batch":
             self._batch_step_done(record, meta)
         self._switch_if_quiet()
@@ -988,6 +1024,7 @@ class Engine:
             self._send_to(record.replicas[replica], _Sent("place"), {
                 "op": "place", "device": self.torch_devices[p.device],
                 "budget_bytes": self.sched.jobs[p.job_id].persistent_bytes + p.lane_bytes,
+                "slowdown": self.compute_slowdowns[p.device],
             })
         for p in made:
             self._pump((p.device, p.lane_id))

@@ -4,8 +4,8 @@ The engine sends a gang job's `load`, `step` and `checkpoint` to every replica; 
 answers on its own executor link, in its own time. `GangReply` collects the answers and, once
 all are in, gives one reply in the single-executor form: ok only when every replica was ok (the
 first failure's message, named by replica), the slowest replica's seconds, the largest peak
-(each device holds one replica), the mean loss, replica 0's evaluation and iteration, and for a
-checkpoint the bytes of all replicas.
+(each device holds one replica), the mean loss, replica 0's evaluation and iteration, the sum
+of the replicas' data cache counters, and for a checkpoint the bytes of all replicas.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from salus.daemon.counters import sum_counters
 from salus.daemon.wire.frames import RawFrame
 
 
@@ -63,6 +64,9 @@ def merge(metas: list[dict[str, Any]]) -> dict[str, Any]:
         out["persistent_bytes"] = max(int(m.get("persistent_bytes", 0)) for m in metas)
     if out["ok"] and "bytes" in out:  # a checkpoint: every replica wrote its part
         out["bytes"] = sum(int(m.get("bytes", 0)) for m in metas)
+    caches = [m["cache"] for m in metas if isinstance(m.get("cache"), dict)]
+    if caches:  # each replica reads and holds its own share: the gang's is their sum
+        out["cache"] = sum_counters(caches)
     iterations = {m.get("iteration") for m in metas}
     if out["ok"] and len(iterations) > 1:
         out["ok"] = False

@@ -99,6 +99,7 @@ class JobRecord:
     done_before: int = 0  # iterations done before the last restart
     last_loss: float | None = None  # batch jobs: what the last iteration returned
     last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
+    cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
 
     @property
     def live(self) -> bool:

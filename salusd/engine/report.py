@@ -79,6 +79,7 @@ def snapshot(engine: Engine) -> dict[str, Any]:
         devices.append({
             "index": index,
             "torch_device": engine.torch_devices[index],
+            "compute_slowdown": engine.compute_slowdowns[index],
             "capacity_bytes": stats.capacity,
             "used_bytes": stats.used,
             "persistent_bytes": engine.sched.lanes.persistent(index),

@@ -12,6 +12,8 @@ the contract's terms::
                 "data": loader, "evaluate": evaluate, "every": 100}
 
 `data` is any re-iterable (a list, a DataLoader): it is iterated again on exhaustion (epochs).
+A pipeline job (submitted with ``"pipeline": true``) gives ``"loss": loss(output, target)`` and
+may leave ``iteration`` out: the executor runs the pipeline step (`pipeline_job.py`).
 
 Resuming from a checkpoint replays the data order exactly: the cursor records the global
 random state at the start of the current epoch (a shuffling DataLoader draws its order from it)
@@ -44,6 +46,8 @@ class BatchJob:
     data: Iterable[Any]
     evaluate: Callable[..., Any] | None = None
     every: int | None = None
+    loss: Callable[..., Any] | None = None  # a pipeline job's loss(output, target)
+    pipelined: bool = False  # the iteration is a pipeline step: whole batches, slowed per stage
 
 
 def module_name(path: str) -> str:
@@ -76,13 +80,18 @@ def check_job(job: Any, where: str) -> BatchJob:
     if not isinstance(job, dict):
         raise TypeError(f"{where} must return a dict with 'state', 'iteration' and 'data', "
                         f"not a {type(job).__name__}")
-    unknown = set(job) - {"state", "iteration", "data", "evaluate", "every"}
+    unknown = set(job) - {"state", "iteration", "data", "evaluate", "every", "loss"}
     if unknown:
         raise TypeError(f"{where} returned unknown keys {sorted(unknown)}")
     state, iteration, data = job.get("state"), job.get("iteration"), job.get("data")
+    loss = job.get("loss")
     if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier()
                                               for k in state):
         raise TypeError(f"{where}: 'state' must be a dict of identifiers to objects")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"{where}: 'loss' must be a function loss(output, target)")
+    if iteration is None and loss is not None:
+        iteration = _pipeline_only
     if not callable(iteration):
         raise TypeError(f"{where}: 'iteration' must be a function iteration(s, batch)")
     if not isinstance(data, Iterable) or isinstance(data, Iterator):
@@ -95,7 +104,13 @@ def check_job(job: Any, where: str) -> BatchJob:
         raise TypeError(f"{where}: 'every' must be an int from 1 to 2**31")
     if evaluate is not None and every is None:
         raise TypeError(f"{where}: 'evaluate' needs 'every' (run it every N iterations)")
-    return BatchJob(state, iteration, data, evaluate, every)
+    return BatchJob(state, iteration, data, evaluate, every, loss)
+
+
+def _pipeline_only(s: Any, batch: Any) -> None:
+    """The iteration of an entrypoint that gave 'loss' and no 'iteration'."""
+    raise TypeError("the entrypoint gives 'loss' and no 'iteration': it runs only as a "
+                    'pipeline job ("pipeline": true)')
 
 
 class DataCursor:

@@ -27,6 +27,7 @@ import torch
 
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text
 from salus.daemon.measure import EstimationError
+from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
 from salus.daemon.wire.frames import FUNCTION_MASK
@@ -317,7 +318,8 @@ def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
         if op == "checkpoint":
             return {"ok": True, **runtime.checkpoint(meta)}, None
         if op == "place":
-            runtime.place(str(meta["device"]), int(meta["budget_bytes"]))
+            runtime.place(str(meta["device"]), int(meta["budget_bytes"]),
+                          check_factor(meta.get("slowdown", 1.0)))
             return {"ok": True}, None
         if op == "swap_out":
             runtime.swap_out()

@@ -12,6 +12,7 @@ back whenever the call drew from it, so the client and the job share one stream.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -26,11 +27,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from salus.daemon.executor import checkpoint, gang
+from salus.daemon.executor import checkpoint, context, gang
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.measure import EstimationError, estimate_call_peak, held_bytes, state_bytes
 from salus.daemon.services.comm import Comm
+from salus.daemon.services.slowdown import ComputeSlowdown
 from salus.daemon.wire import compact
 from salus.daemon.wire.codec import Pickled, PickledPayload
 from salus.daemon.wire.frames import FUNCTION_MASK
@@ -103,6 +105,9 @@ class JobRuntime:
         self.cursor: DataCursor | None = None
         self.gang: gang.GangSpec | None = None  # this replica's place in a gang job
         self.comm: Comm | None = None
+        self.context = context.JobContext()  # the services a batch job's code can reach
+        self.budget_bytes = 0  # persistent bytes plus the lane, where the daemon placed it
+        self.slowdown = ComputeSlowdown()  # the device's simulated one (--cpu-device-slowdown)
 
     # ---- messages ---------------------------------------------------------------------------
     def attach(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -165,13 +170,16 @@ class JobRuntime:
         rng = None if torch.equal(before, after) else after
         return result_message(request, result, rng), time.perf_counter() - start, peak
 
-    def _invoke(self, fn: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> tuple[Any, int | None]:
-        """`fn(s, *args, **kwargs)` on the job's device, with its peak measured."""
+    def _invoke(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                slowed: bool = True) -> tuple[Any, int | None]:
+        """`fn(s, *args, **kwargs)` on the job's device, with its peak measured, and slowed by
+        the device's simulated slowdown unless `slowed` is False (a pipeline step slows each
+        of its computations itself)."""
         args, kwargs = _to_device((args, kwargs), self.device)
         self.meter.start()
         began = time.monotonic()
-        result = fn(self.state, *args, **kwargs)
+        with self.slowdown if slowed else contextlib.nullcontext():
+            result = fn(self.state, *args, **kwargs)
         self.last_span = (began, time.monotonic())
         return result, self._settle(self.meter.peak())
 
@@ -180,12 +188,20 @@ class JobRuntime:
         """A batch job: import its entrypoint and hold what it returned; with `restore`, go on
         from the job's latest checkpoint (if it has one)."""
         spec = gang.GangSpec.parse(request.get("gang"))
+        if spec is not None and self.comm is None:
+            # Joined first, so that what the entrypoint builds can use the gang (a
+            # salus.data.CachedDataset shards its level 2 over it).
+            self.gang, self.comm = spec, gang.join(spec, self.device)
+        cache = request.get("cache") or {}
+        self.context = context.JobContext(self.comm, cache.get("dir"), cache.get("bytes"))
+        context.activate(self.context)
         job = load_entrypoint(str(request["path"]), str(request["function"]))
+        if request.get("pipeline") is not None:  # imported here: only these need scipy
+            from salus.daemon.executor import pipeline_job
+
+            job = pipeline_job.prepare(job, request["pipeline"], spec, self)
         self.batch, self.cursor = job, DataCursor(job.data)
         self._hold(job.state)
-        if spec is not None and self.comm is None:
-            self.gang, self.comm = spec, gang.join(spec, self.device)
-            self.state.comm = self.comm
         iteration = 0
         if request.get("restore"):
             iteration = self.restore(request)["iteration"]
@@ -244,11 +260,16 @@ class JobRuntime:
         start = time.perf_counter()
         try:
             batch = self.cursor.next()
-            if self.gang is not None:
+            if self.gang is not None and not self.batch.pipelined and not getattr(
+                    self.batch.data, "per_replica", False):  # a ReplicaLoader reads its part
                 batch = gang.shard(batch, self.gang.rank, self.gang.world)
-            result, peak = self._invoke(self.batch.iteration, (batch,), {})
+            result, peak = self._invoke(self.batch.iteration, (batch,), {},
+                                        slowed=not self.batch.pipelined)
             self.iterations += 1
             reply: dict[str, Any] = {"ok": True, "loss": scalar(result), "peak": peak}
+            cache = self.context.cache_stats()
+            if cache is not None:
+                reply["cache"] = cache
             every = self.batch.every
             if self.batch.evaluate is not None and every and self.iterations % every == 0:
                 value = self.batch.evaluate(self.state)
@@ -300,10 +321,12 @@ class JobRuntime:
                 out[name] = obj
         return {"ok": True, "result": Pickled(out, "the job's state")}
 
-    def place(self, device: str, budget_bytes: int) -> None:
+    def place(self, device: str, budget_bytes: int, slowdown: float = 1.0) -> None:
         """Move the state to `device` and, on CUDA, cap this process's allocations at
-        `budget_bytes` (the job's persistent bytes plus its lane)."""
+        `budget_bytes` (the job's persistent bytes plus its lane); the job's calls are slowed
+        by the device's simulated `slowdown` factor from now on."""
         target = torch.device(device)
+        self.budget_bytes, self.slowdown.factor = budget_bytes, slowdown
         if target.type == "cuda":
             torch.cuda.set_device(target)
             total = torch.cuda.get_device_properties(target).total_memory

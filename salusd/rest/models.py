@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_ITERATIONS = 2**53
 
@@ -22,6 +22,11 @@ class Checkpoint(BaseModel):
     time: float = Field(description="unix seconds")
     bytes: int
     path: str | None = None
+
+
+class PipelineOut(BaseModel):
+    placement: Literal["even", "sky", "optimal"]
+    microbatches: int
 
 
 class JobOut(BaseModel):
@@ -48,6 +53,9 @@ class JobOut(BaseModel):
     entrypoint: str | None = None
     last_loss: float | None = None
     last_evaluation: float | str | None = None
+    cache: dict[str, Any] | None = Field(default=None, description="counters of the job's "
+                                         "salus.data.CachedDataset reads (all replicas)")
+    pipeline: PipelineOut | None = Field(default=None, description="a pipeline job's options")
 
 
 class JobSubmit(Strict):
@@ -65,6 +73,26 @@ class JobSubmit(Strict):
                                    pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                    description="a multi-node gang's id, the same on every "
                                    "node and new for each submission (default: the name)")
+    pipeline: bool = Field(default=False, description="split the entrypoint's model into one "
+                           "stage per device and train it as a GPipe pipeline (docs/pipeline.md)")
+    placement: Literal["even", "sky", "optimal"] | None = Field(
+        default=None, description="a pipeline's split: even layer counts (default), the Sky "
+        "Computing heuristic, or the MILP optimum, over a profile made by the replicas")
+    microbatches: int | None = Field(default=None, ge=1, le=1024,
+                                     description="micro-batches per pipeline step (default 1)")
+
+    @model_validator(mode="after")
+    def _pipeline_options(self) -> JobSubmit:
+        if not self.pipeline and (self.placement is not None or self.microbatches is not None):
+            raise ValueError("'placement' and 'microbatches' are options of pipeline jobs: "
+                             "add \"pipeline\": true")
+        return self
+
+    def pipeline_options(self) -> dict[str, Any] | None:
+        """What the engine gets: None for a job that is not a pipeline."""
+        if not self.pipeline:
+            return None
+        return {"placement": self.placement or "even", "microbatches": self.microbatches or 1}
 
 
 class Suspend(Strict):
@@ -100,6 +128,10 @@ class LaneOut(BaseModel):
 class DeviceOut(BaseModel):
     index: int
     torch_device: str
+    compute_slowdown: float = Field(default=1.0, description="SIMULATED slowdown of this CPU "
+                                    "device's computations (salusd --cpu-device-slowdown): its "
+                                    "executors sleep (factor - 1) x each call's CPU time; "
+                                    "1.0: none")
     capacity_bytes: int
     used_bytes: int
     persistent_bytes: int

@@ -64,7 +64,8 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     def start() -> JobOut:
         record = ctx.engine.submit_batch(who.owner, body.name, body.iterations, path,
                                          function, body.priority, devices=body.devices,
-                                         nodes=body.nodes, rendezvous=body.rendezvous)
+                                         nodes=body.nodes, rendezvous=body.rendezvous,
+                                         pipeline=body.pipeline_options())
         return job_out(ctx.engine, record)
     return await ctx.bridge.run(start)
 

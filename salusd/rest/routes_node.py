@@ -17,6 +17,7 @@ async def devices(_: Principal = Depends(principal),
                   ctx: Context = Depends(context)) -> list[DeviceOut]:
     snap = await ctx.bridge.run(lambda: snapshot(ctx.engine))
     return [DeviceOut(index=d["index"], torch_device=d["torch_device"],
+                      compute_slowdown=d["compute_slowdown"],
                       capacity_bytes=d["capacity_bytes"], used_bytes=d["used_bytes"],
                       persistent_bytes=d["persistent_bytes"],
                       unreserved_bytes=d["unreserved_bytes"],

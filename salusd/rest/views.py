@@ -40,7 +40,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
         resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
         entrypoint=record.spec.get("entrypoint"),
-        last_loss=record.last_loss,
+        last_loss=record.last_loss, cache=record.cache, pipeline=record.spec.get("pipeline"),
         last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
 
 
@@ -58,4 +58,4 @@ def row_out(row: JobRow) -> JobOut:
         devices=spec_devices(row.spec), nodes=spec_nodes(row.spec),
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
-        entrypoint=row.spec.get("entrypoint"))
+        entrypoint=row.spec.get("entrypoint"), pipeline=row.spec.get("pipeline"))

@@ -10,6 +10,7 @@ collective exchange per step (`exchange`) and reads run ahead of compute (`batch
 from .dataset import CachedDataset
 from .disk import DiskCache
 from .exchange import Exchanged, exchange
+from .loader import ReplicaLoader
 from .memory import MemoryStore, sample_nbytes
 from .stats import CacheStats, LevelStats
 
@@ -20,6 +21,7 @@ __all__ = [
     "Exchanged",
     "LevelStats",
     "MemoryStore",
+    "ReplicaLoader",
     "exchange",
     "sample_nbytes",
 ]

@@ -55,3 +55,4 @@ class CacheStats:
                 "read_seconds": self.read_seconds,
                 "wait_seconds": self.wait_seconds,
             }
+

@@ -8,19 +8,18 @@
   Devices are in pipeline order: stage d runs on the d-th device of the cluster profile.
 - Heterogeneity simulation: `DeviceSlowdown`, `draw_slowdowns`, `slow_down`,
   `heterogeneous_cluster`, `compute_slowdown`.
-- Pipelines: `split_model`, `train_pipelined` (GPipe with `torch.distributed.pipelining`).
+- Pipelines: `split_model`, `train_pipelined` (GPipe with `torch.distributed.pipelining`);
+  `plan_in_group`: the benchmark phase and an allocator run by a gang's own ranks (pipeline
+  jobs, `salusd/executor/pipeline_job.py`).
 """
+
+from salus.daemon.services.slowdown import DeviceSlowdown, compute_slowdown, draw_slowdowns
 
 from .cost import CostModel
 from .device_bench import benchmark_device
 from .even import allocate_even, even_boundaries
-from .heterogeneity import (
-    DeviceSlowdown,
-    compute_slowdown,
-    draw_slowdowns,
-    heterogeneous_cluster,
-    slow_down,
-)
+from .group_plan import plan_in_group
+from .heterogeneity import heterogeneous_cluster, slow_down
 from .link_bench import benchmark_cluster, benchmark_links, links_from_topology
 from .model_bench import profile_model, top_level_blocks
 from .optimal import allocate_optimal
@@ -59,6 +58,7 @@ __all__ = [
     "even_boundaries",
     "heterogeneous_cluster",
     "links_from_topology",
+    "plan_in_group",
     "profile_model",
     "slow_down",
     "split_model",

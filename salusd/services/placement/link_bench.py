@@ -34,34 +34,35 @@ def benchmark_links(
     of a `small_bytes` and of a `large_bytes` message gives two one-way times; the
     latency-bandwidth line through them gives the bandwidth (bytes/s, the slope) and the
     latency (seconds, the intercept). The result is symmetric, indexed by rank, and the same
-    on every rank. Tensors live on `device` (a CUDA device with NCCL).
+    on every rank. Tensors live on `device` (a CUDA device with NCCL). When a pair's large
+    message was not slower than its small one (a disturbed measurement), every rank raises the
+    same RuntimeError once all pairs are done, so the ranks stay in step and may retry.
     """
     if not 0 < small_bytes < large_bytes:
         raise ValueError(f"need 0 < small_bytes < large_bytes, got {small_bytes}, {large_bytes}")
     rank, world = dist.get_rank(), dist.get_world_size()
     small = torch.zeros(small_bytes, dtype=torch.uint8, device=device)
     large = torch.zeros(large_bytes, dtype=torch.uint8, device=device)
-    measured: list[tuple[int, int, float, float]] = []
+    measured: list[tuple[int, int, float, float]] = []  # (i, j, small, large) one-way s
     for i, j in combinations(range(world), 2):
         if rank in (i, j):
             peer = j if rank == i else i
             t_small = _one_way_s(small, rank == i, peer, rounds)
             t_large = _one_way_s(large, rank == i, peer, rounds)
-            if t_large <= t_small:
-                raise RuntimeError(
-                    f"ranks {i}<->{j}: {large_bytes} bytes took {t_large:.3g} s, no longer than "
-                    f"{small_bytes} bytes ({t_small:.3g} s); raise large_bytes")
-            bandwidth = (large_bytes - small_bytes) / (t_large - t_small)
-            latency = max(0.0, t_small - small_bytes / bandwidth)
             if rank == i:
-                measured.append((i, j, latency, bandwidth))
+                measured.append((i, j, t_small, t_large))
         dist.barrier()
     gathered: list[list[tuple[int, int, float, float]]] = [[] for _ in range(world)]
     dist.all_gather_object(gathered, measured)
     lat = [[0.0] * world for _ in range(world)]
     bw = [[0.0] * world for _ in range(world)]
-    for i, j, latency, bandwidth in (row for rows in gathered for row in rows):
-        lat[i][j] = lat[j][i] = latency
+    for i, j, t_small, t_large in (row for rows in gathered for row in rows):
+        if t_large <= t_small:
+            raise RuntimeError(
+                f"ranks {i}<->{j}: {large_bytes} bytes took {t_large:.3g} s, no longer than "
+                f"{small_bytes} bytes ({t_small:.3g} s); raise large_bytes")
+        bandwidth = (large_bytes - small_bytes) / (t_large - t_small)
+        lat[i][j] = lat[j][i] = max(0.0, t_small - small_bytes / bandwidth)
         bw[i][j] = bw[j][i] = bandwidth
     return LinkProfile(tuple(map(tuple, lat)), tuple(map(tuple, bw)))
 
