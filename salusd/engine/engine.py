@@ -803,6 +803,8 @@ class Engine:
         record.last_loss = meta.get("loss")
         if isinstance(meta.get("cache"), dict):
             record.cache = meta["cache"]
+        if isinstance(meta.get("comm"), dict):
+            record.comm = meta["comm"]
         if "evaluation" in meta:
             record.last_evaluation = meta["evaluation"]
         job = self.sched.jobs.get(record.job_id)

@@ -5,7 +5,8 @@ answers on its own executor link, in its own time. `GangReply` collects the answ
 all are in, gives one reply in the single-executor form: ok only when every replica was ok (the
 first failure's message, named by replica), the slowest replica's seconds, the largest peak
 (each device holds one replica), the mean loss, replica 0's evaluation and iteration, the sum
-of the replicas' data cache counters, and for a checkpoint the bytes of all replicas.
+of the replicas' data cache and communication counters, and for a checkpoint the bytes of all
+replicas.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def merge(metas: list[dict[str, Any]]) -> dict[str, Any]:
     caches = [m["cache"] for m in metas if isinstance(m.get("cache"), dict)]
     if caches:  # each replica reads and holds its own share: the gang's is their sum
         out["cache"] = sum_counters(caches)
+    comms = [m["comm"] for m in metas if isinstance(m.get("comm"), dict)]
+    if comms:  # bytes and calls of all replicas; the algorithm replica 0's "auto" picked
+        out["comm"] = {**sum_counters(comms), "last_algorithm": comms[0].get("last_algorithm")}
     iterations = {m.get("iteration") for m in metas}
     if out["ok"] and len(iterations) > 1:
         out["ok"] = False

@@ -100,6 +100,7 @@ class JobRecord:
     last_loss: float | None = None  # batch jobs: what the last iteration returned
     last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
+    comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
 
     @property
     def live(self) -> bool:

@@ -270,6 +270,8 @@ class JobRuntime:
             cache = self.context.cache_stats()
             if cache is not None:
                 reply["cache"] = cache
+            if self.comm is not None:  # what s.comm sent, and what "auto" picked last
+                reply["comm"] = self.comm.stats.snapshot()
             every = self.batch.every
             if self.batch.evaluate is not None and every and self.iterations % every == 0:
                 value = self.batch.evaluate(self.state)

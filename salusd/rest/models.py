@@ -55,6 +55,9 @@ class JobOut(BaseModel):
     last_evaluation: float | str | None = None
     cache: dict[str, Any] | None = Field(default=None, description="counters of the job's "
                                          "salus.data.CachedDataset reads (all replicas)")
+    comm: dict[str, Any] | None = Field(default=None, description="a gang's collectives: "
+                                        "bytes sent and calls by kind (all replicas), and the "
+                                        "allreduce algorithm last used (what auto picked)")
     pipeline: PipelineOut | None = Field(default=None, description="a pipeline job's options")
 
 

@@ -40,7 +40,8 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
         resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
         entrypoint=record.spec.get("entrypoint"),
-        last_loss=record.last_loss, cache=record.cache, pipeline=record.spec.get("pipeline"),
+        last_loss=record.last_loss, cache=record.cache, comm=record.comm,
+        pipeline=record.spec.get("pipeline"),
         last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
 
 
