@@ -809,9 +809,19 @@ class Engine:
             record.last_evaluation = meta["evaluation"]
         job = self.sched.jobs.get(record.job_id)
         if job is not None and job.done:
-            if self.checkpoints is not None:
-                self.checkpoint(record)
-            self._end(record, "finished", f"ran its {job.done_iterations} iterations")
+            reason = f"ran its {job.done_iterations} iterations"
+            if self.checkpoints is None:
+                self._end(record, "finished", reason)
+                return
+
+            def finished(meta: dict[str, Any]) -> None:
+                if record.live:  # not ended meanwhile (cancelled, an executor died)
+                    self._end(record, "finished", reason if meta.get("ok") else (
+                        f"{reason}; its final checkpoint failed: {meta.get('message')}"))
+
+            # Reported finished once its final checkpoint is on disk (a done job is not picked
+            # again meanwhile), so whoever reads "finished" finds the state it ended with.
+            self.checkpoint(record, on_done=finished)
         else:
             self._maybe_checkpoint(record)
 
