@@ -36,8 +36,9 @@ from salus.daemon.engine.registry import (
     Registry,
     check_iterations,
     check_name,
+    spec_nodes,
 )
-from salus.daemon.engine.rendezvous import check_nodes, gang_places, spec_nodes
+from salus.daemon.engine.rendezvous import check_nodes, gang_places
 from salus.daemon.wire.errors import (
     BadRequest,
     Busy,
@@ -448,7 +449,7 @@ class Engine:
             policy = make_policy(str(name))
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        spanning = [r.job_id for r in self.registry.live.values() if spec_nodes(r.spec) > 1]
+        spanning = [r.job_id for r in self.registry.live.values() if r.nodes > 1]
         if policy.lane_mode != "pack" and spanning:
             raise BadRequest(f"{policy.name} shares one lane per device, and multi-node gangs "
                              f"{spanning} need lanes of their own: end them first")
@@ -714,7 +715,7 @@ class Engine:
                   ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
                   name=record.name, priority=record.priority,
                   done_iterations=record.done_before, gang=record.gang,
-                  exclusive=spec_nodes(record.spec) > 1)
+                  exclusive=record.nodes > 1)
         try:
             made = self.sched.submit(job)
         except ValueError as exc:
@@ -773,7 +774,7 @@ class Engine:
                 self._end(record, "finished", f"ran its {iteration} iterations")
                 return
             record.phase = "estimating"
-            if record.gang > 1 or spec_nodes(record.spec) > 1:
+            if record.gang > 1 or record.nodes > 1:
                 # Replicas call collectives: a fake-tensor run of one replica alone would
                 # issue them without its peers. The first real iteration is measured instead.
                 self._estimated(record, {"ok": False, "reason": "a gang job is measured on "

@@ -112,6 +112,11 @@ class JobRecord:
         return spec_devices(self.spec)
 
     @property
+    def nodes(self) -> int:
+        """Nodes of the cluster the job spans (a gang across nodes when above 1)."""
+        return spec_nodes(self.spec)
+
+    @property
     def executor(self) -> Any:
         """The job's executor (a gang's replica 0), or None before it has one."""
         return self.replicas[0] if self.replicas else None
@@ -120,6 +125,11 @@ class JobRecord:
 def spec_devices(spec: dict[str, Any]) -> int:
     """Devices a job was submitted for: a spec without `devices` is a one-device job."""
     return int(spec.get("devices", 1))
+
+
+def spec_nodes(spec: dict[str, Any]) -> int:
+    """Nodes a job was submitted for: a spec without `nodes` runs on this node only."""
+    return int(spec.get("nodes", 1))
 
 
 def check_name(name: object) -> str:

@@ -13,15 +13,11 @@ import re
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
+from salus.daemon.engine.registry import spec_nodes
 from salus.daemon.wire.address import free_port
 from salus.daemon.wire.errors import BadRequest
 
 RENDEZVOUS_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def spec_nodes(spec: dict[str, Any]) -> int:
-    """Nodes a job was submitted for: a spec without `nodes` runs on this node only."""
-    return int(spec.get("nodes", 1))
 
 
 def check_nodes(nodes: object, rendezvous: object, name: str,

@@ -20,7 +20,6 @@ gradient of the whole batch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,11 +80,9 @@ def join(spec: GangSpec, device: torch.device) -> Comm:
         init_loopback(spec.rank, spec.world, spec.port, timeout_s=GANG_TIMEOUT_S,
                       backend=backend)
     else:
-        if spec.loopback and os.path.exists("/sys/class/net/lo"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         host, _, port = spec.store.rpartition(":")
         init_through_store(spec.rank, spec.world, host, int(port), spec.key,
-                           timeout_s=GANG_TIMEOUT_S, backend=backend)
+                           timeout_s=GANG_TIMEOUT_S, backend=backend, loopback=spec.loopback)
     return Comm(local_size=spec.local_size)
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from salus.daemon.engine.registry import JobRecord, spec_devices
-from salus.daemon.engine.rendezvous import spec_nodes
+from salus.daemon.engine.registry import JobRecord, spec_devices, spec_nodes
 from salus.daemon.engine.report import job_info
 from salus.daemon.rest.models import Checkpoint, JobOut
 from salus.daemon.state.store import JobRow
@@ -33,7 +32,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         state=state, reason=record.reason,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
-        devices=record.gang, nodes=spec_nodes(record.spec), priority=record.priority,
+        devices=record.gang, nodes=record.nodes, priority=record.priority,
         persistent_bytes=record.persistent_bytes,
         ephemeral_bytes=ephemeral if ephemeral is not None else memory[
             "ephemeral_estimate_bytes"],

@@ -47,8 +47,7 @@ def init_loopback(
         raise ValueError(f"port must be in 1..65535, got {port}; use free_port() to pick one")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive seconds, got {timeout_s}")
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _pin_gloo_to_loopback()
     dist.init_process_group(
         backend,
         init_method=f"tcp://{LOOPBACK}:{port}",
@@ -67,6 +66,7 @@ def init_through_store(
     *,
     timeout_s: float = 120.0,
     backend: str = "gloo",
+    loopback: bool = False,
 ) -> int:
     """Join the default process group of ``world_size`` ranks (on several hosts) through the
     TCP store another process hosts on host:port, under the prefix ``key``; returns the
@@ -77,9 +77,13 @@ def init_through_store(
     ``(arrivals - 1) // world_size``, so every rank of one rendezvous lands in the same fresh
     namespace ``key/generation`` as long as each rendezvous is joined by all its ranks once.
     ``timeout_s`` bounds reaching the store, the rendezvous and every later collective.
+    ``loopback``: every rank is on this machine, so gloo is pinned to it as `init_loopback`
+    pins it.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if loopback:
+        _pin_gloo_to_loopback()
     base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     generation = (base.add(f"{key}/arrivals", 1) - 1) // world_size
     dist.init_process_group(
@@ -90,6 +94,13 @@ def init_through_store(
         timeout=timedelta(seconds=timeout_s),
     )
     return generation
+
+
+def _pin_gloo_to_loopback() -> None:
+    """Make gloo use the loopback interface when the machine has one (an already set
+    ``GLOO_SOCKET_IFNAME`` wins)."""
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def leave_group() -> None:
