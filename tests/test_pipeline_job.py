@@ -134,6 +134,9 @@ def test_a_stage_optimizer_keeps_each_group_hyperparameters_and_state() -> None:
     assert model[2].weight not in mine.state
     last = stage_optimizer(opt, split_model(model, [0, 2, 3])[1])
     assert [g["lr"] for g in last.param_groups] == [0.5]
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    staged = stage_optimizer(adamw, stage)  # its defaults hold a key its constructor refuses
+    assert type(staged) is torch.optim.AdamW and staged.defaults == adamw.defaults
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from salus.daemon.executor.batch import BatchJob
 from salus.daemon.executor.gang import GangSpec
+from salus.daemon.services.optimizers import rebuilt
 from salus.daemon.services.placement import plan_in_group, split_model
 from salus.daemon.services.slowdown import ComputeSlowdown
 
@@ -209,7 +210,7 @@ def stage_optimizer(opt: torch.optim.Optimizer, stage: nn.Module) -> torch.optim
                            "params": params})
     if not groups:
         raise ValueError("the optimizer has no parameter in this stage's layers")
-    new = type(opt)(groups, **opt.defaults)
+    new = rebuilt(opt, groups)
     for group in groups:
         for p in group["params"]:
             if p in opt.state:

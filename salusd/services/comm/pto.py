@@ -15,11 +15,12 @@ gradient gets ``grad=None`` and is skipped, as ``torch.optim`` skips the whole p
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from salus.daemon.services.optimizers import rebuilt
 
 # (output, input): concatenate every rank's equal-sized ``input`` into ``output`` in rank order.
 Gather = Callable[[torch.Tensor, torch.Tensor], None]
@@ -74,12 +75,7 @@ class ShardedOptimizer:
             groups.append({"params": pieces, **hyper})
         self.shard: torch.optim.Optimizer | None = None
         if any(g["params"] for g in groups):
-            cls = type(optimizer)
-            # Each group carries every hyperparameter; defaults only as far as the constructor
-            # takes them (AdamW's defaults hold a key its constructor refuses).
-            accepted = inspect.signature(cls).parameters
-            kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-            self.shard = cls(groups, **kwargs)
+            self.shard = rebuilt(optimizer, groups)
 
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` still has the param groups this shard was cut from."""
