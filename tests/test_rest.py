@@ -70,6 +70,7 @@ def test_bad_submissions_get_clear_errors(tmp_path):
             ({"name": "x", "entrypoint": "../../etc/passwd.py:f", "iterations": 1}, 422,
              "under the job root"),
             ({"name": "x", "entrypoint": "missing.py:f", "iterations": 1}, 422, "no file"),
+            ({"name": "x", "entrypoint": "a\x00b.py:f", "iterations": 1}, 422, "pattern"),
             ({"name": "x", "entrypoint": "shuffled.py:f", "iterations": 0}, 422, ""),
             ({"name": "x", "entrypoint": "shuffled.py:make_job", "iterations": 1,
               "devices": 3}, 422, "this node has 2 device(s)"),

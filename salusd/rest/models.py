@@ -63,9 +63,10 @@ class JobOut(BaseModel):
 
 class JobSubmit(Strict):
     name: str = Field(min_length=1, max_length=200)
-    entrypoint: str = Field(min_length=4, max_length=1024, pattern=r"^[^:]+\.py:[A-Za-z_]\w*$",
+    entrypoint: str = Field(min_length=4, max_length=1024,
+                            pattern=r"^[^:\x00-\x1f\x7f]+\.py:[A-Za-z_]\w*$",
                             description="file.py:function, the file under the daemon's "
-                            "--job-root")
+                            "--job-root (no control characters)")
     iterations: int = Field(ge=1, le=MAX_ITERATIONS)
     priority: float = Field(default=1.0, gt=0, lt=1e12)
     devices: int = Field(default=1, ge=1, le=1024, description="replicas on this node, one "
