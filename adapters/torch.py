@@ -35,6 +35,21 @@ Sugar over the same contract: `job.train_step(model, optimizer, loss_fn)` return
 - **Pipelining**: `train.submit(...)` returns a `Future` at once, so the client can prepare the
   next batch while the daemon computes; replies come back in the order calls were made.
 
+**Data-parallel jobs**: `salus.connect(name, iterations, devices=N)` opens a gang of N
+replicas, one per device, admitted all or nothing. Every call runs on all replicas, as one
+scheduled iteration on all their lanes; each tensor argument is split along dim 0 into N
+nearly equal parts and replica r gets part r (`salus.per_replica(b0, b1, ...)` passes one value
+per replica, `salus.whole(x)` one value to all). Inside, `s.comm` is the gang's communication
+service (`s.comm.all_reduce_gradients(s.model)`, `s.comm.sharded_step(s.opt)`, ...). The
+objects are attached once and every replica starts from them; the call returns replica 0's
+result, and `s.comm.gather_batch(out)` gathers a whole batch's outputs there. Every replica
+starts each call from the client's random state, so they draw the same numbers (as DDP ranks
+seeded alike do), and the client goes on from replica 0's. A call that raises on every replica
+fails that call; one that raises on some replicas only fails the job (their states may differ
+now, or the others wait for it in a collective). Calls go through salusd (no direct channel).
+`train_step` averages the gradients over the gang and returns the whole batch's mean loss;
+`inference` returns the whole batch's outputs.
+
 The daemon is found at `address=` (`unix:///path`), else `$SALUS_ADDRESS`, else the default
 socket. Imports only torch, cloudpickle and the wire package of salusd.
 """
@@ -75,15 +90,17 @@ from salus.daemon.wire.errors import (
     SalusError,
 )
 from salus.daemon.wire.frames import VERSION
+from salus.daemon.wire.replicas import MAX_REPLICAS, PerReplica, Whole
 
 __all__ = ["CallFailed", "DaemonUnavailable", "Future", "Job", "Remote", "RemoteFunction",
-           "connect"]
+           "connect", "per_replica", "whole"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def connect(name: str, iterations: int, *, address: str | None = None,
-            timeout_s: float | None = 10.0) -> Job:
-    """Open a job called `name` that plans `iterations` iterations in salusd.
+            timeout_s: float | None = 10.0, devices: int = 1) -> Job:
+    """Open a job called `name` that plans `iterations` iterations in salusd; with `devices`
+    N > 1, a data-parallel gang of N replicas (see the module docstring).
 
     `timeout_s` (seconds) bounds connecting and opening; calls themselves wait as long as the
     daemon's scheduler makes them. While salusd restarts, connecting is retried for about 20 s
@@ -98,9 +115,11 @@ def connect(name: str, iterations: int, *, address: str | None = None,
         raise TypeError(f"name must be a string, got {type(name).__name__}")
     if type(iterations) is not int or not 1 <= iterations <= 2**53:
         raise ValueError(f"iterations must be an int from 1 to 2**53, got {iterations!r}")
+    if type(devices) is not int or not 1 <= devices <= MAX_REPLICAS:
+        raise ValueError(f"devices must be an int from 1 to {MAX_REPLICAS}, got {devices!r}")
     path = parse_address(address) if address is not None else default_socket_path()
     sock = _connect_retrying(path, timeout_s)
-    job = Job(Channel(sock), name, iterations, path)
+    job = Job(Channel(sock), name, iterations, path, devices)
     try:
         job._hello()
     except BaseException:
@@ -111,6 +130,16 @@ def connect(name: str, iterations: int, *, address: str | None = None,
 
 
 RECONNECT_TRIES = 8  # with backoff 0.25 s doubling to 4 s: about 20 s for salusd to come back
+
+
+def per_replica(*values: Any) -> PerReplica:
+    """An argument of a gang job's call that gives replica r `values[r]` (one per replica)."""
+    return PerReplica(values)
+
+
+def whole(value: Any) -> Whole:
+    """An argument of a gang job's call that every replica gets whole (not split)."""
+    return Whole(value)
 
 
 def _connect_retrying(path: str, timeout_s: float | None) -> socket.socket:
@@ -172,13 +201,15 @@ class Future:
 class Job:
     """A connection to salusd carrying one job; use `connect()` to make one."""
 
-    def __init__(self, channel: Channel, name: str, iterations: int, path: str) -> None:
+    def __init__(self, channel: Channel, name: str, iterations: int, path: str,
+                 devices: int = 1) -> None:
         self._channel = channel
         self._lock = threading.RLock()
         self._line = _Line(channel)
         self._direct: _Line | None = None
         self.name = name
         self.iterations = iterations
+        self.devices = devices  # replicas: > 1 for a data-parallel gang
         self.path = path
         self.id: str | None = None
         self.resumed_from = 0  # > 0: salusd restored this job at that iteration (see connect)
@@ -207,7 +238,8 @@ class Job:
             raise _unpicklable(objects, exc) from exc
         future.result()
         self.remote = Remote(self, objects)
-        self._open_direct()
+        if self.devices == 1:  # a gang's calls go to all replicas, through salusd
+            self._open_direct()
         return self.remote
 
     def _open_direct(self) -> None:
@@ -314,7 +346,7 @@ class Job:
         self.owner = reply.get("owner")
         self._compact = reply.get("compact") == compact.REVISION
         opened = self._request({"op": "open", "name": self.name, "iterations": self.iterations,
-                                "cwd": os.getcwd()}).result()
+                                "cwd": os.getcwd(), "devices": self.devices}).result()
         self.id, self.threads = str(opened["job"]), opened.get("threads")
         self.resumed_from = int(opened.get("resumed_from") or 0)
 
@@ -556,18 +588,29 @@ def _set_modes(s: Any, modes: tuple[bool, ...]) -> None:
 
 
 def _train_step(s: Any, *batch: Any) -> torch.Tensor:
+    """One optimizer step; in a gang (`s.comm`) on this replica's part of the batch, with the
+    gradients averaged over the gang, returning the gang's mean loss."""
     *inputs, target = batch
     s.optimizer.zero_grad()
     loss = s.loss_fn(s.model(*inputs), target)
     loss.backward()
+    comm = getattr(s, "comm", None)
+    if comm is not None:
+        comm.all_reduce_gradients(s.model)
     s.optimizer.step()
-    return loss.detach()
+    loss = loss.detach()
+    if comm is not None:
+        comm.all_reduce(loss, algorithm="ring")
+        loss /= comm.size
+    return loss
 
 
 def _infer(s: Any, *inputs: Any, train_mode: bool) -> Any:
     s.model.train(train_mode)
     with torch.inference_mode():
-        return s.model(*inputs)
+        out = s.model(*inputs)
+    comm = getattr(s, "comm", None)
+    return out if comm is None else comm.gather_batch(out)
 
 
 # ---- replies --------------------------------------------------------------------------------

@@ -200,15 +200,23 @@ class Engine:
     # ---- client operations (called by the front end on the I/O thread) ----------------------
     def open(self, owner: Owner, name: object, iterations: object, cwd: str | None, *,
              kind: JobKind = "interactive", spec: dict[str, Any] | None = None,
-             priority: float = 1.0, job_id: int | None = None) -> JobRecord:
+             priority: float = 1.0, job_id: int | None = None,
+             devices: object = 1) -> JobRecord:
         """A new job; an interactive job restored after a restart and waiting for its client
-        (same owner and name) is handed back instead, with `resumed_from` set."""
+        (same owner and name) is handed back instead, with `resumed_from` set. A new
+        interactive job on `devices` > 1 is a gang: its calls run on that many replicas."""
         if self.stopping:
             raise ShuttingDown("salusd is shutting down")
         checked, planned = check_name(name), check_iterations(iterations)
         if kind == "interactive" and job_id is None:
+            gang = self.check_devices(devices)
             waiting = next((r for r in self.registry if r.awaiting_client
                             and r.owner.uid == owner.uid and r.name == checked), None)
+            if waiting is not None and waiting.gang != gang:
+                raise BadRequest(f"job {waiting.job_id} {checked!r} was restored on "
+                                 f"{waiting.gang} device(s); connect with devices="
+                                 f"{waiting.gang} to go on with it")
+            spec = {**(spec or {}), **({"devices": gang} if gang > 1 else {})}
             if waiting is not None:
                 waiting.awaiting_client = waiting.held = False
                 self._event("reattach", waiting.job_id, iteration=waiting.resumed_from)
@@ -241,9 +249,7 @@ class Engine:
         each node's daemon alike (`salusd/cluster.py`). With `pipeline` ({"placement",
         "microbatches"}) the replicas run the model split into stages instead
         (`salusd/engine/pipeline_spec.py`)."""
-        if type(devices) is not int or not 1 <= devices <= len(self.ledgers):
-            raise BadRequest(f"this node has {len(self.ledgers)} device(s); a job may ask for 1 "
-                             f"to {len(self.ledgers)}, not {devices!r}")
+        self.check_devices(devices)
         spec: dict[str, Any] = {"entrypoint": f"{path}:{function}", "path": path,
                                 "function": function,
                                 **check_nodes(nodes, rendezvous, str(name), self.cluster)}
@@ -258,6 +264,13 @@ class Engine:
                            spec=spec, priority=priority)
         self._load(record, restore=False)
         return record
+
+    def check_devices(self, devices: object) -> int:
+        """`devices` when this node has that many devices; BadRequest says what it has."""
+        if type(devices) is not int or not 1 <= devices <= len(self.ledgers):
+            raise BadRequest(f"this node has {len(self.ledgers)} device(s); a job may ask for 1 "
+                             f"to {len(self.ledgers)}, not {devices!r}")
+        return devices
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
                 spec: dict[str, Any], priority: float, checkpoint_iteration: int | None) -> None:
@@ -321,13 +334,17 @@ class Engine:
         if record.phase != "open" or record.executor is not None:
             raise BadRequest(f"job {record.job_id} already holds its state; open another job "
                              "with salus.connect() for other objects")
-        self._acquire(record, 1)
-        self._send(record, _Sent("attach", answer), {"op": "attach"}, frame)
+        self._acquire(record, record.gang)
+        places = gang_places(record.spec, record.gang, record.owner.name, self.cluster) or [None]
+        # Every replica loads the same bytes (a gang's replicas join their group first).
+        self._send_all(record, "attach", [{"op": "attach", "gang": p} for p in places],
+                       answer=answer, frame=frame)
 
     def define(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a function definition (`@remote.iteration` / `@remote.function`)."""
         self._require_attached(record)
-        self._send(record, _Sent("define", answer), {"op": "define"}, frame)
+        self._send_all(record, "define", [{"op": "define"}] * record.gang, answer=answer,
+                       frame=frame)
 
     def pull(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a request for the job's state; the executor answers after its current call."""
@@ -337,8 +354,13 @@ class Engine:
     def channel(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Hand the job's executor the client's end of a direct call channel (the descriptor
         travels with `frame`). Calls on it run at once while the job holds a lease on its lane,
-        and are asked for (`ready`) and granted (`run`) one by one otherwise."""
+        and are asked for (`ready`) and granted (`run`) one by one otherwise. A gang's calls
+        go to every replica, through the daemon: it has no direct channel."""
         self._require_attached(record)
+        if record.gang > 1:
+            frame.close_fd()
+            raise BadRequest(f"job {record.job_id} is a gang of {record.gang} replicas: its "
+                             "calls go through salusd to all of them, not on a direct channel")
         self._send(record, _Sent("channel", answer), {"op": "channel"}, frame)
 
     def call(self, record: JobRecord, frame: RawFrame, answer: Answer, counted: bool) -> None:
@@ -354,6 +376,10 @@ class Engine:
         record.calls.append(Call(frame, answer, counted))
         if record.phase == "attached":
             record.phase = "estimating"
+            if record.gang > 1:  # its calls may issue collectives: see _loaded
+                self._estimated(record, {"ok": False, "reason": "a gang job is measured on "
+                                         "its first call"})
+                return
             self._send(record, _Sent("estimate"), {"op": "estimate"}, frame.duplicate())
         elif record.phase == "submitted":
             self._pump_job(record)
@@ -475,12 +501,20 @@ class Engine:
         sent = queue.popleft()
         if sent.gang is not None:
             if sent.kind == "run" and not meta.get("ok") and record.live:
-                self._gang_broke(record, sent, meta)
-                return
+                if record.kind == "batch":
+                    self._gang_broke(record, sent, meta)
+                    return
+                self._await_peers(record, sent.gang)
             if not sent.gang.add(sent.replica, meta, frame):
                 return  # other replicas have yet to answer
             gang, meta, frame = sent.gang, sent.gang.merged(), sent.gang.frame
             sent = gang.head
+            if gang.abandoned:  # answered and failed when a replica did not return
+                if frame is not None:
+                    frame.close_fd()
+                return
+            if sent.kind == "run" and record.live and gang.diverged():
+                frame = self._diverged(record, gang, frame)
         if sent.kind == "run":
             self._finished_call(record, sent, meta)
         elif sent.kind == "revoke":
@@ -493,10 +527,11 @@ class Engine:
             self._event("attach", record.job_id, persistent_bytes=record.persistent_bytes)
         elif sent.kind == "attach":
             # The state did not load (a class the executor cannot import): the client may
-            # attach again, to a fresh executor.
-            self._by_executor.pop(id(executor), None)
-            self._sent.pop(id(executor), None)
-            self.executors.retire(executor)
+            # attach again, to fresh executors.
+            for replica in record.replicas:
+                self._by_executor.pop(id(replica), None)
+                self._sent.pop(id(replica), None)
+                self.executors.retire(replica)
             record.replicas = []
         elif sent.kind == "estimate":
             self._estimated(record, meta)
@@ -535,7 +570,8 @@ class Engine:
             log.warning("%s", error)
             self._end(record, "failed", str(error), executor_gone=True)
         else:
-            error = JobCancelled(f"job {record.job_id} ended: {record.reason}")
+            ended = JobFailed if record.end_state == "failed" else JobCancelled
+            error = ended(f"job {record.job_id} ended: {record.reason}")
         for key in [k for k, j in self.leases.items() if j == record.job_id]:
             del self.leases[key]
             self.revoking.discard(key)
@@ -583,20 +619,25 @@ class Engine:
 
     def _send_all(self, record: JobRecord, kind: str, metas: list[dict[str, Any]], *,
                   lanes: list[LaneKey] | None = None, counted: bool = False,
-                  on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
-        """Send `metas[r]` to replica r of the job; their replies come back as one (replica
-        0's `_Sent`, with the merged meta). A job of one replica gets a plain `_send`."""
+                  on_done: Callable[[dict[str, Any]], None] | None = None,
+                  answer: Answer | None = None, frame: RawFrame | None = None) -> None:
+        """Send `metas[r]` (and the client's `frame`, to each) to replica r of the job; their
+        replies come back as one (replica 0's `_Sent` with the merged meta; replica 0's reply
+        frame goes to `answer`). A job of one replica gets a plain `_send`."""
         if record.gang == 1:
-            self._send(record, _Sent(kind, None, lanes[0] if lanes else None, counted,
-                                     on_done), metas[0], None)
+            self._send(record, _Sent(kind, answer, lanes[0] if lanes else None, counted,
+                                     on_done), metas[0], frame)
             return
+        frames = [frame, *(frame.duplicate() for _ in metas[1:])] if frame is not None else (
+            [None] * record.gang)
         gang = GangReply(record.gang, list(lanes or []))
         for replica, (executor, meta) in enumerate(zip(record.replicas, metas, strict=True)):
-            sent = _Sent(kind, None, lanes[replica] if lanes else None, counted,
+            sent = _Sent(kind, answer if replica == 0 else None,
+                         lanes[replica] if lanes else None, counted,
                          on_done if replica == 0 else None, gang, replica)
             if replica == 0:
                 gang.head = sent
-            self._send_to(executor, sent, meta)
+            self._send_to(executor, sent, meta, frames[replica])
 
     # ---- direct calls and leases -------------------------------------------------------------
     def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
@@ -804,8 +845,6 @@ class Engine:
         record.last_loss = meta.get("loss")
         if isinstance(meta.get("cache"), dict):
             record.cache = meta["cache"]
-        if isinstance(meta.get("comm"), dict):
-            record.comm = meta["comm"]
         if "evaluation" in meta:
             record.last_evaluation = meta["evaluation"]
         job = self.sched.jobs.get(record.job_id)
@@ -893,6 +932,7 @@ class Engine:
         lanes = self._gang_lanes(job_id) if record is not None else []
         held = [k for k, j in self.reserved.items() if j == job_id]
         if (record is None or job is None or record.cancel_requested or not lanes
+                or (record.kind != "batch" and not record.calls)
                 or job.state not in (JobState.ADMITTED, JobState.RUNNING)
                 or set(held) != set(lanes)):
             for key in held:
@@ -905,9 +945,16 @@ class Engine:
         for key in lanes:
             del self.reserved[key]
             self.busy[key] = job_id
-        self.sched.iteration_started(job_id)
-        self._send_all(record, "run", [{"op": "step"}] * record.gang, lanes=lanes,
-                       counted=True)
+        if record.kind == "batch":
+            self.sched.iteration_started(job_id)
+            self._send_all(record, "run", [{"op": "step"}] * record.gang, lanes=lanes,
+                           counted=True)
+            return
+        call = record.calls.popleft()  # the client's call, to every replica
+        if call.counted:
+            self.sched.iteration_started(job_id)
+        self._send_all(record, "run", [{"op": "run", "counted": call.counted}] * record.gang,
+                       lanes=lanes, counted=call.counted, answer=call.answer, frame=call.frame)
 
     def _gang_broke(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
         """A replica's iteration raised: its peers wait in a collective it will never join,
@@ -918,6 +965,47 @@ class Engine:
         self._end(record, "failed", f"iteration {int(meta.get('iteration', 0)) + 1} raised on "
                   f"replica {sent.replica}: {message}", executor_gone=True)
         self._kill_all(record)
+
+    def _await_peers(self, record: JobRecord, gang: GangReply) -> None:
+        """A replica's call of an interactive gang raised: its peers may wait for it in a
+        collective. Give them `cancel_grace_s` seconds to answer (once per call)."""
+        if not gang.waiting:
+            gang.waiting = True
+            self.timers.call_later(self.cancel_grace_s, lambda: self._peers_late(record, gang))
+
+    def _peers_late(self, record: JobRecord, gang: GangReply) -> None:
+        """Replicas of a failed gang call did not return in time (stuck in a collective its
+        failed peer never joined): the call and the job fail, and every replica is killed."""
+        if gang.complete or gang.abandoned or not record.live:
+            return
+        gang.abandoned = True
+        failed = gang.failed()
+        missing = [r for r in range(gang.expected) if r not in gang.metas]
+        reason = (f"the call raised on replica(s) {failed} "
+                  f"({gang.metas[failed[0]].get('message', '')[:1000]}) and replica(s) "
+                  f"{missing} did not return within {self.cancel_grace_s:g} s (waiting in a "
+                  "collective for it?); the gang cannot go on")
+        if gang.frame is not None:
+            gang.frame.close_fd()
+        if gang.head is not None and gang.head.answer is not None and 0 in gang.metas:
+            gang.head.answer(error_frame(JobFailed(f"job {record.job_id} failed: {reason}")))
+        for lane in gang.lanes:
+            if self.busy.get(lane) == record.job_id:
+                del self.busy[lane]
+        self._end(record, "failed", reason, executor_gone=True)
+        self._kill_all(record)
+
+    def _diverged(self, record: JobRecord, gang: GangReply, frame: RawFrame | None) -> RawFrame:
+        """A call raised on some replicas and returned on others: their states may differ
+        now, so the job fails (after the call's accounting); returns the client's answer."""
+        failed = gang.failed()
+        reason = (f"the call raised on replica(s) {failed} "
+                  f"({gang.metas[failed[0]].get('message', '')[:1000]}) and returned on the "
+                  "others, so the replicas' states may differ; the gang cannot go on")
+        if frame is not None:
+            frame.close_fd()
+        self._end(record, "failed", reason)
+        return error_frame(JobFailed(f"job {record.job_id} failed: {reason}"))
 
     def _finished_call(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
         assert sent.lane is not None
@@ -935,6 +1023,8 @@ class Engine:
         if not meta.get("empty"):
             record.calls_done += 1
             record.calls_failed += 0 if meta.get("ok") else 1
+        if isinstance(meta.get("comm"), dict):
+            record.comm = meta["comm"]
         made: list[Placement] = []
         if record.live and record.phase == "submitted":
             made = self._account(record, sent.lane, meta, counted, started=True)

@@ -27,6 +27,21 @@ class GangReply:
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)
     frame: RawFrame | None = None  # replica 0's reply frame (what a client would get)
     head: Any = None  # the engine's record of what replica 0 was sent
+    waiting: bool = False  # a replica failed: the others are given a grace time to answer
+    abandoned: bool = False  # they did not: the call was answered and the job failed
+
+    @property
+    def complete(self) -> bool:
+        return len(self.metas) == self.expected
+
+    def failed(self) -> list[int]:
+        """Replicas whose reply says they failed, in rank order."""
+        return sorted(r for r, m in self.metas.items() if not m.get("ok"))
+
+    def diverged(self) -> bool:
+        """Some replicas failed and the others did not (an interactive call raised on part of
+        the gang, which leaves the replicas' states unequal)."""
+        return 0 < len(self.failed()) < self.expected
 
     def add(self, replica: int, meta: dict[str, Any], frame: RawFrame | None) -> bool:
         """Record `replica`'s reply; True once every replica has answered."""
@@ -35,7 +50,7 @@ class GangReply:
         elif frame is not None:
             frame.close_fd()
         self.metas[replica] = meta
-        return len(self.metas) == self.expected
+        return self.complete
 
     def merged(self) -> dict[str, Any]:
         return merge([self.metas[r] for r in range(self.expected)])

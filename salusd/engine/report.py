@@ -51,6 +51,9 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "finish_s": job.finish_s if job else None,
         "device": placed[0].device if placed else None,
         "lane": placed[0].lane_id if placed else None,
+        "devices": record.gang,  # replicas of a gang job (one per device), else 1
+        "replica_lanes": [[p.device, p.lane_id] for p in sorted(placed, key=lambda p: p.device)],
+        "comm": record.comm,  # a gang's: bytes and calls of s.comm, the last "auto" pick
         "threads": record.threads,
         "executor_pid": getattr(record.executor, "pid", None),
         "memory": {

@@ -1,21 +1,24 @@
 """One replica of a gang job: the process group over the gang's executors, and its batch shard.
 
-A gang job (``"devices": N``) runs in N executors, one per device, all running the same
-entrypoint. The daemon picks a loopback port (or, for a gang across nodes, names the cluster's
-store, `salusd/cluster.py`) and tells each replica its rank when it loads the job; the replicas
-join one ``torch.distributed`` group (gloo on CPU devices, NCCL on CUDA ones)
-and the job's iteration gets it as ``s.comm`` (`salus.daemon.services.comm.Comm`). Replica 0's
-tensors are broadcast to the others once the job is loaded, as DDP does when it wraps a model,
-so replicas start equal even when the entrypoint does not seed its initialisation. A replica
-never leaves the group: its executor ends with ``os._exit`` when the job ends, and a peer still
-inside a collective then gets an error within `GANG_TIMEOUT_S` instead of destroying a group
-under it (which makes gloo abort).
+A gang job (``"devices": N`` in a batch job, ``salus.connect(devices=N)`` for a script) runs in
+N executors, one per device, all running the same entrypoint or the same client calls. The
+daemon picks a loopback port (or, for a gang across nodes, names the cluster's store,
+`salusd/cluster.py`) and tells each replica its rank when it loads or attaches the job; the
+replicas join one ``torch.distributed`` group (gloo on CPU devices, NCCL on CUDA ones) and the
+job's functions get it as ``s.comm`` (`salus.daemon.services.comm.Comm`). A batch job's replica
+0 broadcasts its tensors to the others once the job is loaded, as DDP does when it wraps a
+model, so replicas start equal even when the entrypoint does not seed its initialisation (an
+interactive job's replicas load the same attached bytes). A replica never leaves the group: its
+executor ends with ``os._exit`` when the job ends, and a peer still inside a collective then
+gets an error within `GANG_TIMEOUT_S` instead of destroying a group under it (which makes gloo
+abort).
 
-Every replica iterates the same data in the same order (same random state at each epoch start,
-as the cursor restores it) and keeps its slice of each batch: tensors are split along dim 0 into
-N nearly equal parts (`torch.tensor_split`), replica r keeping part r. With a batch size that N
-divides and a mean-reduced loss, averaged gradients (``s.comm.all_reduce_gradients``) equal the
-gradient of the whole batch.
+A batch job's replicas iterate the same data in the same order (same random state at each epoch
+start, as the cursor restores it) and each keeps its slice of each batch, as each replica of an
+interactive job keeps its slice of each call's arguments (`shard`): tensors are split along dim
+0 into N nearly equal parts (`torch.tensor_split`), replica r keeping part r. With a batch size
+that N divides and a mean-reduced loss, averaged gradients (``s.comm.all_reduce_gradients``)
+equal the gradient of the whole batch.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.procgroup import init_loopback, init_through_store
+from salus.daemon.wire.replicas import PerReplica, Whole
 
 GANG_TIMEOUT_S = 120.0
 """Bounds the gang's rendezvous and each of its collectives (a lost replica becomes an error)."""
@@ -109,11 +113,16 @@ def broadcast_state(comm: Comm, objects: dict[str, Any]) -> None:
 
 def shard(batch: Any, rank: int, world: int) -> Any:
     """Replica `rank`'s part of `batch`: every tensor split along dim 0 into `world` parts;
-    other leaves (and 0-d tensors) are kept whole."""
+    other leaves (and 0-d tensors) are kept whole; a `PerReplica` gives its item `rank`, a
+    `Whole` its value (`salus.daemon.wire.replicas`)."""
 
     def part(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return torch.tensor_split(leaf, world)[rank]
+        if isinstance(leaf, PerReplica):
+            return leaf.pick(rank, world)
+        if isinstance(leaf, Whole):
+            return leaf.value
         return leaf
 
     return pytree.tree_map(part, batch)

@@ -295,8 +295,12 @@ def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
         reply, seconds, peak = runtime.run(request)
         ok = not (isinstance(reply, dict) and reply.get("ok") is False)
         began, ended = runtime.last_span
-        return {"ok": ok, "seconds": seconds, "peak": peak, "began": began,
-                "ended": ended}, reply
+        out = {"ok": ok, "seconds": seconds, "peak": peak, "began": began, "ended": ended}
+        if not ok:
+            out["message"] = str(reply.get("message", ""))[:2000]
+        if runtime.comm is not None:  # a gang replica: what s.comm sent, "auto"'s last pick
+            out["comm"] = runtime.comm.stats.snapshot()
+        return out, reply
     if op == "estimate":
         try:
             nbytes, method = runtime.estimate(request)
@@ -305,7 +309,7 @@ def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
             return {"ok": False, "reason": error_text(exc)}, None
     try:
         if op == "attach":
-            result = runtime.attach(request)
+            result = runtime.attach(request, meta.get("gang"))
             return {"ok": True, **result}, {"ok": True, "result": result}
         if op == "define":
             runtime.define(request)

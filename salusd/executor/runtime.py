@@ -110,10 +110,14 @@ class JobRuntime:
         self.slowdown = ComputeSlowdown()  # the device's simulated one (--cpu-device-slowdown)
 
     # ---- messages ---------------------------------------------------------------------------
-    def attach(self, request: dict[str, Any]) -> dict[str, Any]:
+    def attach(self, request: dict[str, Any], place: object = None) -> dict[str, Any]:
+        """Hold the client's objects; a replica of a gang job (`place`: its place in the gang)
+        joins the gang's process group first. Every replica loads the same bytes, so they start
+        equal without a broadcast."""
         payload = request.get("objects")
         if not isinstance(payload, PickledPayload):
             raise TypeError("'attach' needs 'objects': the pickled named objects")
+        self._join(place)
         objects = payload.load("attached objects", own=True)
         if not isinstance(objects, dict) or not all(isinstance(k, str) and k.isidentifier()
                                                     for k in objects):
@@ -157,6 +161,8 @@ class JobRuntime:
         before: torch.Tensor | None = None
         try:
             fn, args, kwargs = self._decode_call(request)
+            if self.gang is not None:  # this replica's part of the client's arguments
+                args, kwargs = gang.shard((args, kwargs), self.gang.rank, self.gang.world)
             before = torch.get_rng_state()
             result, peak = self._invoke(fn, args, kwargs)
             result = to_host(result)
@@ -187,11 +193,9 @@ class JobRuntime:
     def load(self, request: dict[str, Any]) -> dict[str, Any]:
         """A batch job: import its entrypoint and hold what it returned; with `restore`, go on
         from the job's latest checkpoint (if it has one)."""
-        spec = gang.GangSpec.parse(request.get("gang"))
-        if spec is not None and self.comm is None:
-            # Joined first, so that what the entrypoint builds can use the gang (a
-            # salus.data.CachedDataset shards its level 2 over it).
-            self.gang, self.comm = spec, gang.join(spec, self.device)
+        # Joined first, so that what the entrypoint builds can use the gang (a
+        # salus.data.CachedDataset shards its level 2 over it).
+        spec = self._join(request.get("gang"))
         cache = request.get("cache") or {}
         self.context = context.JobContext(self.comm, cache.get("dir"), cache.get("bytes"))
         context.activate(self.context)
@@ -213,6 +217,7 @@ class JobRuntime:
     def restore(self, request: dict[str, Any]) -> dict[str, Any]:
         """Load the latest checkpoint under `request["dir"]`: objects, functions, random state,
         the iteration count and (batch jobs) where the data stood."""
+        self._join(request.get("gang"))  # a gang's interactive job: before its state
         loaded = checkpoint.load_latest(Path(str(request["dir"])))
         if loaded is None:
             if self.batch is not None:
@@ -283,6 +288,14 @@ class JobRuntime:
         began, ended = self.last_span
         return {**reply, "seconds": time.perf_counter() - start, "began": began,
                 "ended": ended, "iteration": self.iterations}
+
+    def _join(self, place: object) -> gang.GangSpec | None:
+        """Join the gang's process group once, for a replica told its `place` (None: no
+        gang); returns this replica's place."""
+        spec = gang.GangSpec.parse(place)
+        if spec is not None and self.comm is None:
+            self.gang, self.comm = spec, gang.join(spec, self.device)
+        return spec
 
     def _objects(self) -> dict[str, Any]:
         """The job's named objects (``s.comm``, a service, is not one of them)."""

@@ -7,11 +7,14 @@ functions and arguments it carries stay pickled and go to the job's executor unt
 
     op         fields                                  answered by   result
     ping       max_frame_bytes?                        daemon        version, limits, owner
-    open       name, iterations, cwd?                  daemon        {"job": id, "threads": n}
+    open       name, iterations, cwd?, devices?        daemon        {"job": id, "threads": n,
+                                                                     "devices": replicas}
     attach     job, objects (pickled dict), rng?       executor      persistent bytes, threads
     define     job, fid, kind, fn (pickled)            executor      None
     call       job, fid | fn (pickled), args, rng?     executor      the pickled result (+ rng)
-               (or a compact OP_CALL frame)                          (or a compact OP_RESULT)
+               (or a compact OP_CALL frame)                          (or a compact OP_RESULT);
+                                                                     a gang's: every replica
+                                                                     runs it, replica 0 answers
     pull       job, names?                             executor      pickled {name: state}
     channel    job (+ a socket descriptor)             executor      None: later calls may go
                                                                      straight to the executor
@@ -140,10 +143,10 @@ class Handlers:
         if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= 4096):
             raise BadRequest("'cwd' must be a path of at most 4096 characters")
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
-                                  cwd)
+                                  cwd, devices=request.get("devices", 1))
         client.jobs.add(record.job_id)
         return {"job": str(record.job_id), "threads": record.threads,
-                "resumed_from": record.resumed_from}
+                "resumed_from": record.resumed_from, "devices": record.gang}
 
     def _info(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
         return job_info(self.engine, self._record(client, request))

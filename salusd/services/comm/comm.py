@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from salus.daemon.services.collectives import Topology, Work
 from salus.daemon.services.collectives.execute import DEFAULT_CHUNK_BYTES
@@ -349,6 +350,28 @@ class Comm:
 
         return self._launch(run, async_op)
 
+    def gather_batch(self, value: Any, dst: int = 0) -> Any:
+        """The whole batch's `value` on rank ``dst`` (None on the others): every rank's
+        ``value`` (a pytree of the same structure on every rank), gathered in rank order, with
+        tensors of one or more dimensions concatenated along dim 0 and other leaves taken from
+        rank ``dst``. It undoes the split of a gang's batch: an inference call returns its
+        whole batch's outputs with ``return s.comm.gather_batch(s.model(x))``. Collective;
+        tensors travel pickled on the CPU (``dist.gather_object``)."""
+        host = pytree.tree_map(
+            lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+        gathered: list[Any] | None = [None] * self.size if self.rank == dst else None
+
+        def run() -> None:
+            dist.gather_object(host, gathered, group=self.group, group_dst=dst)
+            sent = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(host)
+                       if isinstance(t, torch.Tensor))
+            self.stats.add("gather", 0 if self.rank == dst else sent)
+
+        self._launch(run, async_op=False)
+        if gathered is None:
+            return None
+        return pytree.tree_map(_concat_dim0, *gathered)
+
     # Training helpers -----------------------------------------------------------------------
 
     def all_reduce_gradients(
@@ -453,3 +476,11 @@ class Comm:
             shard = self._shards.get(optimizer)
             return 0 if shard is None else shard.state_bytes()
         return sum(shard.state_bytes() for shard in self._shards.values())
+
+
+def _concat_dim0(first: Any, *rest: Any) -> Any:
+    """One leaf of a gathered batch: tensors of one or more dimensions concatenated along
+    dim 0 in rank order; anything else as the first rank has it."""
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.cat([first, *rest])
+    return first
