@@ -35,9 +35,27 @@ from salus.daemon.wire.frames import FUNCTION_MASK
 log = logging.getLogger("salusd.executor")
 _PR_SET_DUMPABLE = 4
 MAX_QUEUED_CALLS = 64
+SPIN_US = 200.0  # see spin_window_s
 REPORT_EVERY_S = 0.02  # leased calls are reported to the daemon in batches this often
 _BUSY = object()  # a call refused for the bound, answered in its turn
 _WITH_FRAME = frozenset({"attach", "define", "pull", "estimate", "run", "channel"})
+
+
+def spin_window_s() -> float:
+    """How long an executor polls for the next message before it blocks (seconds), from
+    `$SALUS_SPIN_US` (microseconds, default `SPIN_US`; 0 turns polling off).
+
+    A process blocked in `epoll_wait` lets its CPU idle, and the message that wakes it pays the
+    kernel's (in a virtual machine, also the hypervisor's) wake-up path: 25-40 µs per hop on the
+    2-vCPU build VM, against under 4 µs for a peer that polls. Polling is bounded to the window
+    after each message, where the next call of a training loop comes, so an idle executor
+    sleeps. The client does not poll while its call runs: where its CPU is a hyperthread
+    sibling of the executor's, polling slowed the call itself by half (measured)."""
+    try:
+        us = float(os.environ.get("SALUS_SPIN_US", SPIN_US))
+    except ValueError:
+        us = SPIN_US
+    return max(0.0, min(us, 100_000.0)) / 1e6
 
 
 def become(hello: dict[str, Any]) -> None:
@@ -87,6 +105,8 @@ class Executor:
         self.estimated = False  # the first call's peak goes with its `ready`, for admission
         self.ran: dict[str, Any] | None = None  # leased calls not yet reported to the daemon
         self.ran_since = 0.0
+        self.spin_s = spin_window_s()  # poll this long after a message before blocking
+        self.active_at = 0.0
 
     def serve(self) -> int:
         try:
@@ -96,6 +116,8 @@ class Executor:
         while True:
             sources = [name for name, ch in (("daemon", self.daemon), ("data", self.data))
                        if ch is not None and ch.buffered()]
+            if not sources:
+                sources = self._spin()
             if not sources:
                 timeout = (None if self.ran is None else
                            max(0.0, self.ran_since + REPORT_EVERY_S - time.monotonic()))
@@ -110,6 +132,19 @@ class Executor:
                 else:
                     self._from_client()
             self._run_queued()
+            self.active_at = time.perf_counter()
+
+    def _spin(self) -> list[str]:
+        """Poll, without sleeping, for `spin_s` after the last message: a training loop sends
+        its next call within microseconds of its result, and a call that finds the executor
+        blocked pays the wake-up path (see `spin_window_s`). The sources that became
+        readable."""
+        until = self.active_at + self.spin_s
+        while time.perf_counter() < until:
+            ready = self.selector.select(0)
+            if ready:
+                return [key.data for key, _ in ready]
+        return []
 
     # ---- the daemon's messages ----------------------------------------------------------------
     def _from_daemon(self) -> bool:
