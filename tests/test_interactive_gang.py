@@ -56,20 +56,11 @@ def _close(got: dict[str, torch.Tensor], want: nn.Module) -> float:
     return max(float((got[k] - v).abs().max()) for k, v in want.state_dict().items())
 
 
-def _step_ring(s, x, y):
+def _step(s, x, y, algorithm="ring"):
     s.opt.zero_grad()
     loss = nn.functional.mse_loss(s.model(x), y)
     loss.backward()
-    s.comm.all_reduce_gradients(s.model, algorithm="ring")
-    s.opt.step()
-    return loss
-
-
-def _step_tree(s, x, y):
-    s.opt.zero_grad()
-    loss = nn.functional.mse_loss(s.model(x), y)
-    loss.backward()
-    s.comm.all_reduce_gradients(s.model, algorithm="tree")
+    s.comm.all_reduce_gradients(s.model, algorithm=algorithm)
     s.opt.step()
     return loss
 
@@ -86,17 +77,18 @@ def test_gang_training_equals_one_process_on_the_whole_batch(daemon):
     batches = _batches()
     want, losses = _direct(batches)
     # ring: each tensor split in halves by salusd; tree: the client gives one half per replica
-    for name, step, split_here in (("ring", _step_ring, False), ("tree", _step_tree, True)):
+    for name, split_here in (("ring", False), ("tree", True)):
         model, opt = _model()
         with salus.connect(f"gang-{name}", STEPS, address=daemon.addr, devices=2) as job:
             assert job.devices == 2
             remote = job.attach(model=model, opt=opt)
-            fn = remote.iteration(step)
+            fn = remote.iteration(_step)
             for x, y in batches:
                 if split_here:
-                    fn(salus.per_replica(x[:4], x[4:]), salus.per_replica(y[:4], y[4:]))
+                    fn(salus.per_replica(x[:4], x[4:]), salus.per_replica(y[:4], y[4:]),
+                       algorithm=name)
                 else:
-                    fn(x, y)
+                    fn(x, y, algorithm=name)
             info = job.info()
             assert info["devices"] == 2 and info["iterations_done"] == STEPS
             assert sorted(d for d, _ in info["replica_lanes"]) == [0, 1]
@@ -208,7 +200,7 @@ def test_gang_resumes_after_kill_9(tmp_path: Path):
         model, opt = _model()
         job = salus.connect("gang-resume", steps, address=addr, devices=2)
         remote = job.attach(model=model, opt=opt)
-        step = remote.iteration(_step_ring)
+        step = remote.iteration(_step)
         start = job.resumed_from
         for x, y in batches[start:last]:
             step(x, y)
