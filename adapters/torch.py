@@ -335,8 +335,16 @@ class Job:
 
     # ---- requests ---------------------------------------------------------------------------
     def _hello(self) -> None:
-        reply = self._request({"op": "ping", "max_frame_bytes":
-                               self._channel.max_frame_bytes}).result()
+        try:
+            reply = self._request({"op": "ping", "max_frame_bytes":
+                                   self._channel.max_frame_bytes}).result()
+        except DaemonUnavailable:
+            # salusd may have refused the connection (over its limit) and closed it before
+            # the ping went out: its refusal is still there to read.
+            refusal = self._refusal()
+            if refusal is not None:
+                raise refusal from None
+            raise
         if not isinstance(reply, dict) or reply.get("version") != VERSION:
             raise DaemonUnavailable(f"salusd at {self.path} speaks another protocol version "
                                     f"({reply!r}); install matching versions")
@@ -349,6 +357,18 @@ class Job:
                                 "cwd": os.getcwd(), "devices": self.devices}).result()
         self.id, self.threads = str(opened["job"]), opened.get("threads")
         self.resumed_from = int(opened.get("resumed_from") or 0)
+
+    def _refusal(self) -> BaseException | None:
+        """The error salusd sent before it closed this connection, if it sent one."""
+        try:
+            reply = self._channel.recv()
+        except (ConnectionClosed, FrameError, OSError):
+            return None
+        try:
+            _json_result(reply)
+        except SalusError as error:
+            return error
+        return None
 
     def _require_id(self) -> str:
         if self.id is None:

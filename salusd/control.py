@@ -67,14 +67,20 @@ class Control:
 
     def _call(self, op: str, **fields: Any) -> Any:
         try:
-            self._sock.sendall(b"".join(json_frame({"op": op, **fields}).buffers()))
+            unsent: OSError | None = None
+            try:
+                self._sock.sendall(b"".join(json_frame({"op": op, **fields}).buffers()))
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                # salusd may have answered and closed before the request went out (a
+                # connection over its limit is refused at once): read what it said.
+                unsent = exc
             while True:
                 frames, closed = self._reader.read(0.0)
                 if frames:
                     reply = frames[0].json()
                     break
                 if closed:
-                    raise ConnectionError("salusd closed the connection")
+                    raise unsent or ConnectionError("salusd closed the connection")
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
                                     f"{exc}") from None

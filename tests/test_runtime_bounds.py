@@ -97,6 +97,8 @@ def test_a_connection_over_the_limit_gets_a_clear_refusal(tmp_path: Path) -> Non
         held = [Control(address) for _ in range(3)]
         with pytest.raises(Busy, match="at most 3 connections"):
             Control(address)
+        with pytest.raises(Busy, match="at most 3 connections"):  # a script is told alike
+            salus.connect(name="one-too-many", iterations=1, address=address)
         held.pop().close()
         time.sleep(0.2)
         with Control(address) as ctl:  # a place came free
