@@ -59,7 +59,7 @@ def test_a_gang_reads_through_the_node_cache_and_reports_it(tmp_path):
     for replica in (0, 1):
         loaded = checkpoint.load_latest(tmp_path / "state" / "checkpoints" / str(jid) /
                                         f"replica{replica}")
-        assert loaded is not None and loaded.iteration == ITERATIONS
+        assert loaded is not None and loaded.iteration == ITERATIONS, info["reason"]
         got = loaded.payload["objects"]["model"].state_dict()
         for key, want in reference.items():
             assert torch.allclose(got[key], want, rtol=0, atol=1e-6), (replica, key)
