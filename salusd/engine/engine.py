@@ -376,9 +376,8 @@ class Engine:
         record.calls.append(Call(frame, answer, counted))
         if record.phase == "attached":
             record.phase = "estimating"
-            if record.gang > 1:  # its calls may issue collectives: see _loaded
-                self._estimated(record, {"ok": False, "reason": "a gang job is measured on "
-                                         "its first call"})
+            if record.gang > 1:
+                self._measure_first(record, "call")
                 return
             self._send(record, _Sent("estimate"), {"op": "estimate"}, frame.duplicate())
         elif record.phase == "submitted":
@@ -816,12 +815,16 @@ class Engine:
                 return
             record.phase = "estimating"
             if record.gang > 1 or record.nodes > 1:
-                # Replicas call collectives: a fake-tensor run of one replica alone would
-                # issue them without its peers. The first real iteration is measured instead.
-                self._estimated(record, {"ok": False, "reason": "a gang job is measured on "
-                                         "its first iteration"})
+                self._measure_first(record, "iteration")
                 return
             self._send(record, _Sent("estimate"), {"op": "estimate", "frame": False}, None)
+
+    def _measure_first(self, record: JobRecord, what: str) -> None:
+        """Admit a gang job without a fake-tensor estimate: its replicas call collectives,
+        which one replica run alone would issue without its peers. Its first real `what` is
+        measured instead (and re-admits it if it outgrows its lane)."""
+        self._estimated(record, {"ok": False, "reason": f"a gang job is measured on its first "
+                                 f"{what}"})
 
     def _checkpointed(self, record: JobRecord, meta: dict[str, Any]) -> None:
         record.checkpointing -= 1
@@ -959,11 +962,18 @@ class Engine:
     def _gang_broke(self, record: JobRecord, sent: _Sent, meta: dict[str, Any]) -> None:
         """A replica's iteration raised: its peers wait in a collective it will never join,
         so the job fails now and every replica is killed (their deaths free the lanes)."""
-        if sent.lane is not None and self.busy.get(sent.lane) == record.job_id:
-            del self.busy[sent.lane]
         message = str(meta.get("message", ""))[:2000]
-        self._end(record, "failed", f"iteration {int(meta.get('iteration', 0)) + 1} raised on "
-                  f"replica {sent.replica}: {message}", executor_gone=True)
+        self._break_gang(record, f"iteration {int(meta.get('iteration', 0)) + 1} raised on "
+                         f"replica {sent.replica}: {message}",
+                         [sent.lane] if sent.lane is not None else [])
+
+    def _break_gang(self, record: JobRecord, reason: str, lanes: list[LaneKey]) -> None:
+        """Fail gang `record` with `reason` and kill every replica (peers may wait in a
+        collective for ever); `lanes` are freed now, the others as their replicas die."""
+        for lane in lanes:
+            if self.busy.get(lane) == record.job_id:
+                del self.busy[lane]
+        self._end(record, "failed", reason, executor_gone=True)
         self._kill_all(record)
 
     def _await_peers(self, record: JobRecord, gang: GangReply) -> None:
@@ -979,29 +989,21 @@ class Engine:
         if gang.complete or gang.abandoned or not record.live:
             return
         gang.abandoned = True
-        failed = gang.failed()
         missing = [r for r in range(gang.expected) if r not in gang.metas]
-        reason = (f"the call raised on replica(s) {failed} "
-                  f"({gang.metas[failed[0]].get('message', '')[:1000]}) and replica(s) "
-                  f"{missing} did not return within {self.cancel_grace_s:g} s (waiting in a "
-                  "collective for it?); the gang cannot go on")
+        reason = (f"{gang.raised()} and replica(s) {missing} did not return within "
+                  f"{self.cancel_grace_s:g} s (waiting in a collective for it?); the gang "
+                  "cannot go on")
         if gang.frame is not None:
             gang.frame.close_fd()
         if gang.head is not None and gang.head.answer is not None and 0 in gang.metas:
             gang.head.answer(error_frame(JobFailed(f"job {record.job_id} failed: {reason}")))
-        for lane in gang.lanes:
-            if self.busy.get(lane) == record.job_id:
-                del self.busy[lane]
-        self._end(record, "failed", reason, executor_gone=True)
-        self._kill_all(record)
+        self._break_gang(record, reason, gang.lanes)
 
     def _diverged(self, record: JobRecord, gang: GangReply, frame: RawFrame | None) -> RawFrame:
         """A call raised on some replicas and returned on others: their states may differ
         now, so the job fails (after the call's accounting); returns the client's answer."""
-        failed = gang.failed()
-        reason = (f"the call raised on replica(s) {failed} "
-                  f"({gang.metas[failed[0]].get('message', '')[:1000]}) and returned on the "
-                  "others, so the replicas' states may differ; the gang cannot go on")
+        reason = (f"{gang.raised()} and returned on the others, so the replicas' states may "
+                  "differ; the gang cannot go on")
         if frame is not None:
             frame.close_fd()
         self._end(record, "failed", reason)

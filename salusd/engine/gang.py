@@ -38,6 +38,12 @@ class GangReply:
         """Replicas whose reply says they failed, in rank order."""
         return sorted(r for r, m in self.metas.items() if not m.get("ok"))
 
+    def raised(self) -> str:
+        """Which replicas' calls raised, and the first one's message (for a job's reason)."""
+        failed = self.failed()
+        return (f"the call raised on replica(s) {failed} "
+                f"({str(self.metas[failed[0]].get('message', ''))[:1000]})")
+
     def diverged(self) -> bool:
         """Some replicas failed and the others did not (an interactive call raised on part of
         the gang, which leaves the replicas' states unequal)."""

@@ -330,11 +330,10 @@ def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
         reply, seconds, peak = runtime.run(request)
         ok = not (isinstance(reply, dict) and reply.get("ok") is False)
         began, ended = runtime.last_span
-        out = {"ok": ok, "seconds": seconds, "peak": peak, "began": began, "ended": ended}
+        out = {"ok": ok, "seconds": seconds, "peak": peak, "began": began, "ended": ended,
+               **runtime.service_counters()}
         if not ok:
             out["message"] = str(reply.get("message", ""))[:2000]
-        if runtime.comm is not None:  # a gang replica: what s.comm sent, "auto"'s last pick
-            out["comm"] = runtime.comm.stats.snapshot()
         return out, reply
     if op == "estimate":
         try:

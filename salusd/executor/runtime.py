@@ -271,12 +271,8 @@ class JobRuntime:
             result, peak = self._invoke(self.batch.iteration, (batch,), {},
                                         slowed=not self.batch.pipelined)
             self.iterations += 1
-            reply: dict[str, Any] = {"ok": True, "loss": scalar(result), "peak": peak}
-            cache = self.context.cache_stats()
-            if cache is not None:
-                reply["cache"] = cache
-            if self.comm is not None:  # what s.comm sent, and what "auto" picked last
-                reply["comm"] = self.comm.stats.snapshot()
+            reply: dict[str, Any] = {"ok": True, "loss": scalar(result), "peak": peak,
+                                     **self.service_counters()}
             every = self.batch.every
             if self.batch.evaluate is not None and every and self.iterations % every == 0:
                 value = self.batch.evaluate(self.state)
@@ -296,6 +292,18 @@ class JobRuntime:
         if spec is not None and self.comm is None:
             self.gang, self.comm = spec, gang.join(spec, self.device)
         return spec
+
+    def service_counters(self) -> dict[str, Any]:
+        """What the job's services counted so far, for a call's reply: its data sets' cache
+        counters (`cache`) and what `s.comm` sent and which algorithm "auto" picked last
+        (`comm`); each only where the job uses it."""
+        out: dict[str, Any] = {}
+        cache = self.context.cache_stats()
+        if cache is not None:
+            out["cache"] = cache
+        if self.comm is not None:
+            out["comm"] = self.comm.stats.snapshot()
+        return out
 
     def _objects(self) -> dict[str, Any]:
         """The job's named objects (``s.comm``, a service, is not one of them)."""

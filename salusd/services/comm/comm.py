@@ -353,8 +353,8 @@ class Comm:
     def gather_batch(self, value: Any, dst: int = 0) -> Any:
         """The whole batch's `value` on rank ``dst`` (None on the others): every rank's
         ``value`` (a pytree of the same structure on every rank), gathered in rank order, with
-        tensors of one or more dimensions concatenated along dim 0 and other leaves taken from
-        rank ``dst``. It undoes the split of a gang's batch: an inference call returns its
+        tensors of one or more dimensions concatenated along dim 0 and other leaves as rank 0
+        has them. It undoes the split of a gang's batch: an inference call returns its
         whole batch's outputs with ``return s.comm.gather_batch(s.model(x))``. Collective;
         tensors travel pickled on the CPU (``dist.gather_object``)."""
         host = pytree.tree_map(
