@@ -13,7 +13,7 @@
 
 Prints one JSON object.
 
-    .venv/bin/python bench/packing.py [--devices 1]
+    .venv/bin/python bench/packing.py [--devices 1] [--only training|inference]
 """
 
 from __future__ import annotations
@@ -74,46 +74,59 @@ def _makespan(results: list[dict[str, Any]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--only", choices=("training", "inference"),
+                        help="run one of the two parts")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    train = ["small-mlp"] * 8
     out: dict[str, Any] = {"bench": "packing", "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="salusd-bench-") as tmp:
-        spans = {}
-        for policy in ("pack", "fifo"):
-            print(f"8 training jobs through salusd ({policy}) ...", file=sys.stderr)
-            with _daemon(Path(tmp), policy, args.devices) as daemon:
-                spans[policy] = _makespan(launch(train, daemon.address))
-        print("8 training jobs as separate processes ...", file=sys.stderr)
-        spans["processes"] = _makespan(launch(train, "direct"))
-        out["training"] = {
-            "jobs": 8,
-            "makespan_s": spans,
-            "pack_over_fifo": spans["pack"] / spans["fifo"],
-            "pack_over_processes": spans["pack"] / spans["processes"],
-        }
-
-        print("16 inference models in one daemon ...", file=sys.stderr)
-        infer = ["infer-mlp"] * 16
-        with (_daemon(Path(tmp), "pack", args.devices) as daemon,
-              Launched(infer, daemon.address, hold=True) as group):
-            tree = _tree(daemon.pid)
-            daemon_pss, daemon_rss = _group(tree)
-            client_rss = sum(r["rss_bytes"] for r in group.results)
-        print("16 inference models as separate processes ...", file=sys.stderr)
-        with Launched(infer, "direct", hold=True) as group:
-            process_pss, process_rss = _group([r["pid"] for r in group.results])
-        out["inference"] = {
-            "models": 16,
-            "daemon_processes": len(tree),
-            "daemon_pss_bytes": daemon_pss,
-            "processes_pss_bytes": process_pss,
-            "processes_over_daemon_pss": process_pss / daemon_pss,
-            "daemon_rss_sum_bytes": daemon_rss,
-            "processes_rss_sum_bytes": process_rss,
-            "daemon_clients_rss_bytes": client_rss,
-        }
+        if args.only != "inference":
+            out["training"] = _training(Path(tmp), args.devices)
+        if args.only != "training":
+            out["inference"] = _inference(Path(tmp), args.devices)
     print(json.dumps(out))
+
+
+def _training(tmp: Path, devices: int) -> dict[str, Any]:
+    train = ["small-mlp"] * 8
+    spans = {}
+    for policy in ("pack", "fifo"):
+        print(f"8 training jobs through salusd ({policy}) ...", file=sys.stderr)
+        with _daemon(tmp, policy, devices) as daemon:
+            spans[policy] = _makespan(launch(train, daemon.address))
+    print("8 training jobs as separate processes ...", file=sys.stderr)
+    spans["processes"] = _makespan(launch(train, "direct"))
+    return {
+        "jobs": 8,
+        "makespan_s": spans,
+        "pack_over_fifo": spans["pack"] / spans["fifo"],
+        "pack_over_processes": spans["pack"] / spans["processes"],
+    }
+
+
+def _inference(tmp: Path, devices: int) -> dict[str, Any]:
+    print("16 inference models in one daemon ...", file=sys.stderr)
+    infer = ["infer-mlp"] * 16
+    with (_daemon(tmp, "pack", devices) as daemon,
+          Launched(infer, daemon.address, hold=True) as group):
+        tree = _tree(daemon.pid)
+        daemon_pss, daemon_rss = _group(tree)
+        by_process = {pid: _memory(pid)[0] for pid in tree}
+        client_rss = sum(r["rss_bytes"] for r in group.results)
+    print("16 inference models as separate processes ...", file=sys.stderr)
+    with Launched(infer, "direct", hold=True) as group:
+        process_pss, process_rss = _group([r["pid"] for r in group.results])
+    return {
+        "models": 16,
+        "daemon_processes": len(tree),
+        "daemon_pss_bytes": daemon_pss,
+        "daemon_pss_by_process_bytes": sorted(by_process.values(), reverse=True),
+        "processes_pss_bytes": process_pss,
+        "processes_over_daemon_pss": process_pss / daemon_pss,
+        "daemon_rss_sum_bytes": daemon_rss,
+        "processes_rss_sum_bytes": process_rss,
+        "daemon_clients_rss_bytes": client_rss,
+    }
 
 
 if __name__ == "__main__":

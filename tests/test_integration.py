@@ -210,3 +210,41 @@ def test_admission_estimates_the_first_call_on_fake_tensors_or_says_why_not(daem
         count_positive(torch.randn(8, 4))
         method = job.info()["memory"]["ephemeral_estimate_method"]
         assert method.startswith("first call measured") and "EstimationError" in method
+
+
+def test_memory_the_estimate_cannot_see_is_measured_on_every_call(daemon_proc):
+    """A call that touches 96 MiB outside torch (a bytearray, invisible to the fake-tensor
+    estimate and to any tensor tracker) from its third call on: the executor's peak meter sees
+    it in that call, and the job is given a lane that holds it."""
+    _, address = daemon_proc
+    mib = 1 << 20
+    with salus.connect(name="hidden", iterations=10, address=address) as job:
+        remote = job.attach(model=torch.nn.Linear(4, 4))
+
+        @remote.iteration
+        def step(s, x, big):
+            if int(big):
+                scratch = bytearray(96 * mib)  # zero-filled, so every page is resident
+                del scratch
+            return s.model(x).sum()
+
+        x = torch.randn(8, 4)
+        for _ in range(2):
+            step(x, torch.tensor(0))
+        small = job.info()["memory"]
+        assert small["ephemeral_estimate_method"] == "fake-tensor"
+        assert small["ephemeral_estimate_bytes"] < 8 * mib
+        step(x, torch.tensor(1))
+        deadline = time.monotonic() + 30
+        memory = job.info()["memory"]
+        while ((memory["ephemeral_measured_bytes"] or 0) < 90 * mib
+               and time.monotonic() < deadline):
+            time.sleep(0.05)  # a call under the lease is reported within 20 ms
+            memory = job.info()["memory"]
+        assert 90 * mib <= memory["ephemeral_measured_bytes"] <= 120 * mib, memory
+        while memory["lane_bytes"] < 90 * mib and time.monotonic() < deadline:
+            step(x, torch.tensor(0))  # the move happens at the job's next boundary
+            memory = job.info()["memory"]
+        assert memory["lane_bytes"] >= memory["ephemeral_measured_bytes"] - 16 * mib, memory
+        step(x, torch.tensor(0))  # moved, not failed: it goes on
+        assert job.info()["state"] not in ("failed", "cancelled"), job.info()

@@ -137,13 +137,16 @@ class Executor:
     def _spin(self) -> list[str]:
         """Poll, without sleeping, for `spin_s` after the last message: a training loop sends
         its next call within microseconds of its result, and a call that finds the executor
-        blocked pays the wake-up path (see `spin_window_s`). The sources that became
-        readable."""
+        blocked pays the wake-up path (see `spin_window_s`). Each empty poll yields the CPU,
+        so that where other processes wait for it (many jobs on few cores) the window costs
+        them nothing: polling without yielding made 8 small jobs on 2 cores 1.2x slower per
+        call (measured). The sources that became readable."""
         until = self.active_at + self.spin_s
         while time.perf_counter() < until:
             ready = self.selector.select(0)
             if ready:
                 return [key.data for key, _ in ready]
+            os.sched_yield()
         return []
 
     # ---- the daemon's messages ----------------------------------------------------------------

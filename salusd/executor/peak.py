@@ -10,6 +10,7 @@ peak (`torch.cuda.max_memory_allocated`, reset before the call) is used instead.
 from __future__ import annotations
 
 import os
+import resource
 
 import torch
 
@@ -39,6 +40,15 @@ class PeakMeter:
             self._clear = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
         except OSError:
             self._clear = -1
+        self._rusage = self._clear >= 0 and self._rusage_agrees()
+
+    def _rusage_agrees(self) -> bool:
+        """Whether `ru_maxrss` follows the reset high-water mark. It is the larger of the
+        process's mark and one kept from before an `exec` or a thread group's exit, so after
+        a reset it matches `VmHWM` unless such an older, higher mark is kept."""
+        os.write(self._clear, b"5")
+        hwm = self._status.kib(b"VmHWM:")
+        return abs(_maxrss_kib() - hwm) <= 1024
 
     def set_baseline(self, device: torch.device) -> None:
         """Call once the state is in place on `device` (and again after it moves)."""
@@ -60,4 +70,9 @@ class PeakMeter:
             return max(0, torch.cuda.max_memory_allocated(self.device) - self.baseline)
         if self._clear < 0:
             return None
-        return max(0, self._status.kib(b"VmHWM:") * 1024 - self.baseline)
+        kib = _maxrss_kib() if self._rusage else self._status.kib(b"VmHWM:")
+        return max(0, kib * 1024 - self.baseline)
+
+
+def _maxrss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
