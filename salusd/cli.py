@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cancel-grace", metavar="SECONDS", type=float, default=5.0,
                        help="a cancelled job's running call may finish within this time, then "
                        "its executor is killed (default 5)")
+    serve.add_argument("--first-call", default="auto", choices=["auto", "estimate", "measure"],
+                       help="size a job's lane from its first call estimated on fake tensors "
+                       "before it runs, or admit the job with its persistent size as the guess "
+                       "and measure the call (it is moved if it needs more); auto: estimate on "
+                       "CUDA devices, measure on CPU devices (default auto)")
     serve.add_argument("--standby-executors", metavar="N", type=int, default=2,
                        help="executor processes kept forked and ready for new jobs (default 2)")
     serve.add_argument("--http", metavar="HOST:PORT", default="127.0.0.1:7077",
@@ -241,7 +246,8 @@ def serve(args: argparse.Namespace) -> int:
                           standby_executors=args.standby_executors, state_dir=state_dir,
                           http=http, job_root=args.job_root, checkpoint_every=every,
                           checkpoint_every_s=every_s, cluster=cluster,
-                          cache_dir=args.cache_dir, cache_bytes=cache_bytes)
+                          cache_dir=args.cache_dir, cache_bytes=cache_bytes,
+                          first_call=args.first_call)
     try:
         daemon = Daemon(config)
         daemon.start()

@@ -59,6 +59,20 @@ class DaemonConfig:
     cluster: ClusterSpec | None = None  # several daemons joined for multi-node gangs
     cache_dir: Path | None = None  # jobs' data cache, level 1 (default <state-dir>/cache)
     cache_bytes: int = 10 << 30  # its cap per replica
+    first_call: str = "auto"  # estimate | measure | auto (see first_call_estimated)
+
+
+def first_call_estimated(first_call: str, devices: Sequence[DeviceSpec]) -> bool:
+    """Whether jobs' first calls are estimated on fake tensors before admission (`estimate`)
+    or admitted with their persistent size as the guess and measured (`measure`). `auto`
+    estimates where a lane's limit is enforced (CUDA devices) and measures on CPU devices,
+    whose memory is accounted only: there the first call's measured peak is exact, and the
+    fake run cost about 50 ms of CPU and 6 MiB of memory per job (measured on a small MLP)."""
+    if first_call not in ("auto", "estimate", "measure"):
+        raise ValueError(f"first_call is auto, estimate or measure, not {first_call!r}")
+    if first_call == "auto":
+        return any(d.torch_device.startswith("cuda") for d in devices)
+    return first_call == "estimate"
 
 
 class Daemon:
@@ -67,8 +81,9 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.loop = Loop(time.monotonic)
+        estimate_first = first_call_estimated(config.first_call, config.devices)
         self.supervisor = Supervisor(self.loop, standby=config.standby_executors,
-                                     threads=config.threads)
+                                     threads=config.threads, estimate_first=estimate_first)
         self.store: Store | None = None
         checkpoints = data_cache = None
         if config.state_dir is not None:
@@ -87,7 +102,8 @@ class Daemon:
             retention_s=config.retention_s, cancel_grace_s=config.cancel_grace_s,
             store=self.store, checkpoints=checkpoints, cluster=config.cluster,
             data_cache=data_cache,
-            compute_slowdowns=[d.compute_slowdown for d in config.devices])
+            compute_slowdowns=[d.compute_slowdown for d in config.devices],
+            estimate_first=estimate_first)
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from daemon_proc import salusd
 from workloads import batches, mlp, train_direct
 
 import salus.adapters.torch as salus
@@ -31,7 +32,7 @@ def daemon_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
          "--state-dir", str(tmp_path / "state"), "--cpu-devices", "2", "--cpu-memory", "256M",
-         "--policy", "pack", "--http", "127.0.0.1:0"],
+         "--policy", "pack", "--http", "127.0.0.1:0", "--first-call", "estimate"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
@@ -248,3 +249,25 @@ def test_memory_the_estimate_cannot_see_is_measured_on_every_call(daemon_proc):
         assert memory["lane_bytes"] >= memory["ephemeral_measured_bytes"] - 16 * mib, memory
         step(x, torch.tensor(0))  # moved, not failed: it goes on
         assert job.info()["state"] not in ("failed", "cancelled"), job.info()
+
+
+def test_on_cpu_devices_the_first_call_is_measured_by_default(tmp_path):
+    """`--first-call auto` (the default) on CPU devices: no fake-tensor run; the job is admitted
+    with its persistent size as the guess and its first call's measured peak sizes its lane."""
+    model, opt, loss_fn = mlp("sgd")
+    data = batches("mlp", 3)
+    with salusd(tmp_path) as (_, address), salus.connect(
+            name="measured", iterations=len(data), address=address) as job:
+        step = job.train_step(model, opt, loss_fn)
+        for x, y in data:
+            step(x, y)
+        memory = job.info()["memory"]
+        params = job.state_dict()
+    assert memory["ephemeral_estimate_method"].startswith("first call measured")
+    assert "--first-call measure" in memory["ephemeral_estimate_method"]
+    assert memory["ephemeral_estimate_bytes"] == memory["persistent_bytes"]  # the guess
+    assert memory["ephemeral_measured_bytes"] is not None
+    assert memory["lane_bytes"] >= memory["ephemeral_measured_bytes"] - 16 * 2**20
+    torch.set_num_threads(1)  # the daemon's executors run one intra-op thread
+    direct = train_direct(lambda: mlp("sgd"), data).state_dict()
+    assert all(torch.equal(params[k], v) for k, v in direct.items())

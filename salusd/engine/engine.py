@@ -169,8 +169,13 @@ class Engine:
         cluster: ClusterSpec | None = None,
         data_cache: DataCachePolicy | None = None,
         compute_slowdowns: Sequence[float] | None = None,
+        estimate_first: bool = True,
     ) -> None:
         self.clock = clock
+        #: whether a job's first call is estimated on fake tensors before admission (else it is
+        #: admitted with its persistent size as the guess and the call is measured; see
+        #: `first_call_estimated`)
+        self.estimate_first = estimate_first
         #: per device, its simulated compute slowdown (`--cpu-device-slowdown`; 1.0: none)
         self.compute_slowdowns = list(compute_slowdowns or [1.0] * len(capacities))
         self.cluster = cluster
@@ -376,7 +381,7 @@ class Engine:
         record.calls.append(Call(frame, answer, counted))
         if record.phase == "attached":
             record.phase = "estimating"
-            if record.gang > 1:
+            if record.gang > 1 or not self.estimate_first:
                 self._measure_first(record, "call")
                 return
             self._send(record, _Sent("estimate"), {"op": "estimate"}, frame.duplicate())
@@ -651,7 +656,9 @@ class Engine:
                     "message": reason}, None)
                 return
             record.calls.append(Call(None, None, bool(meta.get("counted"))))
-            if record.phase == "attached":
+            if record.phase == "attached" and not self.estimate_first:
+                self._measure_first(record, "call")
+            elif record.phase == "attached":
                 # The job's first call: the executor estimated it before asking.
                 estimate = meta.get("estimate")
                 self._estimated(record, estimate if isinstance(estimate, dict) else {
@@ -814,17 +821,21 @@ class Engine:
                 self._end(record, "finished", f"ran its {iteration} iterations")
                 return
             record.phase = "estimating"
-            if record.gang > 1 or record.nodes > 1:
+            if record.gang > 1 or record.nodes > 1 or not self.estimate_first:
                 self._measure_first(record, "iteration")
                 return
             self._send(record, _Sent("estimate"), {"op": "estimate", "frame": False}, None)
 
     def _measure_first(self, record: JobRecord, what: str) -> None:
-        """Admit a gang job without a fake-tensor estimate: its replicas call collectives,
-        which one replica run alone would issue without its peers. Its first real `what` is
-        measured instead (and re-admits it if it outgrows its lane)."""
-        self._estimated(record, {"ok": False, "reason": f"a gang job is measured on its first "
-                                 f"{what}"})
+        """Admit a job without a fake-tensor estimate, with its persistent size as the guess;
+        its first real `what` is measured (and re-admits it if it outgrows its lane). A gang
+        job always: its replicas call collectives, which one replica run alone would issue
+        without its peers. Any job where the daemon measures first calls (`estimate_first`
+        False: CPU devices, whose memory is accounted, not enforced)."""
+        reason = (f"a gang job is measured on its first {what}"
+                  if record.gang > 1 or record.nodes > 1 else
+                  f"this daemon measures a job's first {what} (--first-call measure)")
+        self._estimated(record, {"ok": False, "reason": reason})
 
     def _checkpointed(self, record: JobRecord, meta: dict[str, Any]) -> None:
         record.checkpointing -= 1

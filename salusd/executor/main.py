@@ -110,9 +110,12 @@ class Executor:
 
     def serve(self) -> int:
         try:
-            become(self.daemon.recv())
+            hello = self.daemon.recv()
+            become(hello)
         except ConnectionClosed:
             return 0
+        # Where the daemon measures first calls, the first `ready` carries no estimate.
+        self.estimated = not hello.get("estimate", True)
         while True:
             sources = [name for name, ch in (("daemon", self.daemon), ("data", self.data))
                        if ch is not None and ch.buffered()]

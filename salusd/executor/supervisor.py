@@ -78,12 +78,14 @@ class Supervisor:
     """Implements the engine's `ExecutorPort` over the zygote and the loop."""
 
     def __init__(self, loop: Loop, *, standby: int = 2, lost_after_s: float = 2.0,
-                 retire_after_s: float = 10.0, threads: int = 1) -> None:
+                 retire_after_s: float = 10.0, threads: int = 1,
+                 estimate_first: bool = True) -> None:
         self.loop = loop
         self.standby_size = standby
         self.lost_after_s = lost_after_s
         self.retire_after_s = retire_after_s
         self.threads = threads
+        self.estimate_first = estimate_first  # executors estimate a job's first call
         self.on_reply: Callable[[Executor, dict[str, Any], RawFrame | None], None] = (
             lambda *_: None)
         self.on_died: Callable[[Executor, str], None] = lambda *_: None
@@ -175,7 +177,8 @@ class Supervisor:
         ex.record = record
         self.loop.send(ex.link, json_frame({"op": "become", **identity(record.owner),
                                             "cwd": cwd, "threads": self.threads,
-                                            "job": record.job_id}))
+                                            "job": record.job_id,
+                                            "estimate": self.estimate_first}))
         while len(self._standby) < self.standby_size and not self._stopping:
             self._standby.append(self._fork())
         return ex
