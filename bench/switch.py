@@ -2,7 +2,8 @@
 
 An in-process daemon (the real engine, zygote and executor processes) serves one CPU device
 under `fair`, so its single lane alternates between two training jobs whose clients always
-have their next call queued: every boundary is a switch. The executors stamp when each job's
+have their next call queued: every boundary is a switch (both clients attach, then start their
+loops together). The executors stamp when each job's
 function began and ended (`time.monotonic`, one clock for every process of the machine), so a
 switch is `began(B) - ended(A)`: the daemon hearing A is done, picking B and B's executor
 starting it. The baseline is the same gap between back-to-back iterations of one job, picked
@@ -42,14 +43,25 @@ def client(address: str, name: str, iterations: int) -> None:
         step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.01),
                               nn.CrossEntropyLoss())
         x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        print("ready", flush=True)
+        sys.stdin.readline()  # every client starts its loop at once: the lane is shared
         for _ in range(iterations):
             step(x, y)
 
 
 def _clients(address: str, names: list[str], iterations: int) -> None:
     procs = [subprocess.Popen([sys.executable, __file__, "--client", address, name,
-                               str(iterations)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               str(iterations)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for name in names]
+    for p in procs:
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"a client failed to attach (exit {p.wait()})")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.close()
     for p in procs:
         if p.wait(timeout=600) != 0:
             raise RuntimeError(f"a client failed (exit {p.returncode})")

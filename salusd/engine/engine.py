@@ -201,6 +201,7 @@ class Engine:
         self.store = store
         self.checkpoints = checkpoints
         self.pending_policy: Policy | None = None  # switched to once no call runs
+        self._last_memory: object = None  # what the last "memory" event said
 
     # ---- client operations (called by the front end on the I/O thread) ----------------------
     def open(self, owner: Owner, name: object, iterations: object, cwd: str | None, *,
@@ -1149,7 +1150,9 @@ class Engine:
 
     def _memory_event(self) -> None:
         """Per device: budget, persistent bytes, lane bytes, free bytes and lanes; and the
-        pending queue's length (what metrics show, without reading the engine)."""
+        pending queue's length (what metrics show, without reading the engine). Sent when it
+        changed: scheduling decisions that move nothing (most boundaries) send none, which
+        would fill the event stream's window with copies."""
         devices = []
         for index, ledger in enumerate(self.ledgers):
             lanes = self.sched.lanes.lanes(index)
@@ -1158,7 +1161,11 @@ class Engine:
                             "persistent_bytes": self.sched.lanes.persistent(index),
                             "lane_bytes": sum(ln.size for ln in lanes),
                             "free_bytes": stats.capacity - stats.used, "lanes": len(lanes)})
-        self._event("memory", -1, devices=devices, pending=len(self.sched.lanes.pending))
+        state = (devices, len(self.sched.lanes.pending))
+        if state == self._last_memory:
+            return
+        self._last_memory = state
+        self._event("memory", -1, devices=devices, pending=state[1])
 
     def _swap_if_idle(self, record: JobRecord) -> None:
         if not record.swap_requested or record.job_id in self.busy.values():
