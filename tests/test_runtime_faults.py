@@ -133,6 +133,7 @@ def test_bad_job_costs_only_itself(tmp_path: Path, kind: str) -> None:
             if kind == "hang":
                 assert time.monotonic() - started < 15  # grace 1 s, then the kill
             lines = out.strip().splitlines()
+            assert len(lines) >= 2, f"the bad client said {out!r}; stderr: {err[-3000:]}"
             error, after = lines[0], lines[1]
             if kind == "segfault":
                 assert "signal 11 (SIGSEGV)" in error and f"running job {job_id}" in error
