@@ -1,14 +1,13 @@
 """Switch latency: from the end of job A's iteration to the start of job B's, in one lane.
 
 An in-process daemon (the real engine, zygote and executor processes) serves one CPU device
-under `fair`, so its single lane alternates between two training jobs whose clients always
-have their next call queued: every boundary is a switch (both clients attach, then start their
-loops together). The executors stamp when each job's
-function began and ended (`time.monotonic`, one clock for every process of the machine), so a
-switch is `began(B) - ended(A)`: the daemon hearing A is done, picking B and B's executor
-starting it. The baseline is the same gap between back-to-back iterations of one job, picked
-again when the policy picks it twice in a row (that gap also holds the client's round trip).
-Prints one JSON object (microseconds).
+under `fair`, so its single lane alternates between two training jobs whose clients always have
+their next call queued: every boundary is a switch (both clients attach, then start their loops
+together). The executors stamp when each job's function began and ended (`time.monotonic`, one
+clock for every process of the machine), so a switch is `began(B) - ended(A)`: the daemon
+hearing A is done, picking B and B's executor starting it. The baseline is the same gap between
+back-to-back iterations of one job, picked again when the policy picks it twice in a row (that
+gap also holds the client's round trip). Prints one JSON object (microseconds).
 
     .venv/bin/python bench/switch.py [--iterations 300]
 """

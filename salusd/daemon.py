@@ -67,7 +67,8 @@ def first_call_estimated(first_call: str, devices: Sequence[DeviceSpec]) -> bool
     or admitted with their persistent size as the guess and measured (`measure`). `auto`
     estimates where a lane's limit is enforced (CUDA devices) and measures on CPU devices,
     whose memory is accounted only: there the first call's measured peak is exact, and the
-    fake run cost about 50 ms of CPU and 6 MiB of memory per job (measured on a small MLP)."""
+    fake run costs each job at start (measured: a small MLP's first call took 85 ms with it and
+    6 ms without; 16 inference executors held 940 MB PSS with it, 836 MB without)."""
     if first_call not in ("auto", "estimate", "measure"):
         raise ValueError(f"first_call is auto, estimate or measure, not {first_call!r}")
     if first_call == "auto":
