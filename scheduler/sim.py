@@ -23,9 +23,13 @@ one event covers many iterations, only where the decision provably cannot change
 
 So the batched engine yields the same schedule as `exact=True` (one event per iteration); tests
 check this on small traces. Events at one instant are applied before any decision; finishes
-first, then arrivals, each in submit order, so ties resolve the same way in both engines. A gang
-job's iteration starts when every lane holding it picks it; lanes rank jobs by one total order,
-so waiting for the others cannot deadlock.
+first, then arrivals, each in submit order, so ties resolve the same way in both engines.
+
+What starts where comes from the daemon's own `Dispatcher` (`dispatch.py`), gangs included: a
+gang picked in one lane reserves all its lanes and starts once all are idle. A reservation cuts
+the batch in flight on a reserved lane at the end of its iteration, where the daemon's lane
+would next decide; a gang itself runs one iteration per event, since whether it keeps its lanes
+depends on every one of them.
 
 Ties must not depend on rounding, so times live on a grid of 2**-20 s (about 1 µs): submit times
 are rounded to it and iteration times rounded up. Sums and multiples of grid values are exact in
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from salus.scheduler import fairshare
-from salus.scheduler.iteration import IterationScheduler
+from salus.scheduler.dispatch import Dispatcher, Finished, Start
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.model_sizes import MIB
 from salus.scheduler.policies import POLICIES, make_policy, runnable
@@ -197,14 +201,15 @@ class Simulator:
                     f"{device_memory_mb:g} MiB; raise the device memory"
                 )
         self.now = 0.0
-        self.sched = IterationScheduler([self.capacity] * devices, self.policy, self._clock)
+        self.dispatch = Dispatcher([self.capacity] * devices, self.policy, self._clock,
+                                   measure=False)
+        self.sched = self.dispatch.scheduler  # read for batching; written through dispatch
         self._fair = self.policy.name == "fair"
         self._shared = self.policy.lane_mode == "pack"
         self._instant = _PACK_INSTANT if self._shared else 0.0
         self._heap: list[tuple[Any, ...]] = []
         self._seq = itertools.count()
         self._running: dict[LaneKey, _Run | _Segment] = {}
-        self._want: dict[LaneKey, int | None] = {}
         self._dirty: set[LaneKey] = set()
         self._dev_runs: list[set[_Run]] = [set() for _ in range(devices)]
         self._util = [0.0] * devices
@@ -236,7 +241,7 @@ class Simulator:
                 self._events += len(batch)
                 for _, kind, _, _, obj, version in batch:
                     if kind == _ARRIVAL:
-                        self._placed(self.sched.submit(obj.to_job()))
+                        self._placed(self.dispatch.submit(obj.to_job(), driven=True).placed)
                     elif obj.version == version:
                         self._end(obj)
             self._decide()
@@ -277,10 +282,9 @@ class Simulator:
         for p in made:
             lane = (p.device, p.lane_id)
             self._dirty.add(lane)
-            self._want.pop(lane, None)
             busy = self._running.get(lane)
             if busy is not None and self.policy.preemptive:
-                self._cut(busy)
+                self._cut(busy)  # ends at the iteration's end, decided with that instant
 
     def _end(self, obj: _Run | _Segment) -> None:
         if isinstance(obj, _Segment):
@@ -298,11 +302,11 @@ class Simulator:
             for d in run.devices:
                 self._dev_runs[d].discard(run)
                 self._rate_dirty.add(d)
-        made = self.sched.iterations_done(
-            job.job_id, run.count, run.count * job.iteration_time, measure=False
+        update = self.dispatch.apply(
+            Finished(job.job_id, run.lanes, run.count, run.count * job.iteration_time)
         )
         self._count_finish(job)
-        self._placed(made)
+        self._placed(update.placed)
 
     def _end_segment(self, seg: _Segment) -> None:
         del self._running[seg.lane]
@@ -312,39 +316,44 @@ class Simulator:
         made: list[Any] = []
         for i, job in enumerate(seg.jobs):
             count = seg.counts[i]
-            if count:
-                if job.first_run_s is None:
-                    offset = fairshare.first_offset(seg.shares, seg.counts, i)
-                    self.sched.iteration_started(job.job_id, at=seg.start + offset)
-                made += self.sched.iterations_done(
-                    job.job_id, count, count * seg.shares[i].iter_s, measure=False
-                )
-                self._count_finish(job)
+            began = None
+            if count and job.first_run_s is None:
+                began = seg.start + fairshare.first_offset(seg.shares, seg.counts, i)
+            update = self.dispatch.apply(Finished(
+                job.job_id, (seg.lane,), count, count * seg.shares[i].iter_s, began))
+            made += update.placed
+            self._count_finish(job)
         self._placed(made)
 
     def _count_finish(self, job: Job) -> None:
         if job.done:
             self._finished += 1
 
-    def _cut(self, busy: _Run | _Segment) -> None:
-        """End the batch at the end of the iteration in flight (now, if one just ended)."""
+    def _cut(self, busy: _Run | _Segment, *, decided_first: bool = False) -> bool:
+        """End the batch at the end of the iteration in flight (now, if one just ended; unless
+        `decided_first`: a stepping engine decides lanes in order at one instant, and would
+        have started this lane's next iteration before the decision that cuts it). True when
+        the batch now ends at this instant."""
         now = self.now
         if isinstance(busy, _Segment):
             elapsed = now - busy.start
             counts = fairshare.cut(busy.shares, busy.counts, elapsed)
             if counts == busy.counts:
-                return
+                return busy.end <= now
             busy.counts = counts
             busy.end = busy.start + fairshare.duration(busy.shares, counts)
             busy.version += 1
             self._push(busy.end, _END, busy.finisher.order_key, busy, busy.version)
-            return
+            return busy.end <= now
         if busy.count == 1:
-            return
+            return False
+        if busy.rate == 0.0:  # started at this instant, rated (and pushed) after decisions
+            busy.count, busy.left = 1, busy.job.iteration_time
+            return False
         s, rate, tol = busy.job.iteration_time, busy.rate, now * self._instant
         done = busy.count * s - max(0.0, busy.left - (now - busy.since) * rate)
         whole = math.floor(done / s)
-        if whole >= 1 and (done - whole * s) / rate <= tol:
+        if whole >= 1 and (done - whole * s) / rate <= tol and not decided_first:
             keep, left = whole, 0.0  # an iteration ended at this instant
         else:
             keep = whole + 1
@@ -352,41 +361,33 @@ class Simulator:
             if left / rate <= tol:
                 left = 0.0
         if keep >= busy.count:
-            return
+            return False
         busy.count, busy.left, busy.since = keep, left, now
         busy.version += 1
         self._push(busy.end, _END, busy.job.order_key, busy, busy.version)
+        return left == 0.0
 
     # ---- decisions -----------------------------------------------------------------------
     def _decide(self) -> None:
-        if not self._dirty:
-            return
-        fresh = sorted(self._dirty)
-        self._dirty.clear()
+        """Start what the dispatcher picks on the lanes that changed. A gang's reservation cuts
+        the batches on its busy lanes; one whose iteration ends at this instant ends now, and
+        the lanes decided at this instant decide again, as a stepping engine that saw that
+        lane idle would have."""
+        todo: set[LaneKey] = set()
         lanes = self.sched.lanes
-        for lane in fresh:
-            if lane in self._running:
-                continue
-            if lanes.lane(*lane) is None:
-                self._want.pop(lane, None)
-                continue
-            pick = self.sched.next_iteration(*lane)
-            self._want[lane] = pick.job_id if pick else None
-        for lane in fresh:
-            jid = self._want.get(lane)
-            if jid is None or lane in self._running:
-                continue
-            job = self.sched.jobs[jid]
-            mine = tuple((p.device, p.lane_id) for p in lanes.placements(jid))
-            if job.gang > 1 and any(
-                ln in self._running or self._want.get(ln) != jid for ln in mine
-            ):
-                continue  # the gang starts when all its lanes pick it
-            self._start(job, mine)
+        while self._dirty:
+            todo |= self._dirty
+            self._dirty.clear()
+            for start in self.dispatch.schedule(k for k in todo if lanes.lane(*k) is not None):
+                self._start(start)
+            for lane, picked_at in self.dispatch.reservations().items():
+                busy = self._running.get(lane)
+                if busy is not None and self._cut(busy, decided_first=lane < picked_at):
+                    busy.version += 1  # its end event is handled here, not from the heap
+                    self._end(busy)
 
-    def _start(self, job: Job, lanes: tuple[LaneKey, ...]) -> None:
-        for lane in lanes:
-            self._want.pop(lane, None)
+    def _start(self, start: Start) -> None:
+        job, lanes = self.sched.jobs[start.job_id], start.lanes
         if self._fair and not self.exact and job.gang == 1:
             mates = runnable(self.sched.lane_jobs(*lanes[0]))
             if len(mates) > 1 and all(m.gang == 1 for m in mates):
@@ -394,14 +395,13 @@ class Simulator:
                 self._running[lanes[0]] = seg
                 self._push(seg.end, _END, seg.finisher.order_key, seg, 0)
                 return
-        if self.exact:
+        if self.exact or job.gang > 1:
             count = 1
         elif self._fair:
             count = self._fair_lead(job, lanes)
         else:
             count = job.remaining_iterations
         run = _Run(job, lanes, count, self.now)
-        self.sched.iteration_started(job.job_id)
         for lane in lanes:
             self._running[lane] = run
         if self._shared:
@@ -452,9 +452,10 @@ class Simulator:
         job may wait for its other lanes), and no pending job fits (check_invariants)."""
         lanes = self.sched.lanes
         lanes.check_invariants()
+        reserved = self.dispatch.reservations()
         for lane in lanes.lanes():
             key = (lane.device, lane.lane_id)
-            if key not in self._running:
+            if key not in self._running and key not in reserved:
                 pick = self.sched.next_iteration(*key)
                 assert pick is None or self.sched.jobs[pick.job_id].gang > 1, (
                     f"lane {key} idles at {self.now} s while job {pick.job_id} is ready"

@@ -1,0 +1,408 @@
+"""Dispatcher: the whole dispatch decision behind one narrow, typed interface.
+
+The daemon's engine and the trace simulator both drive one `Dispatcher`: it owns the
+`IterationScheduler` (admission, lanes, policy, job accounting), which lanes are busy, which
+idle lanes are reserved for a gang, and which jobs have work waiting. Callers give it frozen
+inputs and read frozen outputs; nothing outside `salus.scheduler` writes a scheduler object.
+
+    apply(Ready | Finished | RanUnderLease | Forget) -> Update   what happened
+    schedule() -> list[Start]                                     what runs next
+
+Gangs start all or nothing, by one rule for both drivers: when the policy picks a gang in one of
+its lanes, all its lanes are reserved for it (none starts anything else); it starts once every
+one of them is idle, on all of them at once. A reservation whose gang can no longer run (ended,
+suspended, nothing to run) is dropped. Lanes are decided in (device, lane id) order, so the
+outcome never depends on the order in which the caller learnt of events.
+
+A lane may also be held outside a `Start` (`hold`): the daemon's leases, under which a job runs
+its calls on its own and reports them afterwards (`RanUnderLease`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from salus.scheduler.iteration import IterationScheduler
+from salus.scheduler.job import Job, JobState
+from salus.scheduler.lanes import Placement
+from salus.scheduler.policies import Policy
+
+LaneKey = tuple[int, int]
+_LIVE = (JobState.ADMITTED, JobState.RUNNING)
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """One more call of `job_id` waits to run; `counted` when it is an iteration."""
+
+    job_id: int
+    counted: bool = True
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A started call of `job_id` returned on `lanes`: `iterations` of it counted (0 or 1; a
+    simulator's batch may count many) in `seconds`. `first_began_s` backdates the job's first
+    iteration (the simulator's merged fair segments)."""
+
+    job_id: int
+    lanes: tuple[LaneKey, ...]
+    iterations: int
+    seconds: float
+    first_began_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RanUnderLease:
+    """`iterations` of `job_id` ran in `seconds` under its lease, without a `Start`."""
+
+    job_id: int
+    iterations: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Forget:
+    """`job_id` has ended and left the caller's registry: drop every trace of it."""
+
+    job_id: int
+
+
+Input = Ready | Finished | RanUnderLease | Forget
+
+
+# ---- outputs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    """Run the next call of `job_id` on `lanes` (one per replica, in device order) now;
+    `counted` says whether the dispatcher counts it as an iteration."""
+
+    job_id: int
+    lanes: tuple[LaneKey, ...]
+    counted: bool
+
+
+@dataclass(frozen=True)
+class Update:
+    """What an input or a command changed: admissions made (`placed`) and jobs that ran their
+    last planned iteration (`completed`)."""
+
+    placed: tuple[Placement, ...] = ()
+    completed: tuple[int, ...] = ()
+
+    def __add__(self, other: Update) -> Update:
+        return Update(self.placed + other.placed, self.completed + other.completed)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A read-only copy of the scheduler's job (bytes, seconds)."""
+
+    job_id: int
+    state: JobState
+    done: bool
+    done_iterations: int
+    total_iterations: int
+    persistent_bytes: int
+    ephemeral_bytes: int
+    iteration_s: float | None
+    attained_s: float
+    submit_s: float
+    start_s: float | None
+    first_run_s: float | None
+    finish_s: float | None
+    gang: int
+
+
+@dataclass(frozen=True)
+class LaneView:
+    """A read-only copy of a lane: its size (bytes), residents, and who holds it."""
+
+    device: int
+    lane_id: int
+    size: int
+    residents: tuple[int, ...]
+    busy_job: int | None
+    reserved_for: int | None
+
+    @property
+    def key(self) -> LaneKey:
+        return (self.device, self.lane_id)
+
+
+@dataclass
+class _Work:
+    """What a job has waiting: its calls (True: an iteration), or for ever (`driven`)."""
+
+    driven: bool = False
+    open_ended: bool = False
+    calls: deque[bool] = field(default_factory=deque)
+
+    def ready(self) -> bool:
+        return self.driven or bool(self.calls)
+
+
+class Dispatcher:
+    """Admission, lanes, policy and dispatch of one node's devices (capacities in bytes)."""
+
+    def __init__(self, capacities: Sequence[int], policy: Policy,
+                 clock: Callable[[], float], *, measure: bool = True) -> None:
+        self._sched = IterationScheduler(capacities, policy, clock)
+        self._measure = measure  # False: iteration times are declared (the simulator)
+        self._busy: dict[LaneKey, int] = {}
+        self._reserved: dict[LaneKey, int] = {}
+        self._reserved_at: dict[int, LaneKey] = {}  # gang -> the lane that picked it
+        self._work: dict[int, _Work] = {}
+
+    # ---- admission --------------------------------------------------------------------------
+    def submit(self, job: Job, *, driven: bool = False, open_ended: bool = False) -> Update:
+        """Admit `job` (ValueError if it can never fit). A `driven` job always has an iteration
+        to run (the daemon drives a batch job's loop); an `open_ended` one ends when its caller
+        says, not at `total_iterations` (which then only informs SRTF)."""
+        made = self._sched.submit(job)
+        self._work[job.job_id] = _Work(driven, open_ended)
+        return Update(tuple(made))
+
+    def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> Update:
+        """Re-admit with corrected sizes (bytes); ValueError, nothing changed, if never fits."""
+        return Update(tuple(self._sched.requeue(job_id, persistent_bytes, ephemeral_bytes)))
+
+    def suspend(self, job_id: int) -> None:
+        if self._sched.jobs[job_id].state != JobState.SUSPENDED:
+            self._sched.suspend(job_id)
+
+    def resume(self, job_id: int) -> Update:
+        return Update(tuple(self._sched.resume(job_id)))
+
+    def swap_out(self, job_id: int) -> Update:
+        return Update(tuple(self._sched.swap_out(job_id)))
+
+    def set_priority(self, job_id: int, priority: float) -> None:
+        self._sched.set_priority(job_id, priority)
+
+    def set_policy(self, policy: Policy) -> Update:
+        """Switch policy; call only when no lane is busy (lanes may be made anew)."""
+        assert not self._busy, "the policy changes only when no call runs"
+        self._reserved.clear()
+        self._reserved_at.clear()
+        return Update(tuple(self._sched.set_policy(policy)))
+
+    def finish(self, job_id: int, state: JobState = JobState.FINISHED) -> Update:
+        """End the job now (idempotent): its memory is freed, its waiting work dropped."""
+        work = self._work.get(job_id)
+        if work is not None:
+            work.calls.clear()
+            work.driven = False
+        for key in [k for k, j in self._reserved.items() if j == job_id]:
+            del self._reserved[key]
+        self._reserved_at.pop(job_id, None)
+        return Update(tuple(self._sched.finish(job_id, state)))
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def apply(self, event: Input) -> Update:
+        if isinstance(event, Ready):
+            work = self._work.get(event.job_id)
+            if work is not None and not self._sched.jobs[event.job_id].done:
+                work.calls.append(event.counted)
+            return Update()
+        if isinstance(event, Finished):
+            for key in event.lanes:
+                if self._busy.get(key) == event.job_id:
+                    del self._busy[key]
+            if event.first_began_s is not None:
+                self._sched.iteration_started(event.job_id, at=event.first_began_s)
+            return self._account(event.job_id, event.iterations, event.seconds, started=True)
+        if isinstance(event, RanUnderLease):
+            return self._account(event.job_id, event.iterations, event.seconds, started=False)
+        self._sched.jobs.pop(event.job_id, None)
+        self._work.pop(event.job_id, None)
+        self._sched.swapped.discard(event.job_id)
+        return Update()
+
+    def _account(self, job_id: int, iterations: int, seconds: float, *,
+                 started: bool) -> Update:
+        job = self._sched.jobs.get(job_id)
+        if job is None:
+            return Update()
+        if job.done:  # ran before it ended, reported after: counted, nothing to decide
+            if iterations:
+                job.record_iterations(iterations, seconds, measure=self._measure)
+            return Update()
+        if not iterations:
+            if job.state == JobState.RUNNING:
+                job.state = JobState.ADMITTED
+            return Update()
+        if not started:
+            self._sched.iteration_started(job_id)
+        if self._work[job_id].open_ended:
+            job.total_iterations = max(job.total_iterations,
+                                       job.done_iterations + iterations + 1)
+        made = self._sched.iterations_done(job_id, iterations, seconds, measure=self._measure)
+        return Update(tuple(made), (job_id,) if job.done else ())
+
+    # ---- leases -----------------------------------------------------------------------------
+    def hold(self, key: LaneKey, job_id: int) -> None:
+        """Mark lane `key` busy with `job_id` outside a `Start` (a lease)."""
+        assert key not in self._busy and key not in self._reserved, key
+        self._busy[key] = job_id
+
+    def release(self, key: LaneKey, job_id: int) -> None:
+        """Lane `key` is no longer held by `job_id` (its lease ended, or its executor died)."""
+        if self._busy.get(key) == job_id:
+            del self._busy[key]
+
+    # ---- decisions --------------------------------------------------------------------------
+    def schedule(self, lanes: Iterable[LaneKey] | None = None) -> list[Start]:
+        """Start what the policy picks on every idle lane (or on `lanes` only; the others must
+        be known to have nothing new), in (device, lane id) order."""
+        keys = sorted(self._lane_keys() if lanes is None else lanes)
+        starts: list[Start] = []
+        for key in keys:
+            if key in self._busy or self._sched.lanes.lane(*key) is None:
+                continue
+            holder = self._reserved.get(key)
+            if holder is not None:
+                started = self._start_gang(holder)
+                if started is not None:
+                    starts.append(started)
+                if key in self._reserved or key in self._busy:
+                    continue
+            decision = self._sched.next_iteration(*key, ready=self._ready)
+            if decision is None:
+                continue
+            job = self._sched.jobs[decision.job_id]
+            if job.gang > 1:
+                started = self._reserve_gang(job.job_id, key)
+                if started is not None:
+                    starts.append(started)
+                continue
+            starts.append(self._start(job.job_id, (key,)))
+        return starts
+
+    def _ready(self, job: Job) -> bool:
+        work = self._work.get(job.job_id)
+        return work is not None and work.ready()
+
+    def _start(self, job_id: int, lanes: tuple[LaneKey, ...]) -> Start:
+        work = self._work[job_id]
+        counted = True if work.driven else work.calls.popleft()
+        for key in lanes:
+            self._busy[key] = job_id
+        if counted:
+            self._sched.iteration_started(job_id)
+        return Start(job_id, lanes, counted)
+
+    def gang_lanes(self, job_id: int) -> tuple[LaneKey, ...]:
+        """A job's lanes, one per replica in device order."""
+        placed = sorted(self._sched.lanes.placements(job_id), key=lambda p: p.device)
+        return tuple((p.device, p.lane_id) for p in placed)
+
+    def _reserve_gang(self, job_id: int, picked_at: LaneKey) -> Start | None:
+        """The policy picked gang `job_id` in lane `picked_at`: hold all its lanes (all or none,
+        so two gangs never hold each other's) and start it once every one is idle."""
+        lanes = self.gang_lanes(job_id)
+        if any(self._reserved.get(k, job_id) != job_id for k in lanes):
+            return None  # another gang holds one of them: asked again once that one ran
+        if not any(self._reserved.get(k) == job_id for k in lanes):
+            self._reserved_at[job_id] = picked_at
+        for key in lanes:
+            self._reserved[key] = job_id
+        return self._start_gang(job_id)
+
+    def _start_gang(self, job_id: int) -> Start | None:
+        """Start gang `job_id` on all its lanes if all are idle; drop its reservations if it
+        can no longer run."""
+        job = self._sched.jobs.get(job_id)
+        lanes = self.gang_lanes(job_id) if job is not None else ()
+        held = {k for k, j in self._reserved.items() if j == job_id}
+        if (job is None or not lanes or job.state not in _LIVE or not self._ready(job)
+                or held != set(lanes)):
+            for key in held:
+                del self._reserved[key]
+            self._reserved_at.pop(job_id, None)
+            return None
+        if any(k in self._busy for k in lanes):
+            return None  # the last busy lane to finish starts it
+        for key in lanes:
+            del self._reserved[key]
+        self._reserved_at.pop(job_id, None)
+        return self._start(job_id, lanes)
+
+    # ---- views ------------------------------------------------------------------------------
+    @property
+    def scheduler(self) -> IterationScheduler:
+        """The scheduler itself, for the simulator's batching (in this package); it is read,
+        never written, through this."""
+        return self._sched
+
+    def reservations(self) -> dict[LaneKey, LaneKey]:
+        """Lanes held for a gang that waits for its other lanes, each with the lane whose pick
+        reserved it."""
+        return {k: self._reserved_at[j] for k, j in self._reserved.items()}
+
+    @property
+    def policy(self) -> Policy:
+        return self._sched.policy
+
+    @property
+    def busy(self) -> bool:
+        """Whether any lane runs a call or is held."""
+        return bool(self._busy)
+
+    def busy_job(self, key: LaneKey) -> int | None:
+        return self._busy.get(key)
+
+    def running(self, job_id: int) -> bool:
+        """Whether a call of `job_id` runs (or it holds a lane)."""
+        return job_id in self._busy.values()
+
+    def held_by(self, job_id: int) -> list[LaneKey]:
+        return [k for k, j in self._busy.items() if j == job_id]
+
+    def job(self, job_id: int) -> JobView | None:
+        job = self._sched.jobs.get(job_id)
+        if job is None:
+            return None
+        return JobView(job.job_id, job.state, job.done, job.done_iterations,
+                       job.total_iterations, job.persistent_bytes, job.ephemeral_bytes,
+                       job.iter_s, job.attained_s, job.submit_s, job.start_s, job.first_run_s,
+                       job.finish_s, job.gang)
+
+    def jobs(self) -> list[int]:
+        return list(self._sched.jobs)
+
+    def placements(self, job_id: int) -> tuple[Placement, ...]:
+        return self._sched.lanes.placements(job_id)
+
+    def lane(self, key: LaneKey) -> LaneView | None:
+        lane = self._sched.lanes.lane(*key)
+        if lane is None:
+            return None
+        return LaneView(lane.device, lane.lane_id, lane.size, tuple(lane.residents),
+                        self._busy.get(key), self._reserved.get(key))
+
+    def lanes(self, device: int | None = None) -> list[LaneView]:
+        views = (self.lane((ln.device, ln.lane_id)) for ln in self._sched.lanes.lanes(device))
+        return [v for v in views if v is not None]
+
+    def _lane_keys(self) -> list[LaneKey]:
+        return [(ln.device, ln.lane_id) for ln in self._sched.lanes.lanes()]
+
+    def pending(self) -> list[int]:
+        """Jobs waiting for admission, in submit order."""
+        return [j.job_id for j in self._sched.lanes.pending]
+
+    def persistent(self, device: int) -> int:
+        """Bytes of persistent state placed on `device`."""
+        return self._sched.lanes.persistent(device)
+
+    def unreserved(self, device: int) -> int:
+        return self._sched.lanes.unreserved(device)
+
+    def check_invariants(self) -> None:
+        self._sched.lanes.check_invariants()
+        for key, job_id in self._reserved.items():
+            assert key not in self._busy or self._busy[key] != job_id, (key, job_id)
