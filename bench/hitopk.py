@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from salus.daemon.services import topk as topk_module
+from salus.daemon.services import hitopk as topk_module
+from salus.daemon.services.hitopk import hitopk_allreduce
 from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
 from salus.daemon.services.sparse_allreduce import all_gather, node_layout
-from salus.daemon.services.topk import hitopk_allreduce, topk
+from salus.daemon.services.topk import topk
 
 WORLD, LOCAL_SIZE = 4, 2
 PG_TIMEOUT_S = 300

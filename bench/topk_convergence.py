@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from salus.daemon.services.hitopk import hitopk_allreduce
 from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
-from salus.daemon.services.topk import hitopk_allreduce
 
 WORLD, LOCAL_SIZE = 4, 2
 PG_TIMEOUT_S = 120

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from salus.daemon.services.hitopk import hitopk_allreduce
 from salus.daemon.services.procgroup import free_port, init_loopback, leave_group, run_local_group
-from salus.daemon.services.topk import hitopk_allreduce
 
 WORLD = 4
 LAYOUTS = {"2x2": 2, "4x1": 1}  # nodes x local ranks -> local_size

@@ -37,8 +37,9 @@ from torch.utils import _pytree as pytree
 
 from salus.daemon.services.collectives import Topology, Work
 from salus.daemon.services.collectives.execute import DEFAULT_CHUNK_BYTES
+from salus.daemon.services.hitopk import hitopk_allreduce, hitopk_shard
 from salus.daemon.services.sparse_allreduce import all_gather, node_layout, reduce_scatter
-from salus.daemon.services.topk import DENSE_BELOW_NUMEL, hitopk_allreduce, hitopk_shard
+from salus.daemon.services.topk import DENSE_BELOW_NUMEL
 
 from .buckets import BUCKET_BYTES, flatten_grads, plan_buckets, unflatten_grads
 from .pto import ShardedOptimizer
