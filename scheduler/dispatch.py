@@ -6,7 +6,7 @@ idle lanes are reserved for a gang, and which jobs have work waiting. Callers gi
 inputs and read frozen outputs; nothing outside `salus.scheduler` writes a scheduler object.
 
     apply(Ready | Finished | RanUnderLease | Forget) -> Update   what happened
-    schedule() -> list[Start]                                     what runs next
+    schedule() -> Iterator[Start]                                 what runs next
 
 Gangs start all or nothing, by one rule for both drivers: when the policy picks a gang in one of
 its lanes, all its lanes are reserved for it (none starts anything else); it starts once every
@@ -21,7 +21,7 @@ its calls on its own and reports them afterwards (`RanUnderLease`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from salus.scheduler.iteration import IterationScheduler
@@ -201,6 +201,12 @@ class Dispatcher:
         self._reserved_at.pop(job_id, None)
         return Update(tuple(self._sched.finish(job_id, state)))
 
+    def withdraw(self, job_id: int) -> None:
+        """The job's waiting calls were refused (its caller shuts down): none runs."""
+        work = self._work.get(job_id)
+        if work is not None:
+            work.calls.clear()
+
     # ---- inputs -----------------------------------------------------------------------------
     def apply(self, event: Input) -> Update:
         if isinstance(event, Ready):
@@ -255,11 +261,11 @@ class Dispatcher:
             del self._busy[key]
 
     # ---- decisions --------------------------------------------------------------------------
-    def schedule(self, lanes: Iterable[LaneKey] | None = None) -> list[Start]:
+    def schedule(self, lanes: Iterable[LaneKey] | None = None) -> Iterator[Start]:
         """Start what the policy picks on every idle lane (or on `lanes` only; the others must
-        be known to have nothing new), in (device, lane id) order."""
+        be known to have nothing new), in (device, lane id) order. Each start is yielded as it
+        is decided, before the next lane decides: consume the whole iterator."""
         keys = sorted(self._lane_keys() if lanes is None else lanes)
-        starts: list[Start] = []
         for key in keys:
             if key in self._busy or self._sched.lanes.lane(*key) is None:
                 continue
@@ -267,7 +273,7 @@ class Dispatcher:
             if holder is not None:
                 started = self._start_gang(holder)
                 if started is not None:
-                    starts.append(started)
+                    yield started
                 if key in self._reserved or key in self._busy:
                     continue
             decision = self._sched.next_iteration(*key, ready=self._ready)
@@ -277,10 +283,9 @@ class Dispatcher:
             if job.gang > 1:
                 started = self._reserve_gang(job.job_id, key)
                 if started is not None:
-                    starts.append(started)
+                    yield started
                 continue
-            starts.append(self._start(job.job_id, (key,)))
-        return starts
+            yield self._start(job.job_id, (key,))
 
     def _ready(self, job: Job) -> bool:
         work = self._work.get(job.job_id)

@@ -63,8 +63,9 @@ class FakePort:
             job_id = executor.record.job_id
             self.steps_sent.append((job_id, executor))
             assert self.engine is not None
-            for key in self.engine._gang_lanes(job_id):
-                holder = self.engine.reserved.get(key, job_id)
+            for key in self.engine.dispatch.gang_lanes(job_id):
+                lane = self.engine.dispatch.lane(key)
+                holder = lane.reserved_for if lane and lane.reserved_for is not None else job_id
                 assert holder == job_id, f"job {job_id} started in {key}, held for gang {holder}"
         if meta["op"] == "place":
             executor.device = meta["device"]
@@ -105,18 +106,18 @@ def _check_gang_calls(engine: Engine, port: FakePort) -> None:
         record = engine.registry.live.get(job_id) or engine.registry.ended[job_id]
         assert executors == {id(e) for e in record.replicas}, (
             f"job {job_id}'s iteration went to {len(executors)} of its {record.gang} replicas")
-        lanes = engine._gang_lanes(job_id)
+        lanes = engine.dispatch.gang_lanes(job_id)
         assert len({d for d, _ in lanes}) == record.gang
-        assert all(engine.busy.get(k) == job_id for k in lanes)
+        assert all(engine.dispatch.busy_job(k) == job_id for k in lanes)
         for rank, (device, _) in enumerate(lanes):
             assert record.replicas[rank].device == f"cpu:{device}", "replica on another device"
     for record in engine.registry.live.values():
         if record.spec.get("nodes", 1) > 1:
-            for key in engine._gang_lanes(record.job_id):
-                assert engine.busy.get(key, record.job_id) == record.job_id
-                assert engine.reserved.get(key, record.job_id) == record.job_id
-                lane = engine.sched.lanes.lane(*key)
-                assert lane is not None and lane.residents == [record.job_id]
+            for key in engine.dispatch.gang_lanes(record.job_id):
+                lane = engine.dispatch.lane(key)
+                assert lane is not None and lane.residents == (record.job_id,)
+                assert lane.busy_job in (None, record.job_id)
+                assert lane.reserved_for in (None, record.job_id)
     engine.check_invariants()
 
 
@@ -159,9 +160,10 @@ def test_gang_iterations_are_all_or_nothing_and_every_job_finishes(
         _check_gang_calls(engine, port)
     for record, (_, iterations, _) in zip(records, jobs, strict=True):
         assert record.end_state == "finished", (record.job_id, record.phase, record.reason)
-        assert engine.sched.jobs[record.job_id].done_iterations == iterations
+        job = engine.dispatch.job(record.job_id)
+        assert job is not None and job.done_iterations == iterations
         assert all(ex.iterations == iterations for ex in record.replicas)
-    assert not engine.busy and not engine.reserved
+    assert not engine.dispatch.busy and not engine.dispatch.reservations()
 
 
 def test_no_job_joins_the_lanes_of_a_gang_spanning_nodes() -> None:
@@ -178,8 +180,14 @@ def test_no_job_joins_the_lanes_of_a_gang_spanning_nodes() -> None:
               for i in range(4)]
     for ex in list(port.executors):  # loads answered in submit order
         engine.on_executor_reply(ex, _reply(ex, ex.inbox.pop(0)), None)
-    lanes = engine._gang_lanes(spanning.job_id)
-    assert [engine.sched.lanes.lane(*k).residents for k in lanes] == [[spanning.job_id]] * 3
-    shared = engine._gang_lanes(others[-1].job_id)
-    assert all(len(engine.sched.lanes.lane(*k).residents) == 2 for k in shared)
+    lanes = engine.dispatch.gang_lanes(spanning.job_id)
+    assert [_residents(engine, k) for k in lanes] == [(spanning.job_id,)] * 3
+    shared = engine.dispatch.gang_lanes(others[-1].job_id)
+    assert all(len(_residents(engine, k)) == 2 for k in shared)
     engine.check_invariants()
+
+
+def _residents(engine: Engine, key: tuple[int, int]) -> tuple[int, ...]:
+    lane = engine.dispatch.lane(key)
+    assert lane is not None
+    return lane.residents

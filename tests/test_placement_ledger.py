@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from salus.daemon.engine import admission
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.ledger import ALIGNMENT, DeviceLedger, aligned
 from salus.daemon.engine.registry import JobRecord, Owner
@@ -55,6 +56,12 @@ def _engine(capacities: list[int], policy: str) -> tuple[Engine, RecordingExecut
     return engine, executors
 
 
+def _grow(engine: Engine, record: JobRecord, key: tuple[int, int], peak: int) -> None:
+    """A call of `record` measured `peak` bytes: what the engine does with a call's peak."""
+    admission.check_peak(engine.core, record, key, peak)
+    engine._step()
+
+
 def _open_and_submit(engine: Engine, persistent: int, ephemeral: int) -> JobRecord:
     """What a client and its executor do up to admission: open, attach, first call, estimate."""
     record = engine.open(Owner("u", 1000, 1000), "job", 100, None)
@@ -90,20 +97,19 @@ def test_every_admitted_job_is_placed(policy: str, capacities: list[int],
             engine.close(live[pick % len(live)])
         elif action == "grow":  # a measured call found more than the estimate
             record = live[pick % len(live)]
-            placed = engine.sched.lanes.placements(record.job_id)
+            placed = engine.dispatch.placements(record.job_id)
             if placed:
-                engine._check_peak(record, (placed[0].device, placed[0].lane_id),
-                                   ephemeral + 32 * MiB)
-                engine._apply([])
+                _grow(engine, record, (placed[0].device, placed[0].lane_id),
+                      ephemeral + 32 * MiB)
         else:
             record = live[pick % len(live)]
             if record.phase == "submitted":
                 engine.suspend(record, swap=True)
         engine.check_invariants()
         for record in engine.registry:
-            if engine.sched.lanes.placements(record.job_id):
+            if engine.dispatch.placements(record.job_id):
                 key = ("job", record.job_id)
-                device = engine.sched.lanes.placements(record.job_id)[0].device
+                device = engine.dispatch.placements(record.job_id)[0].device
                 assert engine.ledgers[device].size(key) == aligned(record.persistent_bytes)
                 assert any(m["op"] == "place" for m in executors.sent[id(record.executor)])
 

@@ -1,4 +1,4 @@
-"""What `job.info()`, `salusd status` and (later) REST show: JSON-able views of the engine.
+"""What `job.info()`, `salusd status` and REST show: JSON-able views of the engine.
 
 Memory figures say per job what is enforced and what is accounted. On the CPU nothing can cap a
 job's memory reliably (an `RLIMIT_AS` on a process that maps libtorch breaks torch itself, and
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from salus.daemon.engine.engine import RSS_NOISE_BYTES
+from salus.daemon.engine.admission import RSS_NOISE_BYTES
 from salus.daemon.engine.registry import JobRecord
 
 if TYPE_CHECKING:
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
     """One job: identity, state, progress, placement and memory (bytes, seconds)."""
-    job = engine.sched.jobs.get(record.job_id)
-    placed = engine.sched.lanes.placements(record.job_id)
-    lane = engine.sched.lanes.lane(placed[0].device, placed[0].lane_id) if placed else None
+    job = engine.dispatch.job(record.job_id)
+    placed = engine.dispatch.placements(record.job_id)
+    lane = engine.dispatch.lane((placed[0].device, placed[0].lane_id)) if placed else None
     if not record.live:
         state = record.end_state or "ended"
     elif job is not None:
@@ -45,7 +45,7 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "calls_done": record.calls_done,
         "calls_failed": record.calls_failed,
         "calls_queued": len(record.calls),
-        "mean_iteration_s": job.iter_s if job else None,
+        "mean_iteration_s": job.iteration_s if job else None,
         "submit_s": job.submit_s if job else None,
         "start_s": job.start_s if job else None,
         "finish_s": job.finish_s if job else None,
@@ -77,25 +77,25 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
 def snapshot(engine: Engine) -> dict[str, Any]:
     """Devices (budget regions, lanes), live jobs and the pending queue."""
     devices = []
+    dispatch = engine.dispatch
     for index, ledger in enumerate(engine.ledgers):
         stats = ledger.stats()
         devices.append({
             "index": index,
-            "torch_device": engine.torch_devices[index],
-            "compute_slowdown": engine.compute_slowdowns[index],
+            "torch_device": engine.config.torch_devices[index],
+            "compute_slowdown": engine.config.compute_slowdowns[index],
             "capacity_bytes": stats.capacity,
             "used_bytes": stats.used,
-            "persistent_bytes": engine.sched.lanes.persistent(index),
-            "unreserved_bytes": engine.sched.lanes.unreserved(index),
+            "persistent_bytes": dispatch.persistent(index),
+            "unreserved_bytes": dispatch.unreserved(index),
             "largest_free_bytes": stats.largest_free,
             "compactions": ledger.compactions,
             "lanes": [{"lane_id": ln.lane_id, "size_bytes": ln.size, "jobs": list(ln.residents),
-                       "busy_job": engine.busy.get((index, ln.lane_id))}
-                      for ln in engine.sched.lanes.lanes(index)],
+                       "busy_job": ln.busy_job} for ln in dispatch.lanes(index)],
         })
     return {
-        "policy": engine.sched.policy.name,
+        "policy": dispatch.policy.name,
         "devices": devices,
         "jobs": [job_info(engine, r) for r in engine.registry],
-        "pending": [j.job_id for j in engine.sched.lanes.pending],
+        "pending": dispatch.pending(),
     }

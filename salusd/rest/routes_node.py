@@ -36,9 +36,8 @@ async def lanes(_: Principal = Depends(principal),
 
 
 def _policy(ctx: Context) -> PolicyOut:
-    pending = ctx.engine.pending_policy
-    return PolicyOut(policy=ctx.engine.sched.policy.name,
-                     pending=pending.name if pending else None)
+    return PolicyOut(policy=ctx.engine.dispatch.policy.name,
+                     pending=ctx.engine.pending_policy)
 
 
 @router.get("/policy", response_model=PolicyOut, summary="The scheduling policy")

@@ -1,0 +1,92 @@
+"""Checkpoints: when a job's state is written (every N iterations or seconds of its run time,
+at suspend, at shutdown, at a batch job's end) and what the engine does with the answer."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from salus.daemon.engine.core import Core
+from salus.daemon.engine.outbox import OnDone
+from salus.daemon.engine.registry import JobRecord
+from salus.daemon.wire.errors import BadRequest, Conflict
+
+log = logging.getLogger("salusd.engine")
+
+
+def replica_dir(record: JobRecord, replica: int) -> str | None:
+    """Where replica `replica` of the job keeps its checkpoints."""
+    if record.checkpoint_dir is None or record.gang == 1:
+        return record.checkpoint_dir
+    return os.path.join(record.checkpoint_dir, f"replica{replica}")
+
+
+def request(core: Core, record: JobRecord, on_done: OnDone | None = None) -> None:
+    """Ask the job's executors to write its state at their next boundary; `on_done` gets the
+    answer (iteration, bytes, seconds, path, or a message)."""
+    if core.config.checkpoints is None:
+        raise BadRequest("this salusd keeps no checkpoints (started without --state-dir)")
+    if record.executor is None or record.phase in ("open", "estimating") or (
+            record.phase == "attached" and record.kind == "batch"):
+        raise Conflict(f"job {record.job_id} has no state to checkpoint yet")
+    record.checkpointing += 1
+    record.since_checkpoint, record.since_checkpoint_s = 0, 0.0
+    core.outbox.send_all(record, "checkpoint", [
+        {"op": "checkpoint", "dir": replica_dir(record, r), "job": record.job_id}
+        for r in range(record.gang)], on_done=on_done)
+
+
+def maybe(core: Core, record: JobRecord) -> None:
+    """Checkpoint when the job ran the policy's iterations or seconds since its last one."""
+    policy = core.config.checkpoints
+    if policy is None or record.checkpointing or not record.live or core.stopping:
+        return
+    if ((policy.every_iterations and record.since_checkpoint >= policy.every_iterations)
+            or record.since_checkpoint_s >= policy.every_s):
+        request(core, record)
+
+
+def written(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
+    """The executors answered a checkpoint."""
+    record.checkpointing -= 1
+    if not meta.get("ok"):
+        log.warning("job %d: checkpoint failed: %s", record.job_id, meta.get("message"))
+        return
+    record.checkpoint_iteration = int(meta["iteration"])
+    record.checkpoint_time = float(meta["time"])
+    record.checkpoint_bytes = int(meta["bytes"])
+    core.event("checkpoint", record.job_id, iteration=record.checkpoint_iteration,
+               seconds=float(meta["seconds"]), bytes=record.checkpoint_bytes,
+               path=str(meta.get("path")), time=record.checkpoint_time)
+
+
+def batch_step_done(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
+    """After a batch job's iteration: fail it if its code raised, finish it (with a final
+    checkpoint) when it ran all its iterations, else checkpoint when due."""
+    if not meta.get("ok"):
+        core.end(record, "failed", f"iteration {int(meta.get('iteration', 0)) + 1} "
+                 f"raised {str(meta.get('message', ''))[:2000]}")
+        return
+    record.last_loss = meta.get("loss")
+    if isinstance(meta.get("cache"), dict):
+        record.cache = meta["cache"]
+    if "evaluation" in meta:
+        record.last_evaluation = meta["evaluation"]
+    job = core.dispatch.job(record.job_id)
+    if job is None or not job.done:
+        maybe(core, record)
+        return
+    reason = f"ran its {job.done_iterations} iterations"
+    if core.config.checkpoints is None:
+        core.end(record, "finished", reason)
+        return
+
+    def finished(meta: dict[str, Any]) -> None:
+        if record.live:  # not ended meanwhile (cancelled, an executor died)
+            core.end(record, "finished", reason if meta.get("ok") else (
+                f"{reason}; its final checkpoint failed: {meta.get('message')}"))
+
+    # Reported finished once its final checkpoint is on disk (a done job is not picked again
+    # meanwhile), so whoever reads "finished" finds the state it ended with.
+    request(core, record, on_done=finished)

@@ -1,0 +1,144 @@
+"""The engine's shared state, and the few operations every part of it needs: emit an event,
+queue a client's call, end a job.
+
+The parts (`admission`, `leases`, `gangs`, `checkpoints`, `step`) each take a `Core`; none
+imports another part or the `Engine` facade, so there is no import circle. Changes to what the
+scheduler admitted are collected in `placed` and acted on by the next `step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from salus.daemon.cluster import ClusterSpec
+from salus.daemon.engine.events import Event, EventStream
+from salus.daemon.engine.ledger import DeviceLedger
+from salus.daemon.engine.outbox import Outbox
+from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy, JobStore, Timers
+from salus.daemon.engine.registry import Call, EndState, JobRecord, Registry
+from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
+from salus.daemon.wire.frames import RawFrame, json_frame
+from salus.scheduler import JobState, Placement, Policy
+from salus.scheduler.dispatch import Dispatcher, Forget, Ready, Update
+
+log = logging.getLogger("salusd.engine")
+LaneKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Config:
+    """How the engine was started (see `Engine`)."""
+
+    torch_devices: list[str]
+    compute_slowdowns: list[float]
+    threads: int = 1
+    cancel_grace_s: float = 5.0
+    max_queued_calls: int = 64
+    estimate_first: bool = True
+    checkpoints: CheckpointPolicy | None = None
+    data_cache: DataCachePolicy | None = None
+    cluster: ClusterSpec | None = None
+    store: JobStore | None = None
+
+
+@dataclass(eq=False)
+class Core:
+    """What the engine's parts share. Only `salus.scheduler` writes the dispatcher's objects:
+    the engine gives it inputs and reads views."""
+
+    config: Config
+    clock: Callable[[], float]
+    timers: Timers
+    outbox: Outbox
+    dispatch: Dispatcher
+    ledgers: list[DeviceLedger]
+    registry: Registry
+    events: EventStream
+    stopping: bool = False
+    pending_policy: Policy | None = None  # switched to once no call runs
+    placed: list[Placement] = field(default_factory=list)  # admissions the next step sends
+
+    def event(self, kind: str, job_id: int, device: int = -1, lane_id: int = -1,
+              **detail: Any) -> None:
+        self.events.emit(Event(self.clock(), kind, job_id, device, lane_id, detail))
+
+    def take(self, update: Update) -> None:
+        """Keep what the scheduler admitted for the next step."""
+        self.placed.extend(update.placed)
+
+    def queue_call(self, record: JobRecord, call: Call) -> None:
+        """A call waits for its turn; the dispatcher learns of it once the job is admitted."""
+        record.calls.append(call)
+        if record.phase == "submitted":
+            self.dispatch.apply(Ready(record.job_id, call.counted))
+
+    def refuse_queued(self, record: JobRecord) -> None:
+        """Answer the job's queued calls: salusd is shutting down."""
+        while record.calls:
+            refuse(record.calls.popleft(), ShuttingDown("salusd is shutting down"))
+        self.dispatch.withdraw(record.job_id)
+
+    def end(self, record: JobRecord, state: EndState, reason: str, *,
+            executor_gone: bool = False) -> None:
+        """End a live job: answer its queued calls, free its memory now, and retire or kill its
+        executor once its running call (if any) has returned."""
+        error: SalusError = JobFailed(reason) if state == "failed" else JobCancelled(reason)
+        while record.calls:
+            refuse(record.calls.popleft(), error)
+        job = self.dispatch.job(record.job_id)
+        if job is not None and not job.done:
+            self.take(self.dispatch.finish(record.job_id, JobState.FINISHED
+                                           if state == "finished" else JobState.CANCELLED))
+            job = self.dispatch.job(record.job_id)
+        done = job.done_iterations if job is not None else record.done_before
+        self.registry.end(record, state, reason)
+        for gone in [j for j in self.dispatch.jobs() if j not in self.registry.live
+                     and j not in self.registry.ended]:
+            self.dispatch.apply(Forget(gone))  # expired from the registry: forget it here too
+        self.event(state if state != "finished" else "finish", record.job_id, reason=reason,
+                   iterations_done=done)
+        log.info("job %d %s: %s", record.job_id, state, reason)
+        if executor_gone:
+            return
+        if self.dispatch.running(record.job_id):
+            record.cancel_requested = True
+            self.timers.call_later(self.config.cancel_grace_s,
+                                   lambda: self.kill_if_running(record))
+        else:
+            self.finalize(record)
+
+    def kill_if_running(self, record: JobRecord) -> None:
+        if self.dispatch.running(record.job_id) and any(
+                self.outbox.alive(executor) for executor in record.replicas):
+            log.warning("job %d did not return within %.1f s of its end: killing its "
+                        "executor(s)", record.job_id, self.config.cancel_grace_s)
+            self.outbox.kill_all(record)
+
+    def finalize(self, record: JobRecord) -> None:
+        """Retire an ended job's executors once they answered what they were sent."""
+        code = "job_failed" if record.end_state == "failed" else "job_cancelled"
+        self.outbox.retire_all(record, code, f"job {record.job_id} has {record.end_state}: "
+                               f"{record.reason}")
+
+    def gang_lanes(self, job_id: int) -> Sequence[LaneKey]:
+        return self.dispatch.gang_lanes(job_id)
+
+
+def refuse(call: Call, error: SalusError) -> None:
+    """Answer a queued call with `error` (a direct call is answered by its executor when it
+    is told the job ended)."""
+    if call.frame is not None:
+        call.frame.close_fd()
+    if call.answer is not None:
+        call.answer(error_frame(error))
+
+
+def error_frame(exc: SalusError) -> RawFrame:
+    return json_frame({"ok": False, "code": exc.code, "message": str(exc)})
+
+
+def ok_frame(result: object = None) -> RawFrame:
+    return json_frame({"ok": True, "result": result})

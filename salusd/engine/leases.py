@@ -1,0 +1,83 @@
+"""Leases: a job alone in its lane, attached by a direct channel, runs its calls without asking.
+
+A lease makes the lane busy with its holder (`Dispatcher.hold`) until the executor gives it
+back; the calls it ran meanwhile are reported afterwards (`ran`) and accounted then.
+"""
+
+from __future__ import annotations
+
+from salus.daemon.engine.core import Core, LaneKey
+from salus.daemon.engine.outbox import Sent
+from salus.daemon.engine.registry import JobRecord
+from salus.scheduler import JobState
+
+
+class Leases:
+    """The lanes whose job runs direct calls unasked, and those being asked back."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.held: dict[LaneKey, int] = {}
+        self.revoking: set[LaneKey] = set()
+
+    def lane_of(self, job_id: int) -> LaneKey | None:
+        return next((k for k, j in self.held.items() if j == job_id), None)
+
+    def refresh(self) -> None:
+        """Grant each lane's lease to its job when that job is alone there, attached by a
+        direct channel, runnable and has nothing queued through the daemon; take it back
+        from any holder that no longer qualifies."""
+        dispatch = self.core.dispatch
+        for lane in dispatch.lanes():
+            holder = self.held.get(lane.key)
+            wanted = self._candidate(lane.residents)
+            if holder is not None and holder != wanted:
+                self._revoke(lane.key, holder)
+            elif (holder is None and wanted is not None and lane.busy_job is None
+                  and lane.reserved_for is None):
+                record = self.core.registry.live[wanted]
+                self.held[lane.key] = wanted
+                dispatch.hold(lane.key, wanted)
+                self.core.outbox.send(record, Sent("grant"), {"op": "lease", "granted": True})
+        for key in [k for k in self.held if dispatch.lane(k) is None]:
+            self._revoke(key, self.held[key])
+
+    def _revoke(self, key: LaneKey, holder: int) -> None:
+        """Ask job `holder`'s executor to give lane `key`'s lease back (once)."""
+        registry = self.core.registry
+        record = registry.live.get(holder) or registry.ended.get(holder)
+        if key in self.revoking or record is None or not self.core.outbox.alive(
+                record.executor):
+            return
+        self.revoking.add(key)
+        self.core.outbox.send(record, Sent("revoke", lane=key),
+                              {"op": "lease", "granted": False})
+
+    def _candidate(self, residents: tuple[int, ...]) -> int | None:
+        core = self.core
+        if len(residents) != 1 or core.stopping or core.pending_policy is not None:
+            return None
+        record = core.registry.live.get(residents[0])
+        job = core.dispatch.job(residents[0])
+        if (record is None or job is None or not record.direct or record.calls
+                or record.held or record.swap_requested or record.cancel_requested
+                or record.phase != "submitted"
+                or job.state not in (JobState.ADMITTED, JobState.RUNNING)):
+            return None
+        return record.job_id
+
+    def revoked(self, record: JobRecord, key: LaneKey) -> None:
+        """The executor gave lane `key`'s lease back (after any call it was running)."""
+        self.revoking.discard(key)
+        if self.held.get(key) == record.job_id:
+            del self.held[key]
+            self.core.dispatch.release(key, record.job_id)
+        if not record.live:
+            self.core.finalize(record)
+
+    def drop(self, job_id: int) -> None:
+        """The job's executor died: its leases end with it."""
+        for key in [k for k, j in self.held.items() if j == job_id]:
+            del self.held[key]
+            self.revoking.discard(key)
+            self.core.dispatch.release(key, job_id)

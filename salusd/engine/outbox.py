@@ -1,0 +1,119 @@
+"""What the engine sent each executor and has not had answered yet.
+
+Every message sent to an executor gets exactly one reply, in order, so each executor has a
+queue of what it was asked (`Sent`); a reply is matched with the head of that queue. A message
+to a gang goes to every replica, and their replies merge into one (`GangReply`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from salus.daemon.engine.gang import GangReply
+from salus.daemon.engine.ports import ExecutorPort
+from salus.daemon.engine.registry import Answer, JobRecord
+from salus.daemon.wire.frames import RawFrame
+
+LaneKey = tuple[int, int]
+OnDone = Callable[[dict[str, Any]], None]
+
+
+@dataclass(eq=False)
+class Sent:
+    """One message an executor has not answered yet."""
+
+    kind: str
+    answer: Answer | None = None
+    lane: LaneKey | None = None
+    counted: bool = False
+    on_done: OnDone | None = None  # gets the executor's reply meta
+    gang: GangReply | None = None  # sent to every replica of a gang: their replies merge
+    replica: int = 0
+
+
+class Outbox:
+    """Executors by identity, the job each serves, and what each was sent."""
+
+    def __init__(self, port: ExecutorPort) -> None:
+        self.port = port
+        self._sent: dict[int, deque[Sent]] = {}  # id(executor) -> what it was asked
+        self._by_executor: dict[int, JobRecord] = {}
+
+    def acquire(self, record: JobRecord, count: int) -> None:
+        """`count` executors for the job (its replicas), known from now on."""
+        record.replicas = [self.port.acquire(record, record.cwd) for _ in range(count)]
+        for executor in record.replicas:
+            self._sent[id(executor)] = deque()
+            self._by_executor[id(executor)] = record
+
+    def job_of(self, executor: object) -> JobRecord | None:
+        return self._by_executor.get(id(executor))
+
+    def alive(self, executor: object) -> bool:
+        """Whether `executor` is known and has not died."""
+        return id(executor) in self._by_executor
+
+    def next_reply(self, executor: object) -> Sent | None:
+        """What the reply `executor` just sent answers (None: it owed nothing)."""
+        queue = self._sent.get(id(executor))
+        return queue.popleft() if queue else None
+
+    def forget(self, executor: object) -> tuple[JobRecord | None, list[Sent]]:
+        """`executor` is gone: its job and what it still owed."""
+        record = self._by_executor.pop(id(executor), None)
+        return record, list(self._sent.pop(id(executor), deque()))
+
+    def drop_replicas(self, record: JobRecord) -> None:
+        """The job's state did not load: retire its executors (it may attach again)."""
+        for replica in record.replicas:
+            self._by_executor.pop(id(replica), None)
+            self._sent.pop(id(replica), None)
+            self.port.retire(replica)
+        record.replicas = []
+
+    def kill_all(self, record: JobRecord) -> None:
+        """Kill every executor of the job that is still running."""
+        for executor in record.replicas:
+            if self.alive(executor):
+                self.port.kill(executor)
+
+    def retire_all(self, record: JobRecord, code: str, message: str) -> None:
+        for executor in record.replicas:
+            if self.alive(executor):
+                self.port.retire(executor, code, message)
+
+    def send_to(self, executor: object, sent: Sent, meta: dict[str, Any],
+                frame: RawFrame | None = None) -> None:
+        """Send one message to `executor`; its reply is matched with `sent`."""
+        self._sent[id(executor)].append(sent)
+        self.port.send(executor, meta, frame)
+
+    def send(self, record: JobRecord, sent: Sent, meta: dict[str, Any],
+             frame: RawFrame | None = None) -> None:
+        """Send one message to the job's executor (a gang's replica 0)."""
+        self.send_to(record.executor, sent, meta, frame)
+
+    def send_all(self, record: JobRecord, kind: str, metas: list[dict[str, Any]], *,
+                 lanes: list[LaneKey] | None = None, counted: bool = False,
+                 on_done: OnDone | None = None, answer: Answer | None = None,
+                 frame: RawFrame | None = None) -> None:
+        """Send `metas[r]` (and the client's `frame`, to each) to replica r of the job; their
+        replies come back as one (replica 0's `Sent` with the merged meta; replica 0's reply
+        frame goes to `answer`). A job of one replica gets a plain `send`."""
+        if record.gang == 1:
+            self.send(record, Sent(kind, answer, lanes[0] if lanes else None, counted,
+                                   on_done), metas[0], frame)
+            return
+        frames = [frame, *(frame.duplicate() for _ in metas[1:])] if frame is not None else (
+            [None] * record.gang)
+        gang = GangReply(record.gang, list(lanes or []))
+        for replica, (executor, meta) in enumerate(zip(record.replicas, metas, strict=True)):
+            sent = Sent(kind, answer if replica == 0 else None,
+                        lanes[replica] if lanes else None, counted,
+                        on_done if replica == 0 else None, gang, replica)
+            if replica == 0:
+                gang.head = sent
+            self.send_to(executor, sent, meta, frames[replica])

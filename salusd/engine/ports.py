@@ -1,0 +1,66 @@
+"""What the engine needs from the rest of the daemon, and the policies it is started with."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.wire.frames import RawFrame
+
+
+class ExecutorPort(Protocol):
+    """What the engine needs of the executor supervisor."""
+
+    def acquire(self, record: JobRecord, cwd: str | None) -> object:
+        """An executor process for `record`, running as its owner."""
+        ...
+
+    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+        """Send one message (and the client frame that goes with it) to the executor."""
+        ...
+
+    def kill(self, executor: object) -> None:
+        """End the executor now (SIGKILL)."""
+        ...
+
+    def retire(self, executor: object, code: str = "job_cancelled",
+               message: str = "the job ended") -> None:
+        """Ask the executor to exit once it has answered what it was sent; calls still queued
+        on its direct channel get the error `code` with `message`."""
+        ...
+
+
+class JobStore(Protocol):
+    """The durable registry (`salusd.state.store.Store`): job ids that never repeat."""
+
+    def new_job(self, name: str, owner: str, uid: int, gid: int, kind: str,
+                spec: dict[str, Any], iterations_total: int, priority: float) -> int: ...
+
+
+class Timers(Protocol):
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where jobs' checkpoints go (`root/<job id>/`, made by `make_dir` as the job's owner)
+    and how often: every `every_iterations` iterations, else every `every_s` seconds of the
+    job's own run time."""
+
+    root: str
+    make_dir: Callable[[str, Owner], None]
+    every_iterations: int | None = None
+    every_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class DataCachePolicy:
+    """The node's data cache for jobs' `salus.data.CachedDataset`s: level 1 of an owner's jobs
+    in `root/<owner>/` (made by `make_dir` as the owner), at most `bytes_per_replica` bytes
+    per replica."""
+
+    root: str
+    make_dir: Callable[[str, Owner], None]
+    bytes_per_replica: int

@@ -1,0 +1,239 @@
+"""What the engine does with each executor message: a reply to what it was sent (matched with
+the head of its queue, a gang's replicas merged), a message it sent unasked (`ready`: a direct
+call waits; `ran`: calls ran under the lease), or its death."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from salus.daemon.engine import admission, checkpoints, gangs
+from salus.daemon.engine.core import Core, LaneKey, error_frame
+from salus.daemon.engine.leases import Leases
+from salus.daemon.engine.outbox import Sent
+from salus.daemon.engine.registry import Call, JobRecord
+from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError
+from salus.daemon.wire.frames import RawFrame
+from salus.scheduler.dispatch import Finished, RanUnderLease
+
+log = logging.getLogger("salusd.engine")
+
+
+class Replies:
+    """Routes executor messages to the engine's parts; `after(fn)` runs a timer's work and
+    steps the engine."""
+
+    def __init__(self, core: Core, leases: Leases,
+                 after: Callable[[Callable[[], None]], None]) -> None:
+        self.core = core
+        self.leases = leases
+        self.after = after
+
+    def reply(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+        core = self.core
+        record = core.outbox.job_of(executor)
+        if record is not None and meta.get("unsolicited"):
+            self._unsolicited(record, meta)
+            return
+        sent = core.outbox.next_reply(executor) if record is not None else None
+        if record is None or sent is None:
+            log.warning("unexpected reply from an executor: %r", meta)
+            if frame is not None:
+                frame.close_fd()
+            return
+        if sent.gang is not None:
+            gang = sent.gang
+            if sent.kind == "run" and not meta.get("ok") and record.live:
+                if record.kind == "batch":
+                    gangs.broke(core, record, sent, meta)
+                    return
+                gangs.await_peers(core, gang, lambda: self.after(
+                    lambda: gangs.peers_late(core, record, gang)))
+            if not gang.add(sent.replica, meta, frame):
+                return  # other replicas have yet to answer
+            meta, frame, sent = gang.merged(), gang.frame, gang.head
+            if gang.abandoned:  # answered and failed when a replica did not return
+                if frame is not None:
+                    frame.close_fd()
+                return
+            if sent.kind == "run" and record.live and gang.diverged():
+                frame = gangs.diverged(core, record, gang, frame)
+        self._answered(record, sent, meta)
+        if sent.on_done is not None:
+            sent.on_done(meta)
+        if sent.answer is not None and frame is not None:
+            sent.answer(frame)
+        elif frame is not None:
+            frame.close_fd()
+
+    def _answered(self, record: JobRecord, sent: Sent, meta: dict[str, Any]) -> None:
+        core = self.core
+        ok = bool(meta.get("ok"))
+        if sent.kind == "run":
+            self._finished_call(record, sent, meta)
+        elif sent.kind == "revoke" and sent.lane is not None:
+            self.leases.revoked(record, sent.lane)
+        elif sent.kind == "channel" and ok:
+            record.direct = True
+        elif sent.kind == "attach" and ok:
+            record.persistent_bytes = int(meta["persistent_bytes"])
+            record.phase = "attached" if record.live else record.phase
+            core.event("attach", record.job_id, persistent_bytes=record.persistent_bytes)
+        elif sent.kind == "attach":
+            # The state did not load (a class the executor cannot import): the client may
+            # attach again, to fresh executors.
+            core.outbox.drop_replicas(record)
+        elif sent.kind == "estimate":
+            admission.estimated(core, record, meta)
+        elif sent.kind == "load":
+            self._loaded(record, meta)
+        elif sent.kind == "checkpoint":
+            checkpoints.written(core, record, meta)
+
+    def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
+        """`ready`: a direct call waits in the executor for its turn; `ran`: calls ran under
+        the job's lease and are accounted now."""
+        core = self.core
+        op = meta.get("op")
+        if op == "ready":
+            if not record.live or core.stopping:
+                core.outbox.send(record, Sent("refuse"), {"op": "refuse", "code": (
+                    "shutting_down" if core.stopping else "job_cancelled"),
+                    "message": record.reason or "salusd is shutting down"})
+                return
+            core.queue_call(record, Call(None, None, bool(meta.get("counted"))))
+            if record.phase == "attached" and not core.config.estimate_first:
+                admission.measure_first(core, record, "call")
+            elif record.phase == "attached":
+                # The job's first call: the executor estimated it before asking.
+                estimate = meta.get("estimate")
+                admission.estimated(core, record, estimate if isinstance(estimate, dict) else {
+                    "ok": False, "reason": "the executor sent no estimate"})
+            return
+        if op != "ran":
+            return
+        lane = self.leases.lane_of(record.job_id)
+        if record.live and (record.phase != "submitted" or lane is None):
+            return
+        calls, iterations = int(meta.get("calls", 0)), int(meta.get("iterations", 0))
+        seconds = float(meta.get("seconds", 0.0))
+        record.calls_done += calls
+        if record.live:
+            record.calls_failed += int(meta.get("failed", 0))
+        core.take(core.dispatch.apply(RanUnderLease(record.job_id, iterations, seconds)))
+        if record.live and lane is not None:
+            self._accounted(record, lane, iterations, seconds, meta)
+            core.event("ran", record.job_id, *lane, calls=calls, iterations=iterations,
+                       seconds=seconds, began=meta.get("began"), ended=meta.get("ended"))
+        else:  # calls that ran under the lease before the job ended, reported after
+            core.event("ran", record.job_id, calls=calls, iterations=iterations,
+                       seconds=seconds)
+
+    def _finished_call(self, record: JobRecord, sent: Sent, meta: dict[str, Any]) -> None:
+        core = self.core
+        assert sent.lane is not None
+        lanes = tuple(sent.gang.lanes) if sent.gang is not None else (sent.lane,)
+        seconds = float(meta.get("seconds", 0.0))
+        # The executor says what it ran: the call asked for may have run under a lease
+        # meanwhile, and the next queued call (maybe of the other kind) in its place.
+        counted = 0 if meta.get("empty") else int(bool(meta.get("counted", sent.counted)))
+        if not meta.get("empty"):
+            record.calls_done += 1
+            record.calls_failed += 0 if meta.get("ok") else 1
+        if isinstance(meta.get("comm"), dict):
+            record.comm = meta["comm"]
+        core.take(core.dispatch.apply(Finished(record.job_id, lanes, counted, seconds)))
+        if record.live and record.phase == "submitted":
+            self._accounted(record, sent.lane, counted, seconds, meta)
+        elif not record.live:
+            # The client had its result (on its direct channel) and closed the job before
+            # this reply reached the daemon.
+            core.finalize(record)
+        core.event("end", record.job_id, *sent.lane, seconds=seconds, iterations=counted,
+                   ok=bool(meta.get("ok")), began=meta.get("began"), ended=meta.get("ended"),
+                   **({"cache": meta["cache"]} if isinstance(meta.get("cache"), dict) else {}))
+        if record.live and record.kind == "batch":
+            checkpoints.batch_step_done(core, record, meta)
+
+    def _accounted(self, record: JobRecord, lane: LaneKey, iterations: int, seconds: float,
+                   meta: dict[str, Any]) -> None:
+        """After the scheduler accounted a live job's calls: checkpoint when due, and check
+        the measured peak against the job's lane."""
+        if iterations:
+            record.since_checkpoint += iterations
+            record.since_checkpoint_s += seconds
+            if record.kind == "interactive":
+                checkpoints.maybe(self.core, record)
+        peak = meta.get("peak")
+        if isinstance(peak, int):
+            admission.check_peak(self.core, record, lane, peak)
+
+    def _loaded(self, record: JobRecord, meta: dict[str, Any]) -> None:
+        """A batch job's entrypoint, or a restored job's checkpoint, was loaded."""
+        core = self.core
+        if not meta.get("ok"):
+            core.end(record, "failed", "the job could not be loaded: "
+                     f"{str(meta.get('message', 'no reason given'))[:2000]}")
+            return
+        record.persistent_bytes = int(meta.get("persistent_bytes", 0))
+        iteration = int(meta.get("iteration", 0))
+        if record.resumed_from is not None:  # restored after a restart
+            record.resumed_from = record.done_before = iteration
+            record.checkpoint_iteration = iteration if iteration else None
+            log.info("job %d resumed from its checkpoint at iteration %d", record.job_id,
+                     iteration)
+        if not record.live:
+            return
+        record.phase = "attached"
+        core.event("attach", record.job_id, persistent_bytes=record.persistent_bytes,
+                   resumed_from=record.resumed_from)
+        if record.kind != "batch":
+            return
+        if iteration >= record.planned_iterations:
+            core.end(record, "finished", f"ran its {iteration} iterations")
+            return
+        record.phase = "estimating"
+        if record.gang > 1 or record.nodes > 1 or not core.config.estimate_first:
+            admission.measure_first(core, record, "iteration")
+        else:
+            core.outbox.send(record, Sent("estimate"), {"op": "estimate", "frame": False})
+
+    def died(self, executor: object, reason: str) -> None:
+        """The executor is gone: fail its job with `reason` (unless it had already ended) and
+        answer everything it still owed."""
+        core = self.core
+        record, queue = core.outbox.forget(executor)
+        if record is None:
+            return
+        running = next((s.lane for s in queue if s.kind == "run"), None)
+        leased = self.leases.lane_of(record.job_id)
+        if running:
+            where = f"while running job {record.job_id} in lane {running[0]}.{running[1]}"
+        elif leased:
+            where = (f"while running job {record.job_id} in lane {leased[0]}.{leased[1]} (or "
+                     "between its calls there)")
+        else:
+            where = f"while job {record.job_id} was between calls"
+        error: SalusError
+        was_live = record.live
+        if record.live:
+            error = JobFailed(f"{reason} {where}")
+            log.warning("%s", error)
+            core.end(record, "failed", str(error), executor_gone=True)
+        else:
+            ended = JobFailed if record.end_state == "failed" else JobCancelled
+            error = ended(f"job {record.job_id} ended: {record.reason}")
+        self.leases.drop(record.job_id)
+        for sent in queue:
+            if sent.lane is not None:
+                core.dispatch.release(sent.lane, record.job_id)
+            if sent.answer is not None:
+                sent.answer(error_frame(error))
+            if sent.kind == "checkpoint":
+                record.checkpointing -= 1
+            if sent.on_done is not None:
+                sent.on_done({"ok": False, "message": str(error)})
+        if was_live:  # a gang without one replica cannot go on; an ended one's replicas
+            core.outbox.kill_all(record)  # were retired and may still be writing checkpoints
+        core.event("executor_died", record.job_id, reason=reason)

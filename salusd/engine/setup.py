@@ -1,0 +1,68 @@
+"""A job's executors acquired and given its state: a client's objects (`attach`), a batch job's
+entrypoint (`load`) or a restored job's checkpoint (`restore`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from salus.daemon.cluster import ClusterSpec
+from salus.daemon.engine.checkpoints import replica_dir
+from salus.daemon.engine.core import Core
+from salus.daemon.engine.pipeline_spec import check_pipeline
+from salus.daemon.engine.registry import Answer, JobRecord, Owner, spec_nodes
+from salus.daemon.engine.rendezvous import check_nodes, gang_places
+from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.frames import RawFrame
+from salus.scheduler import Policy
+
+
+def batch_spec(path: str, function: str, name: str, devices: int, nodes: int,
+               rendezvous: str | None, pipeline: dict[str, Any] | None,
+               cluster: ClusterSpec | None, policy: Policy) -> dict[str, Any]:
+    """What a batch job is submitted with; BadRequest for what this node cannot run."""
+    spec: dict[str, Any] = {"entrypoint": f"{path}:{function}", "path": path,
+                            "function": function,
+                            **check_nodes(nodes, rendezvous, name, cluster)}
+    if devices > 1:
+        spec["devices"] = devices
+    spec.update(check_pipeline(pipeline, devices, spec_nodes(spec)))
+    if spec_nodes(spec) > 1 and policy.lane_mode != "pack":
+        raise BadRequest(f"a multi-node gang needs lanes of its own, which only the pack "
+                         f"policy gives (the policy is {policy.name})")
+    return spec
+
+
+def load(core: Core, record: JobRecord, restore: bool,
+         attach: tuple[RawFrame, Answer] | None = None) -> None:
+    """Acquire the job's executors (one per replica) and send each its state: the client's
+    `attach` frame (every replica loads the same bytes, after joining its gang's group), or a
+    batch job's entrypoint, or a restored job's checkpoint."""
+    core.outbox.acquire(record, record.gang)
+    places = gang_places(record.spec, record.gang, record.owner.name, core.config.cluster)
+    if attach is not None:
+        frame, answer = attach
+        core.outbox.send_all(record, "attach", [{"op": "attach", "gang": p}
+                                                for p in places or [None]],
+                             answer=answer, frame=frame)
+        return
+    if record.kind == "batch":
+        meta = {"op": "load", "path": record.spec["path"],
+                "function": record.spec["function"], "restore": restore,
+                "pipeline": record.spec.get("pipeline"), "cache": _cache_for(core, record.owner)}
+    else:
+        meta = {"op": "restore"}
+    metas = [{**meta, "dir": replica_dir(record, r)} for r in range(record.gang)]
+    for m, place in zip(metas, places or [], strict=False):
+        m["gang"] = place
+    core.outbox.send_all(record, "load", metas)
+
+
+def _cache_for(core: Core, owner: Owner) -> dict[str, Any] | None:
+    """Where `owner`'s jobs keep their data cache, and its cap per replica."""
+    policy = core.config.data_cache
+    if policy is None:
+        return None
+    path = os.path.join(policy.root, owner.name)
+    policy.make_dir(path, owner)
+    return {"dir": path, "bytes": policy.bytes_per_replica}

@@ -1,0 +1,130 @@
+"""One step of the engine, run at the end of every command and executor event:
+
+    switch policy when quiet -> swap out who waits for it -> reconcile the ledgers with the
+    admissions and tell newly placed executors where they run -> send the dispatcher's starts
+    -> refresh leases -> emit a memory event if memory changed
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from salus.daemon.engine.core import Core
+from salus.daemon.engine.leases import Leases
+from salus.daemon.engine.outbox import Sent
+from salus.daemon.engine.registry import JobRecord
+from salus.scheduler.dispatch import Start
+
+log = logging.getLogger("salusd.engine")
+
+
+class Stepper:
+    """Runs the step; remembers what the last memory event said."""
+
+    def __init__(self, core: Core, leases: Leases) -> None:
+        self.core = core
+        self.leases = leases
+        self._last_memory: object = None
+
+    def step(self) -> None:
+        core = self.core
+        self._switch_if_quiet()
+        for record in core.registry:
+            if record.swap_requested and not core.dispatch.running(record.job_id):
+                self._swap_out(record)
+        self._place()
+        if not core.stopping and core.pending_policy is None:
+            for start in core.dispatch.schedule():
+                self._start(start)
+        self.leases.refresh()
+        self._memory_event()
+
+    def _switch_if_quiet(self) -> None:
+        core = self.core
+        if core.pending_policy is None or core.dispatch.busy:
+            return
+        policy, core.pending_policy = core.pending_policy, None
+        old = core.dispatch.policy.name
+        core.take(core.dispatch.set_policy(policy))
+        core.event("policy", -1, policy=policy.name, previous=old)
+        log.info("policy switched from %s to %s", old, policy.name)
+
+    def _swap_out(self, record: JobRecord) -> None:
+        record.swap_requested = False
+        record.swapped = True
+        for executor in record.replicas:
+            self.core.outbox.send_to(executor, Sent("swap_out"), {"op": "swap_out"})
+        self.core.event("swap_out", record.job_id)
+        self.core.take(self.core.dispatch.swap_out(record.job_id))
+
+    def _place(self) -> None:
+        """Reconcile the ledgers with the scheduler's admissions, and tell newly placed
+        executors where they run."""
+        core = self.core
+        for device, ledger in enumerate(core.ledgers):
+            wanted: dict[tuple[str, int], int] = {}
+            for lane in core.dispatch.lanes(device):
+                wanted[("lane", lane.lane_id)] = lane.size
+                for job_id in lane.residents:
+                    job = core.dispatch.job(job_id)
+                    assert job is not None
+                    wanted[("job", job_id)] = job.persistent_bytes
+            for key in list(ledger.regions):
+                if wanted.get(key) != ledger.size(key):
+                    ledger.remove(key)
+            for key, size in wanted.items():
+                if ledger.size(key) is None:
+                    ledger.place(key, size)
+        placed, core.placed = core.placed, []
+        for p in placed:
+            core.event("admit", p.job_id, p.device, p.lane_id)
+            record = core.registry.live.get(p.job_id)
+            job = core.dispatch.job(p.job_id)
+            lanes = core.dispatch.gang_lanes(p.job_id)
+            if record is None or job is None or (p.device, p.lane_id) not in lanes:
+                continue  # ended, or placed again since
+            replica = lanes.index((p.device, p.lane_id))
+            core.outbox.send_to(record.replicas[replica], Sent("place"), {
+                "op": "place", "device": core.config.torch_devices[p.device],
+                "budget_bytes": job.persistent_bytes + p.lane_bytes,
+                "slowdown": core.config.compute_slowdowns[p.device],
+            })
+
+    def _start(self, start: Start) -> None:
+        """Send the started job's next call (a batch job's next iteration) to its replicas."""
+        core = self.core
+        record = core.registry.live[start.job_id]
+        lanes = list(start.lanes)
+        if record.kind == "batch":  # the daemon drives the loop: the next batch, in its lanes
+            core.outbox.send_all(record, "run", [{"op": "step"}] * record.gang, lanes=lanes,
+                                 counted=True)
+            return
+        call = record.calls.popleft()
+        meta: dict[str, Any] = {"op": "run", "counted": call.counted}
+        if record.gang == 1:
+            meta["frame"] = call.frame is not None
+        core.outbox.send_all(record, "run", [meta] * record.gang, lanes=lanes,
+                             counted=call.counted, answer=call.answer, frame=call.frame)
+        if call.frame is not None and record.gang == 1:
+            call.frame.close_fd()
+
+    def _memory_event(self) -> None:
+        """Per device: budget, persistent bytes, lane bytes, free bytes and lanes; and the
+        pending queue's length (what metrics show, without reading the engine). Sent when it
+        changed: scheduling decisions that move nothing (most boundaries) send none, which
+        would fill the event stream's window with copies."""
+        core = self.core
+        devices = []
+        for index, ledger in enumerate(core.ledgers):
+            lanes = core.dispatch.lanes(index)
+            stats = ledger.stats()
+            devices.append({"device": index, "capacity_bytes": stats.capacity,
+                            "persistent_bytes": core.dispatch.persistent(index),
+                            "lane_bytes": sum(ln.size for ln in lanes),
+                            "free_bytes": stats.capacity - stats.used, "lanes": len(lanes)})
+        state = (devices, len(core.dispatch.pending()))
+        if state == self._last_memory:
+            return
+        self._last_memory = state
+        core.event("memory", -1, devices=devices, pending=state[1])
