@@ -1,8 +1,9 @@
 """IterationScheduler: admission plus a policy plus job accounting, behind one small interface.
 
-The daemon wraps one instance in a lock and asks it, at every iteration boundary of a lane, which
-job runs next; the simulator drives the very same object from its virtual clock. The clock is
-injected (seconds, monotonic), so the object is deterministic under test.
+The daemon's engine owns one instance and, at every iteration boundary of a lane, asks it which
+job runs next; it calls it only from the daemon's one I/O thread, so the object takes no lock. The
+simulator drives the very same object from its virtual clock. The clock is injected (seconds,
+monotonic), so the object is deterministic under test.
 """
 
 from __future__ import annotations

@@ -89,13 +89,9 @@ class Job:
         """Whether the job has begun running iterations."""
         return self.first_run_s is not None or self.done_iterations > 0
 
-    def record_iteration(self, seconds: float, *, measure: bool = True) -> None:
-        """Count one finished iteration that took `seconds`; `measure` updates `iter_s`
-        (the mean of measured iterations)."""
-        self.record_iterations(1, seconds, measure=measure)
-
     def record_iterations(self, count: int, seconds: float, *, measure: bool = True) -> None:
-        """Count `count` finished iterations that took `seconds` in all."""
+        """Count `count` finished iterations that took `seconds` in all; `measure` updates
+        `iter_s` (the mean of measured iterations)."""
         if count < 1:
             raise ValueError(f"job {self.job_id}: count must be >= 1, got {count}")
         self.done_iterations += count

@@ -198,10 +198,6 @@ class LaneManager:
         self._pending.insert(job)
         return self._admit(freed, job_id)
 
-    def admit_pending(self) -> list[Placement]:
-        """One full pass over the pending list in submit order; admits everything that fits."""
-        return self._admit(range(len(self._devices)), None)
-
     # ---- internals -----------------------------------------------------------------------
     def _check_can_fit(self, job_id: int, persistent: int, ephemeral: int, gang: int) -> None:
         if not self._fits_empty(persistent + ephemeral, gang):

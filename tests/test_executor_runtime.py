@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from salus.daemon.executor.runtime import JobRuntime, State, call_error, to_host
+from salus.daemon.executor.runtime import JobRuntime, State, to_host
 from salus.daemon.wire import compact
 
 
@@ -71,6 +71,20 @@ def test_the_random_stream_comes_back_only_when_the_call_drew() -> None:
     assert not quiet.aux & compact.AUX_RNG
 
 
+def _exit_three(s: State, x: torch.Tensor) -> None:
+    raise SystemExit(3)
+
+
 def test_system_exit_in_job_code_is_an_error_of_that_call() -> None:
-    reply = call_error(SystemExit(3))
-    assert reply["ok"] is False and reply["type"] == "builtins.SystemExit"
+    runtime = _runtime()
+    runtime.functions[1] = _exit_three
+    runtime.kinds[1] = "function"
+    before = {k: v.clone() for k, v in runtime.state.model.state_dict().items()}
+    reply, _, peak = runtime.run(compact.Message(compact.OP_CALL, "1", (torch.ones(2, 4),), 1))
+    assert reply["ok"] is False and reply["code"] == "call_failed" and peak is None
+    assert reply["type"] == "builtins.SystemExit" and reply["message"] == "SystemExit: 3"
+    assert "_exit_three" in reply["traceback"].split("\n")[1]  # the job's own frame first
+    for key, value in runtime.state.model.state_dict().items():
+        assert torch.equal(value, before[key])
+    ok, _, _ = runtime.run(compact.Message(compact.OP_CALL, "1", (torch.ones(2, 4),), 0))
+    assert type(ok) is compact.Message  # the executor goes on serving the job

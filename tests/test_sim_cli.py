@@ -1,4 +1,5 @@
-"""`python -m salus.scheduler.sim`: JSON, comparison table, plot, errors."""
+"""`python -m salus.scheduler.sim`: JSON (against schedules worked out by hand), comparison
+table, plot, errors."""
 
 from __future__ import annotations
 
@@ -16,6 +17,51 @@ from salus.scheduler.traces import synthetic, to_native_csv
 REQUIRED = {"policy", "jobs", "avg_jct_s", "p50_jct_s", "p95_jct_s", "makespan_s",
             "avg_queue_s", "device_utilisation"}
 
+# Three jobs on one device, small enough that every policy admits all of them at once:
+# A from 0 s, 10 iterations of 1 s; B from 1 s, 2 of 1 s; C from 2 s, 4 of 0.5 s.
+TINY = """job_id,submit_s,iterations,iter_s,persistent_mb,ephemeral_mb
+1,0,10,1.0,1,1
+2,1,2,1.0,1,1
+3,2,4,0.5,1,1
+"""
+# Each policy's schedule worked out by hand: (JCT of A, B, C), (queueing of A, B, C), seconds.
+HAND = {
+    # A 0-10, B 10-12, C 12-14.
+    "fifo": ((10.0, 11.0, 12.0), (0.0, 9.0, 10.0)),
+    # B (2 s left) preempts A (9 s) at 1 and runs 1-3; C (2 s) beats B (1 s) only after B ends:
+    # C 3-5; A 5-14.
+    "srtf": ((14.0, 2.0, 3.0), (0.0, 0.0, 1.0)),
+    # Least attained first, ties to the earlier submit: A 0-1, B 1-2, C 2-3 (two iterations),
+    # A 3-4, B 4-5 (done), C 5-6 (done), A 6-14.
+    "fair": ((14.0, 4.0, 4.0), (0.0, 0.0, 0.0)),
+    # One lane each, all at rate 1/(jobs running): A alone to 1; A, B at 1/2 to 2; all three at
+    # 1/3 until B's last 1.5 s are done at 6.5 (C has 0.5 s left); A, C at 1/2 to 7.5; A to 14.
+    "pack": ((14.0, 5.5, 5.5), (0.0, 0.0, 0.0)),
+}
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def _expected(policy: str) -> dict[str, float]:
+    jcts, queues = HAND[policy]
+    xs = sorted(jcts)
+    return {"avg_jct_s": sum(jcts) / 3, "p50_jct_s": _percentile(xs, 50),
+            "p95_jct_s": _percentile(xs, 95), "max_jct_s": xs[-1],
+            "makespan_s": 14.0,  # every policy keeps the device busy from 0 s until 14 s
+            "avg_queue_s": sum(queues) / 3, "device_utilisation": 1.0}
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.csv"
+    path.write_text(TINY)
+    return path
+
 
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
@@ -24,26 +70,28 @@ def trace(tmp_path: Path) -> Path:
     return path
 
 
-def test_json_for_one_policy(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--trace", str(trace), "--policy", "srtf", "--devices", "2", "--json",
+def test_json_for_one_policy(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--trace", str(tiny), "--policy", "srtf", "--devices", "1", "--json",
                  "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out.keys() >= REQUIRED
-    assert (out["policy"], out["jobs"], out["devices"]) == ("srtf", 40, 2)
-    assert out["p50_jct_s"] <= out["p95_jct_s"] <= out["max_jct_s"]
-    assert 0 < out["device_utilisation"] <= 1
+    assert (out["policy"], out["jobs"], out["devices"]) == ("srtf", 3, 1)
+    assert {k: out[k] for k in _expected("srtf")} == pytest.approx(_expected("srtf"))
 
 
-def test_compare_json_holds_every_policy_and_ratios(
-    trace: Path, capsys: pytest.CaptureFixture[str]
+def test_compare_json_matches_schedules_worked_out_by_hand(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["--trace", str(trace), "--compare", "--json", "--quiet"]) == 0
+    assert main(["--trace", str(tiny), "--compare", "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["policies"]) == set(POLICIES)
+    assert set(out["policies"]) == set(POLICIES) == set(HAND)
+    fifo = _expected("fifo")
     for name, summary in out["policies"].items():
         assert summary.keys() >= REQUIRED
-        ratio = out["ratio_to_fifo"][name]["avg_jct_s"]
-        assert ratio == pytest.approx(summary["avg_jct_s"] / out["policies"]["fifo"]["avg_jct_s"])
+        want = _expected(name)
+        assert {k: summary[k] for k in want} == pytest.approx(want), name
+        assert out["ratio_to_fifo"][name] == pytest.approx(
+            {k: want[k] / fifo[k] for k in out["ratio_to_fifo"][name]}), name
 
 
 def test_compare_table_and_plot(

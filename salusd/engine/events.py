@@ -18,18 +18,25 @@ log = logging.getLogger("salusd.events")
 @dataclass(frozen=True)
 class Event:
     """One change: `kind`, the job (-1 for none), where, and details; `t` is seconds on the
-    engine's clock. Kinds and their details:
+    engine's clock. Kinds and their details (times in seconds, sizes in bytes):
 
-    - open (owner, name), attach (persistent_bytes), submit (persistent, ephemeral, method),
-      admit (device, lane), requeue (peak), suspend (swap), resume, swap_out, priority;
-    - end: one call ended in a lane (seconds, iterations 0 or 1, ok);
-    - ran: calls a leased job ran on its own (calls, iterations, seconds);
-    - finish / cancelled / failed (reason): the job ended; executor_died (reason);
+    - open (owner, name, job_kind), reattach (iteration: a restored job's client is back),
+      attach (persistent_bytes, and resumed_from after a restore), submit (persistent,
+      ephemeral, method), admit (device, lane), requeue (device, lane, peak), suspend (swap),
+      resume, swap_out, priority (priority);
+    - end: one call ended in a lane (seconds, iterations 0 or 1, ok, began and ended on the
+      executor's monotonic clock; cache, the data cache's counters, when the job uses one);
+    - ran: calls a leased job ran on its own (calls, iterations, seconds; with the lane, began
+      and ended while the job is live);
+    - finish / cancelled / failed (reason, iterations_done): the job ended;
+      executor_died (reason);
     - reject (reason): admission found the job can never fit (a `failed` follows);
-    - checkpoint (iteration, seconds, bytes): the job's state was written;
+    - checkpoint (iteration, seconds, bytes, path, time in Unix seconds): the job's state was
+      written;
+    - policy (no job; policy, previous): the scheduling policy was switched;
     - memory (no job): devices = [{device, capacity_bytes, persistent_bytes, lane_bytes,
-      free_bytes, lanes}], pending = jobs waiting for admission; sent after every change of
-      admissions."""
+      free_bytes, lanes}], pending = jobs waiting for admission; sent when admissions changed
+      what it shows."""
 
     t: float
     kind: str

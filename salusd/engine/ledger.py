@@ -33,12 +33,13 @@ class DeviceLedger:
         self.capacity = capacity - capacity % ALIGNMENT
         self.allocator = BinAllocator(self.capacity, alignment=ALIGNMENT,
                                       min_bin_bytes=ALIGNMENT)
-        self.regions: dict[RegionKey, tuple[int, int]] = {}  # key -> (offset, bytes)
+        # key -> (offset, bytes): the offset frees the region and orders a compaction
+        self.regions: dict[RegionKey, tuple[int, int]] = {}
         self.compactions = 0
 
-    def place(self, key: RegionKey, nbytes: int) -> int:
-        """Place region `key` of `nbytes` bytes (replacing one of that key); returns its offset.
-        Raises OutOfArenaMemory only when the free bytes in all do not suffice."""
+    def place(self, key: RegionKey, nbytes: int) -> None:
+        """Place region `key` of `nbytes` bytes (replacing one of that key). Raises
+        OutOfArenaMemory only when the free bytes in all do not suffice."""
         self.remove(key)
         try:
             offset = self.allocator.allocate(nbytes)
@@ -48,7 +49,6 @@ class DeviceLedger:
             self._compact()
             offset = self.allocator.allocate(nbytes)
         self.regions[key] = (offset, nbytes)
-        return offset
 
     def remove(self, key: RegionKey) -> None:
         region = self.regions.pop(key, None)

@@ -98,10 +98,6 @@ class LinkProfile:
     latency_s: tuple[tuple[float, ...], ...]
     bandwidth_bytes_per_s: tuple[tuple[float, ...], ...]
 
-    def transfer_s(self, src: int, dst: int, nbytes: int) -> float:
-        """Seconds to send `nbytes` bytes from device `src` to device `dst`."""
-        return self.latency_s[src][dst] + nbytes / self.bandwidth_bytes_per_s[src][dst]
-
 
 @dataclass(frozen=True)
 class ClusterProfile:
