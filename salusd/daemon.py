@@ -23,8 +23,8 @@ from salus.daemon.engine.persist import Persistence
 from salus.daemon.engine.registry import Owner
 from salus.daemon.executor.supervisor import Supervisor
 from salus.daemon.frontend.handlers import Handlers
-from salus.daemon.frontend.loop import Loop
 from salus.daemon.frontend.server import SocketServer
+from salus.daemon.loop import Loop
 from salus.daemon.metrics import Metrics
 from salus.daemon.rest.app import make_app
 from salus.daemon.rest.auth import Auth

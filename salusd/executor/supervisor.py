@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from salus.daemon.engine.registry import JobRecord, Owner
-from salus.daemon.frontend.loop import Link, Loop
+from salus.daemon.loop import Link, Loop
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 
 log = logging.getLogger("salusd.supervisor")
