@@ -18,7 +18,7 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m salus.daemon.demo
+	$(PY) -m salus.demo
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -47,9 +47,9 @@ from salus.daemon.services.federated import (
     synthetic,
     synthetic_model,
 )
-from salus.daemon.services.federated.daemon_runner import DaemonRunner
 from salus.daemon.services.federated.plot import plot_losses
 from salus.daemon.services.federated.progress import round_progress
+from salus.federated.daemon_runner import DaemonRunner
 
 DEVICES, CLIENTS_PER_ROUND, EPOCHS, BATCH, LR, MU = 30, 10, 20, 10, 0.01, 1.0
 SHARES = (0.0, 0.5, 0.9)

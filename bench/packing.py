@@ -27,8 +27,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from salus.daemon.demo_jobs import Launched, launch
 from salus.daemon.launch import DaemonProcess, running_daemon
+from salus.demo.jobs import Launched, launch
 
 
 def _memory(pid: int) -> tuple[int, int]:

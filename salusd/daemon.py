@@ -21,10 +21,9 @@ from salus.daemon.devices import DeviceSpec
 from salus.daemon.engine.engine import CheckpointPolicy, DataCachePolicy, Engine
 from salus.daemon.engine.persist import Persistence
 from salus.daemon.engine.registry import Owner
-from salus.daemon.executor.supervisor import Supervisor
 from salus.daemon.frontend.handlers import Handlers
-from salus.daemon.frontend.loop import Loop
 from salus.daemon.frontend.server import SocketServer
+from salus.daemon.loop import Loop
 from salus.daemon.metrics import Metrics
 from salus.daemon.rest.app import make_app
 from salus.daemon.rest.auth import Auth
@@ -32,6 +31,7 @@ from salus.daemon.rest.bridge import EngineBridge
 from salus.daemon.rest.context import Context
 from salus.daemon.rest.server import RestServer
 from salus.daemon.state.store import Store, ensure_admin_token
+from salus.daemon.supervisor import Supervisor
 
 log = logging.getLogger("salusd")
 

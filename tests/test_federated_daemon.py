@@ -18,7 +18,7 @@ from salus.daemon.services.federated import (
     synthetic,
     synthetic_model,
 )
-from salus.daemon.services.federated.daemon_runner import DaemonRunner
+from salus.federated.daemon_runner import DaemonRunner
 
 pytestmark = pytest.mark.slow
 

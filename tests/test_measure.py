@@ -1,23 +1,21 @@
-"""Measuring jobs: exact persistent bytes, the storage tracker, and the fake-tensor estimate."""
+"""Measuring a job in its executor: the storage tracker, exact persistent bytes, and the
+fake-tensor estimate of a call's peak against the same call's measured peak."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from salus.daemon.measure import (
+from salus.daemon.executor.measure import (
     EstimationError,
     StorageTracker,
     estimate_call_peak,
-    estimate_iteration_peak,
-    measure_iteration,
     optimizer_state_tensors,
-    persistent_bytes,
     state_bytes,
-    train_step,
 )
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -49,6 +47,26 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _iteration(s: SimpleNamespace, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A job's training iteration, as a user writes it for `@remote.iteration`."""
+    s.opt.zero_grad(set_to_none=False)
+    loss = nn.functional.cross_entropy(s.model(x), y)
+    loss.backward()
+    s.opt.step()
+    return loss.detach()
+
+
+def _measured_peak(fn: Callable[..., object], state: SimpleNamespace,
+                   *args: torch.Tensor) -> int:
+    """Peak ephemeral bytes of the real call in steady state: a first, untracked call creates
+    the gradients and the optimizer state, the second is tracked."""
+    fn(state, *args)
+    with StorageTracker() as tracker:
+        out = fn(state, *args)
+        del out
+    return tracker.peak_bytes
+
+
 def test_tracker_counts_exact_bytes_of_a_known_sequence() -> None:
     existing = torch.zeros(1000)
     with StorageTracker() as tracker:
@@ -65,18 +83,8 @@ def test_tracker_counts_exact_bytes_of_a_known_sequence() -> None:
         del b, c
         assert tracker.live_bytes == 4000
     assert tracker.peak_bytes == 9000
-    assert tracker.peak_bytes_excluding([d]) == 9000  # the first time 9000 was live, d was not
     del d, alias
     assert tracker.live_bytes == 0  # frees after exit still count
-
-
-def test_tracker_excludes_retained_storages_from_the_peak() -> None:
-    with StorageTracker() as tracker:
-        kept = torch.empty(1024, dtype=torch.uint8)
-        scratch = torch.empty(4096, dtype=torch.uint8)
-        del scratch
-    assert tracker.peak_bytes == 5120
-    assert tracker.peak_bytes_excluding([kept]) == 4096
 
 
 def test_tracker_sees_autograd_saved_tensors() -> None:
@@ -92,47 +100,32 @@ def test_tracker_sees_autograd_saved_tensors() -> None:
 
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 @pytest.mark.parametrize("model_name", MODELS)
-def test_persistent_bytes_is_exact_before_the_first_step(model_name: str, opt_name: str) -> None:
-    make, _ = MODELS[model_name]
+def test_state_bytes_is_exact_before_the_first_step(model_name: str, opt_name: str) -> None:
+    make, shape = MODELS[model_name]
     torch.manual_seed(0)
     model = make()
     opt = OPTIMIZERS[opt_name](list(model.parameters()))
-    predicted = persistent_bytes(model, opt)
-    predicted_state = state_bytes([model, opt])  # what an executor reports at attach
+    predicted = state_bytes([model, opt])  # what an executor reports at attach
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
-    x = torch.randn(4, *MODELS[model_name][1])
-    train_step(model, opt, nn.functional.cross_entropy, (x,), torch.randint(0, 10, (4,)))
+    _iteration(SimpleNamespace(model=model, opt=opt), torch.randn(4, *shape),
+               torch.randint(0, 10, (4,)))
 
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters()),
                *optimizer_state_tensors(opt)]
     exact = sum(_nbytes(t) for t in tensors if t is not None)
-    assert predicted == predicted_state == exact
-    assert persistent_bytes(model, opt) == state_bytes([model, opt]) == exact  # real state now
+    assert predicted == exact
+    assert state_bytes([model, opt]) == exact  # the real state now
 
 
-def test_persistent_bytes_counts_frozen_parameters_without_gradients() -> None:
+def test_state_bytes_counts_frozen_parameters_without_gradients() -> None:
     model = nn.Linear(10, 10)
     model.bias.requires_grad_(False)
     opt = torch.optim.Adam([model.weight])
     weight, bias = 100 * 4, 10 * 4
     step = 4  # Adam's float32 step counter
-    assert persistent_bytes(model, opt) == weight + bias + weight + 2 * weight + step
-    assert persistent_bytes(model, None) == weight + bias + weight
-
-
-def _measured_peak(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                   y: torch.Tensor) -> int:
-    """Peak ephemeral bytes of a real steady-state iteration (gradients kept, as zeros)."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    _, first = measure_iteration(
-        lambda: train_step(model, opt, nn.functional.cross_entropy, (x,), y),
-        persistent=lambda: optimizer_state_tensors(opt))
-    _, steady = measure_iteration(
-        lambda: train_step(model, opt, nn.functional.cross_entropy, (x,), y))
-    assert 0.5 * steady <= first <= 2 * steady
-    return steady
+    assert state_bytes([model, opt]) == weight + bias + weight + 2 * weight + step
+    assert state_bytes([model]) == weight + bias + weight
 
 
 @pytest.mark.parametrize("opt_name", ["sgd-momentum", "adam"])
@@ -144,18 +137,33 @@ def test_estimate_tracks_the_measured_peak(model_name: str, opt_name: str) -> No
         torch.manual_seed(0)
         model = make()
         opt = OPTIMIZERS[opt_name](list(model.parameters()))
+        state = SimpleNamespace(model=model, opt=opt)
         x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
         before = {k: v.clone() for k, v in model.state_dict().items()}
         rng = torch.get_rng_state()
-        estimate = estimate_iteration_peak(model, opt, nn.functional.cross_entropy, (x,), y)
+        estimate = estimate_call_peak(_iteration, state, (x, y), {})
         assert torch.equal(rng, torch.get_rng_state())
         assert not opt.state and all(p.grad is None for p in model.parameters())
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-        measured = _measured_peak(model, opt, x, y)
+        measured = _measured_peak(_iteration, state, x, y)
         assert 0.5 * measured <= estimate <= 2 * measured, (estimate, measured)
         peaks.append((estimate, measured))
     (est_small, meas_small), (est_big, meas_big) = peaks
     assert est_big > est_small and meas_big > meas_small
+
+
+def test_estimate_of_a_users_own_iteration_function_matches_the_measured_peak() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = SimpleNamespace(model=model, opt=opt)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+    rng = torch.get_rng_state()
+    estimate = estimate_call_peak(_iteration, state, (x, y), {})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not opt.state and all(p.grad is None for p in model.parameters())  # untouched
+    assert estimate == _measured_peak(_iteration, state, x, y)
 
 
 def test_estimate_handles_data_dependent_scalars() -> None:
@@ -168,10 +176,16 @@ def test_estimate_handles_data_dependent_scalars() -> None:
             scale = float(x.abs().max().item())  # a value fake tensors do not have
             return self.fc(x) / (scale + 1.0)
 
+    def step(s: SimpleNamespace, x: torch.Tensor) -> torch.Tensor:
+        s.opt.zero_grad()
+        loss = s.model(x).square().mean()
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
     model = Gate()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(16, 32)
-    estimate = estimate_iteration_peak(model, opt, lambda out: out.square().mean(), (x,))
+    state = SimpleNamespace(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
+    estimate = estimate_call_peak(step, state, (torch.randn(16, 32),), {})
     assert estimate >= 16 * 32 * 4  # at least the linear layer's output
 
 
@@ -184,9 +198,9 @@ def test_estimate_reports_data_dependent_shapes_clearly() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.fc(x)[x > 0]
 
-    model = Nonzero()
+    state = SimpleNamespace(model=Nonzero())
     with pytest.raises(EstimationError, match="measured first iteration"):
-        estimate_iteration_peak(model, None, lambda out: out.sum(), (torch.randn(4, 8),))
+        estimate_call_peak(lambda s, x: s.model(x).sum(), state, (torch.randn(4, 8),), {})
 
 
 def test_estimate_follows_foreach_optimizer_kernels() -> None:
@@ -195,10 +209,10 @@ def test_estimate_follows_foreach_optimizer_kernels() -> None:
     for foreach in (False, True):
         torch.manual_seed(0)
         model = _mlp()
-        opt = torch.optim.Adam(model.parameters(), foreach=foreach)
-        estimates.append(estimate_iteration_peak(model, opt, nn.functional.cross_entropy,
-                                                 (x,), y))
-        measured.append(_measured_peak(model, opt, x, y))
+        state = SimpleNamespace(model=model,
+                                opt=torch.optim.Adam(model.parameters(), foreach=foreach))
+        estimates.append(estimate_call_peak(_iteration, state, (x, y), {}))
+        measured.append(_measured_peak(_iteration, state, x, y))
         assert 0.5 * measured[-1] <= estimates[-1] <= 2 * measured[-1]
     # foreach Adam holds one temporary per parameter at once, the single-tensor loop holds two
     # for one parameter at a time: the peaks differ, and the estimate must follow the kernels.
@@ -206,50 +220,12 @@ def test_estimate_follows_foreach_optimizer_kernels() -> None:
     assert (estimates[1] > estimates[0]) == (measured[1] > measured[0])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-def test_estimate_refuses_a_device_this_build_cannot_run() -> None:
-    with pytest.raises(ValueError, match="not available"):
-        estimate_iteration_peak(nn.Linear(2, 2), None, lambda o: o.sum(), (torch.randn(2, 2),),
-                                device="cuda")
-
-
-def test_estimate_rejects_non_tuple_inputs() -> None:
-    with pytest.raises(TypeError, match="tuple"):
-        estimate_iteration_peak(nn.Linear(2, 2), None, lambda o: o.sum(),
-                                torch.randn(2, 2))
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tracker_measures_cuda_iterations() -> None:
+def test_estimate_tracks_the_measured_peak_of_a_cuda_iteration() -> None:
     torch.manual_seed(0)
     model = _mlp().cuda()
-    opt = torch.optim.Adam(model.parameters())
+    state = SimpleNamespace(model=model, opt=torch.optim.Adam(model.parameters()))
     x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
-    estimate = estimate_iteration_peak(model, opt, nn.functional.cross_entropy, (x,), y)
-    measured = _measured_peak(model, opt, x, y)
+    estimate = estimate_call_peak(_iteration, state, (x, y), {})
+    measured = _measured_peak(_iteration, state, x, y)
     assert 0.5 * measured <= estimate <= 2 * measured
-
-
-def test_estimate_of_a_users_own_iteration_function_matches_the_measured_peak() -> None:
-    """The job contract's estimate: the user's function over a state namespace, on fakes."""
-    from types import SimpleNamespace
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = SimpleNamespace(model=model, opt=opt)
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
-
-    def iteration(s: SimpleNamespace, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        s.opt.zero_grad(set_to_none=False)
-        loss = nn.functional.cross_entropy(s.model(x), y)
-        loss.backward()
-        s.opt.step()
-        return loss.detach()
-
-    rng = torch.get_rng_state()
-    estimate = estimate_call_peak(iteration, state, (x, y), {})
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert not opt.state and all(p.grad is None for p in model.parameters())  # untouched
-    measured = _measured_peak(model, opt, x, y)
-    assert estimate == measured

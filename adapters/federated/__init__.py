@@ -32,7 +32,7 @@ from salus.daemon.services.federated import (
     synthetic_model,
 )
 from salus.daemon.services.federated import run as run_rounds
-from salus.daemon.services.federated.daemon_runner import DaemonRunner
+from salus.federated.daemon_runner import DaemonRunner
 
 __all__ = ["ClientDataset", "DaemonRunner", "FedAvg", "FedProx", "FederatedResult",
            "InProcessRunner", "Strategy", "run", "synthetic", "synthetic_model"]

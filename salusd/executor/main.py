@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text
-from salus.daemon.measure import EstimationError
 from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError

@@ -29,8 +29,13 @@ from torch.utils._pytree import tree_map
 
 from salus.daemon.executor import checkpoint, context, gang
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
+from salus.daemon.executor.measure import (
+    EstimationError,
+    estimate_call_peak,
+    held_bytes,
+    state_bytes,
+)
 from salus.daemon.executor.peak import PeakMeter
-from salus.daemon.measure import EstimationError, estimate_call_peak, held_bytes, state_bytes
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.slowdown import ComputeSlowdown
 from salus.daemon.wire import compact

@@ -62,7 +62,7 @@ def serve(fd: int) -> int:
     import torch  # noqa: F401 - imported here once, shared by every executor
 
     from salus.daemon.executor import main  # noqa: F401 - the executors' code, preloaded
-    from salus.daemon.measure import warm_up
+    from salus.daemon.executor.measure import warm_up
 
     warm_up()
     sock = socket.socket(fileno=fd)

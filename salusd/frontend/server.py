@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from salus.daemon.engine.engine import error_frame
 from salus.daemon.engine.registry import Owner
-from salus.daemon.frontend.loop import Link, Loop
+from salus.daemon.loop import Link, Loop
 from salus.daemon.wire.address import format_address
 from salus.daemon.wire.errors import Busy, SalusError
 from salus.daemon.wire.frames import DEFAULT_MAX_FRAME_BYTES, RawFrame

@@ -7,7 +7,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from salus.daemon.frontend.loop import Loop
+from salus.daemon.loop import Loop
 from salus.daemon.wire.errors import SalusError
 
 T = TypeVar("T")

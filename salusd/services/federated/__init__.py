@@ -2,9 +2,9 @@
 
 `run` is the server loop; `Strategy` (with `FedAvg`, `FedProx`) is the policy; a `ClientRunner`
 trains each round's `ClientTask` s with `train_client`: `InProcessRunner` one after another in
-this process, `DaemonRunner` as scheduled functions of jobs in salusd (imported from
-`daemon_runner`, since it needs the client adapter). Progress bars and plots live in the
-`progress` and `plot` submodules.
+this process, `DaemonRunner` (in `salus.federated.daemon_runner`, beside the client adapter it
+uses) as scheduled functions of jobs in salusd. Progress bars and plots live in the `progress`
+and `plot` submodules.
 """
 
 from .aggregate import weighted_average

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from salus.daemon.engine.registry import JobRecord, Owner
-from salus.daemon.frontend.loop import Link, Loop
+from salus.daemon.loop import Link, Loop
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 
 log = logging.getLogger("salusd.supervisor")
 
 
 @dataclass(eq=False)
-class Executor:
+class ExecutorHandle:
     """One executor process as the daemon sees it."""
 
     token: int
@@ -86,13 +86,13 @@ class Supervisor:
         self.retire_after_s = retire_after_s
         self.threads = threads
         self.estimate_first = estimate_first  # executors estimate a job's first call
-        self.on_reply: Callable[[Executor, dict[str, Any], RawFrame | None], None] = (
+        self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
             lambda *_: None)
-        self.on_died: Callable[[Executor, str], None] = lambda *_: None
-        self._standby: deque[Executor] = deque()
-        self._by_token: dict[int, Executor] = {}
-        self._by_pid: dict[int, Executor] = {}
-        self._by_link: dict[int, Executor] = {}
+        self.on_died: Callable[[ExecutorHandle, str], None] = lambda *_: None
+        self._standby: deque[ExecutorHandle] = deque()
+        self._by_token: dict[int, ExecutorHandle] = {}
+        self._by_pid: dict[int, ExecutorHandle] = {}
+        self._by_link: dict[int, ExecutorHandle] = {}
         self._tokens = itertools.count(1)
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_link: Link | None = None
@@ -157,10 +157,10 @@ class Supervisor:
             self._zygote.wait()
         self.start()
 
-    def _fork(self) -> Executor:
+    def _fork(self) -> ExecutorHandle:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         token = next(self._tokens)
-        ex = Executor(token, Link(ours, self._executor_frame, self._executor_closed))
+        ex = ExecutorHandle(token, Link(ours, self._executor_frame, self._executor_closed))
         self.loop.add(ex.link)
         self._by_token[token] = ex
         self._by_link[id(ex.link)] = ex
@@ -172,7 +172,7 @@ class Supervisor:
         return ex
 
     # ---- the engine's ExecutorPort -----------------------------------------------------------
-    def acquire(self, record: JobRecord, cwd: str | None) -> Executor:
+    def acquire(self, record: JobRecord, cwd: str | None) -> ExecutorHandle:
         ex = self._standby.popleft() if self._standby else self._fork()
         ex.record = record
         self.loop.send(ex.link, json_frame({"op": "become", **identity(record.owner),
@@ -184,13 +184,13 @@ class Supervisor:
         return ex
 
     def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
-        assert isinstance(executor, Executor)
+        assert isinstance(executor, ExecutorHandle)
         self.loop.send(executor.link, json_frame(meta))
         if frame is not None:
             self.loop.send(executor.link, frame)
 
     def kill(self, executor: object) -> None:
-        assert isinstance(executor, Executor)
+        assert isinstance(executor, ExecutorHandle)
         if executor.pid is None:
             executor.kill_when_forked = True
             return
@@ -199,12 +199,12 @@ class Supervisor:
 
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:
-        assert isinstance(executor, Executor)
+        assert isinstance(executor, ExecutorHandle)
         self.loop.send(executor.link, json_frame({"op": "exit", "code": code,
                                                   "message": message}))
         self.loop.call_later(self.retire_after_s, lambda: self._kill_if_alive(executor))
 
-    def _kill_if_alive(self, ex: Executor) -> None:
+    def _kill_if_alive(self, ex: ExecutorHandle) -> None:
         if ex.status is None and ex.pid is not None:
             log.warning("executor pid %d did not exit when asked: killing it", ex.pid)
             self.kill(ex)
@@ -229,7 +229,7 @@ class Supervisor:
             meta, ex.pending_meta = ex.pending_meta, None
             self.on_reply(ex, meta, frame)
 
-    def _executor_of(self, link: Link) -> Executor | None:
+    def _executor_of(self, link: Link) -> ExecutorHandle | None:
         return self._by_link.get(id(link))
 
     def _executor_closed(self, link: Link, reason: str) -> None:
@@ -243,7 +243,7 @@ class Supervisor:
             self.loop.call_later(self.lost_after_s, lambda: self._maybe_report(ex, force=True))
         self._maybe_report(ex)
 
-    def _maybe_report(self, ex: Executor, force: bool = False) -> None:
+    def _maybe_report(self, ex: ExecutorHandle, force: bool = False) -> None:
         if ex.reported or not ex.closed or (ex.status is None and not force):
             return
         ex.reported = True

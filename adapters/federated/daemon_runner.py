@@ -15,10 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import salus.adapters.torch as salus
-
-from .client import train_client
-from .data import ClientDataset
-from .task import ClientTask, ClientUpdate
+from salus.daemon.services.federated import ClientDataset, ClientTask, ClientUpdate, train_client
 
 
 def _train(s: Any, task: ClientTask) -> ClientUpdate:

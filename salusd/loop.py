@@ -3,7 +3,7 @@
 Every socket the daemon talks over (clients, executors, the zygote) is a `Link`: a
 `FrameReader` for what comes in and a queue of frames going out, each frame's descriptor
 attached to its first byte. No thread waits on an idle connection. Other threads (signal
-handling, later the REST server) hand work to the loop with `call_soon_threadsafe`.
+handling, the REST server) hand work to the loop with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations

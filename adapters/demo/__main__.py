@@ -12,8 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from salus.daemon.demo_jobs import DEMO_JOBS, WORKLOADS, launch, run_direct
 from salus.daemon.launch import running_daemon
+from salus.demo.jobs import DEMO_JOBS, WORKLOADS, launch, run_direct
 
 console = Console(width=max(100, Console().width))
 

@@ -1,5 +1,5 @@
 """The demo's workload: three training jobs and one inference job, each runnable directly (the
-baseline) or as a client of a running daemon (`python -m salus.daemon.demo_jobs NAME ADDRESS`).
+baseline) or as a client of a running daemon (`python -m salus.demo.jobs NAME ADDRESS`).
 
 Every job is seeded, so a direct run and a daemon run see the same data and the same model.
 """
@@ -198,7 +198,7 @@ class Launched:
         self.hold = hold
         args = ["--hold"] if hold else []
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "salus.daemon.demo_jobs", n, target, *args],
+            subprocess.Popen([sys.executable, "-m", "salus.demo.jobs", n, target, *args],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             for n in names
         ]

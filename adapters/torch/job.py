@@ -1,0 +1,155 @@
+"""A job in salusd as the client holds it: `connect()` opens one, `Job.attach` ships its
+objects, and `close()` ends it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from salus.adapters.torch import sugar
+from salus.adapters.torch.pickling import pickled, unpicklable
+from salus.adapters.torch.remote import Remote
+from salus.adapters.torch.transport import Connection, connect_retrying
+from salus.daemon.wire import compact
+from salus.daemon.wire.address import default_socket_path, parse_address
+from salus.daemon.wire.channel import Channel
+from salus.daemon.wire.errors import DaemonUnavailable
+from salus.daemon.wire.frames import VERSION
+from salus.daemon.wire.replicas import MAX_REPLICAS
+
+
+def connect(name: str, iterations: int, *, address: str | None = None,
+            timeout_s: float | None = 10.0, devices: int = 1) -> Job:
+    """Open a job called `name` that plans `iterations` iterations in salusd; with `devices`
+    N > 1, a data-parallel gang of N replicas (see the module docstring).
+
+    `timeout_s` (seconds) bounds connecting and opening; calls themselves wait as long as the
+    daemon's scheduler makes them. While salusd restarts, connecting is retried for about 20 s
+    (`SALUS_RECONNECT=0` turns that off).
+
+    After a restart, salusd brings an interactive job back suspended at its last checkpoint and
+    hands it to the next `connect()` of the same owner with the same name: `job.resumed_from`
+    is then the iteration it stands at (0 for a new job), `job.attach(...)` keeps the restored
+    state (the objects passed are not shipped), and the script skips the batches already done.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {type(name).__name__}")
+    if type(iterations) is not int or not 1 <= iterations <= 2**53:
+        raise ValueError(f"iterations must be an int from 1 to 2**53, got {iterations!r}")
+    if type(devices) is not int or not 1 <= devices <= MAX_REPLICAS:
+        raise ValueError(f"devices must be an int from 1 to {MAX_REPLICAS}, got {devices!r}")
+    path = parse_address(address) if address is not None else default_socket_path()
+    sock = connect_retrying(path, timeout_s)
+    job = Job(Channel(sock), name, iterations, path, devices)
+    try:
+        job._hello()
+    except BaseException:
+        job._channel.close()
+        raise
+    sock.settimeout(None)
+    return job
+
+
+class Job(Connection):
+    """A connection to salusd carrying one job; use `connect()` to make one."""
+
+    def __init__(self, channel: Channel, name: str, iterations: int, path: str,
+                 devices: int = 1) -> None:
+        super().__init__(channel, name, path)
+        self.iterations = iterations
+        self.devices = devices  # replicas: > 1 for a data-parallel gang
+        self.resumed_from = 0  # > 0: salusd restored this job at that iteration (see connect)
+        self.owner: str | None = None
+        self.threads: int | None = None
+        self.remote: Remote | None = None
+        self._compact = False
+
+    def attach(self, **objects: Any) -> Remote:
+        """Ship the named objects to the job in the daemon, with their current state; returns
+        the `Remote` handle to define and call functions over them."""
+        if self.remote is not None:
+            raise RuntimeError(f"job {self.name!r} already has its state in salusd; open "
+                               "another job with salus.connect() for other objects")
+        if not objects:
+            raise ValueError("attach needs at least one named object, e.g. attach(model=model)")
+        payload = pickled(objects)
+        try:
+            future = self._request({"op": "attach", "job": self._require_id(),
+                                    "objects": payload, "rng": self._rng_to_send()})
+        except TypeError as exc:
+            self._rng_synced = None
+            raise unpicklable(objects, exc) from exc
+        future.result()
+        self.remote = Remote(self, objects)
+        if self.devices == 1:  # a gang's calls go to all replicas, through salusd
+            self._open_direct()
+        return self.remote
+
+    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   loss_fn: Callable[..., torch.Tensor]) -> Callable[..., float]:
+        """Ship `model`, `optimizer` and `loss_fn`; returns `step(*inputs, target) -> loss`
+        which runs `loss_fn(model(*inputs), target)`, backward and `optimizer.step()` in the
+        daemon. Train/eval switches of `model` on the client are followed."""
+        return sugar.train_step(self, model, optimizer, loss_fn)
+
+    def inference(self, model: nn.Module, *, train_mode: bool = False) -> Callable[..., Any]:
+        """Ship `model`; returns `infer(*inputs) -> output` run in the daemon under
+        `torch.inference_mode()` with the model in eval mode (train mode if `train_mode`).
+        The output is the model's own pytree (a tensor, tuple, dict or `ModelOutput`)."""
+        return sugar.inference(self, model, train_mode)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The job's model parameters and buffers now, as CPU tensors (the attached object
+        called `model`)."""
+        if self.remote is None:
+            raise RuntimeError(f"job {self.name!r} has no state in salusd yet")
+        state: dict[str, torch.Tensor] = self.remote.fetch("model")["model"]
+        return state
+
+    def info(self) -> dict[str, Any]:
+        """The daemon's view of the job: state, progress, placement, memory, threads."""
+        result: dict[str, Any] = self._request({"op": "info",
+                                                "job": self._require_id()}).result()
+        return result
+
+    def ping(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._request({"op": "ping"}).result()
+        return result
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Job(name={self.name!r}, id={self.id!r}, path={self.path!r})"
+
+    def _hello(self) -> None:
+        """Check the protocol version and open the job (its id, owner, threads)."""
+        try:
+            reply = self._request({"op": "ping", "max_frame_bytes":
+                                   self._channel.max_frame_bytes}).result()
+        except DaemonUnavailable:
+            # salusd may have refused the connection (over its limit) and closed it before
+            # the ping went out: its refusal is still there to read.
+            refusal = self._refusal()
+            if refusal is not None:
+                raise refusal from None
+            raise
+        if not isinstance(reply, dict) or reply.get("version") != VERSION:
+            raise DaemonUnavailable(f"salusd at {self.path} speaks another protocol version "
+                                    f"({reply!r}); install matching versions")
+        if reply.get("refused"):
+            raise DaemonUnavailable(str(reply["refused"]))
+        self._channel.peer_max_frame_bytes = int(reply["max_frame_bytes"])
+        self.owner = reply.get("owner")
+        self._compact = reply.get("compact") == compact.REVISION
+        opened = self._request({"op": "open", "name": self.name, "iterations": self.iterations,
+                                "cwd": os.getcwd(), "devices": self.devices}).result()
+        self.id, self.threads = str(opened["job"]), opened.get("threads")
+        self.resumed_from = int(opened.get("resumed_from") or 0)

@@ -1,0 +1,141 @@
+"""The job's state in the daemon as the client reaches it: `Remote` defines and calls functions
+over it and pulls it back; `RemoteFunction` is one defined function; `per_replica` and `whole`
+mark a gang job's arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from salus.adapters.torch.pickling import pickled
+from salus.adapters.torch.replies import pickled_result
+from salus.adapters.torch.transport import Future
+from salus.daemon.wire import compact
+from salus.daemon.wire.replicas import PerReplica, Whole
+
+if TYPE_CHECKING:
+    from salus.adapters.torch.job import Job
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def per_replica(*values: Any) -> PerReplica:
+    """An argument of a gang job's call that gives replica r `values[r]` (one per replica)."""
+    return PerReplica(values)
+
+
+def whole(value: Any) -> Whole:
+    """An argument of a gang job's call that every replica gets whole (not split)."""
+    return Whole(value)
+
+
+class Remote:
+    """The job's state in the daemon: define functions over it, call them, pull it back."""
+
+    def __init__(self, job: Job, objects: dict[str, Any]) -> None:
+        self.job = job
+        self.objects = dict(objects)
+        self._next_fid = 0
+
+    def iteration(self, fn: F) -> RemoteFunction:
+        """Decorator: `fn(s, *args, **kwargs)` runs in the daemon, one scheduled iteration per
+        call (it counts toward the job's iterations and the scheduler's accounting)."""
+        return self._define(fn, "iteration")
+
+    def function(self, fn: F) -> RemoteFunction:
+        """Decorator: like `iteration`, scheduled in the job's lane, not counted as one."""
+        return self._define(fn, "function")
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(s, *args, **kwargs)` once in the daemon (not counted as an iteration)."""
+        job = self.job
+        return job._request({"op": "call", "job": job._require_id(),
+                             "fn": pickled(fn, "function"),
+                             "args": pickled((args, kwargs), "call arguments"),
+                             "rng": job._rng_to_send()}, self._decode_result).result()
+
+    def fetch(self, *names: str) -> dict[str, Any]:
+        """The daemon-side state of the named objects (all when none are named): a
+        `state_dict()` for objects that have one, the tensor or object itself otherwise."""
+        job = self.job
+        result: dict[str, Any] = job._request(
+            {"op": "pull", "job": job._require_id(), "names": list(names) or None},
+            pickled_result).result()
+        return result
+
+    def pull(self, *names: str) -> dict[str, Any]:
+        """Copy the daemon-side state into the client's objects (`load_state_dict` for modules,
+        optimizers, schedulers and scalers, `copy_` for tensors); returns what was fetched
+        (plain objects cannot be updated in place: take them from the returned dict)."""
+        fetched = self.fetch(*names)
+        for name, value in fetched.items():
+            obj = self.objects[name]
+            if isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.copy_(value)
+            elif callable(getattr(obj, "load_state_dict", None)):
+                obj.load_state_dict(value)
+        return fetched
+
+    def _define(self, fn: Callable[..., Any], kind: str) -> RemoteFunction:
+        if not callable(fn):
+            raise TypeError(f"a {type(fn).__name__} is not a function")
+        job = self.job
+        fid = self._next_fid
+        self._next_fid += 1
+        job._request({"op": "define", "job": job._require_id(), "fid": fid, "kind": kind,
+                      "fn": pickled(fn, f"function {getattr(fn, '__name__', fn)!r}")}).result()
+        return RemoteFunction(self, fid, fn)
+
+    def _decode_result(self, reply: Any) -> Any:
+        if type(reply) is compact.Message:
+            tensors = reply.tensors
+            if reply.aux & compact.AUX_RNG:
+                self.job._rng_back(tensors[-1])
+                tensors = tensors[:-1]
+            kind = reply.aux & compact.KIND_MASK
+            if kind == compact.KIND_TENSOR:
+                return tensors[0]
+            if kind == compact.KIND_FLOAT:
+                return reply.value
+            if kind == compact.KIND_NONE:
+                return None
+            return tuple(tensors)
+        if isinstance(reply, dict):  # a failed call hands back what it drew before failing
+            rng = reply.get("rng")
+            self.job._rng_back(rng if isinstance(rng, torch.Tensor) else None)
+        return pickled_result(reply)
+
+
+class RemoteFunction:
+    """A function of the job, defined in the daemon: call it like the function itself."""
+
+    def __init__(self, remote: Remote, fid: int, fn: Callable[..., Any]) -> None:
+        self.remote = remote
+        self.fid = fid
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "function")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(*args, **kwargs).result()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        """Send the call and return at once; `.result()` waits for it."""
+        remote = self.remote
+        job = remote.job
+        rng = job._rng_to_send()
+        if (job._compact and not kwargs and len(args) < compact.MAX_TENSORS
+                and all(type(a) is torch.Tensor for a in args)):
+            aux = self.fid
+            tensors = args
+            if rng is not None:
+                aux |= compact.AUX_RNG
+                tensors = (*args, rng)
+            message: Any = compact.Message(compact.OP_CALL, job._require_id(), tensors, aux)
+        else:
+            message = {"op": "call", "job": job._require_id(), "fid": self.fid,
+                       "args": pickled((args, kwargs), "call arguments"), "rng": rng}
+        return job._request(message, remote._decode_result, direct=True)

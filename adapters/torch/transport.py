@@ -1,0 +1,238 @@
+"""A job's connection to salusd: requests and their replies, in order, on the daemon's socket
+or on a direct line to the job's executor; reconnecting while salusd restarts; the random
+state handed back and forth."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from salus.adapters.torch.replies import Raised, json_result
+from salus.daemon.wire.address import connect_unix
+from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
+from salus.daemon.wire.errors import DaemonUnavailable, JobCancelled, JobFailed, SalusError
+
+RECONNECT_TRIES = 8  # with backoff 0.25 s doubling to 4 s: about 20 s for salusd to come back
+
+
+def connect_retrying(path: str, timeout_s: float | None) -> socket.socket:
+    """Connect; while salusd is restarting (`$SALUS_RECONNECT`, on by default; `0` turns it
+    off) retry a bounded number of times with backoff."""
+    tries = RECONNECT_TRIES if os.environ.get("SALUS_RECONNECT", "1") != "0" else 1
+    delay = 0.25
+    for attempt in range(tries):
+        try:
+            return connect_unix(path, timeout_s)
+        except DaemonUnavailable as exc:
+            if attempt == tries - 1 or "permission denied" in str(exc):
+                raise
+            time.sleep(delay)
+            delay = min(4.0, delay * 2)
+    raise AssertionError("unreachable")
+
+
+class _Line:
+    """One connection of a job: to the daemon, or straight to the job's executor. Replies on a
+    line come in the order of its requests."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.pending: deque[Future] = deque()
+        self.broken: BaseException | None = None
+
+
+class Future:
+    """The pending reply of one request on a job's connection."""
+
+    def __init__(self, job: Connection, line: _Line, decode: Callable[[Any], Any]) -> None:
+        self._job = job
+        self._line = line
+        self._decode = decode
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> Any:
+        """Wait for the reply and return the call's result (or raise its error)."""
+        if not self._done:
+            self._job._wait_for(self, self._line)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _resolve(self, reply: Any) -> None:
+        try:
+            self._value = self._decode(reply)
+        except BaseException as exc:
+            self._error = exc
+        self._done = True
+
+
+class Connection:
+    """The requests of one job: its line to the daemon and, once attached, its direct line to
+    the job's executor (`Job` adds the contract on top)."""
+
+    def __init__(self, channel: Channel, name: str, path: str) -> None:
+        self._channel = channel
+        self._lock = threading.RLock()
+        self._line = _Line(channel)
+        self._direct: _Line | None = None
+        self.name = name
+        self.path = path
+        self.id: str | None = None
+        self._closed = False
+        self._rng_synced: torch.Tensor | None = None
+
+    def close(self) -> None:
+        """Finish the job in the daemon and close the connection (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._drain_direct()
+                if self.id is not None and self._line.broken is None:
+                    self._request({"op": "close", "job": self.id}).result()
+            except (DaemonUnavailable, SalusError):
+                pass
+            finally:
+                self._closed = True
+                if self._direct is not None:
+                    self._direct.channel.close()
+                self._channel.close()
+
+    def _open_direct(self) -> None:
+        """A socket straight to the job's executor for its calls: while the job has its lane
+        to itself they skip the daemon (which is told afterwards)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._request({"op": "channel", "job": self._require_id()},
+                          fd=theirs.fileno()).result()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._direct = _Line(Channel(ours))
+
+    def _refusal(self) -> BaseException | None:
+        """The error salusd sent before it closed this connection, if it sent one."""
+        try:
+            reply = self._channel.recv()
+        except (ConnectionClosed, FrameError, OSError):
+            return None
+        try:
+            json_result(reply)
+        except SalusError as error:
+            return error
+        return None
+
+    def _require_id(self) -> str:
+        if self.id is None:
+            raise RuntimeError(f"job {self.name!r} is not open")
+        return self.id
+
+    def _request(self, message: Any, decode: Callable[[Any], Any] | None = None, *,
+                 direct: bool = False, fd: int | None = None) -> Future:
+        """Send one request, to the daemon or (`direct`) straight to the job's executor; its
+        Future resolves when its reply arrives (replies on a line come in order)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"job {self.name!r} is closed")
+            line = self._direct if direct and self._direct is not None else self._line
+            if line is self._line and self._direct is not None and self._direct.pending:
+                self._drain_direct()  # what goes through the daemon follows the calls before
+            if line.broken is not None:
+                raise line.broken
+            future = Future(self, line, decode or json_result)
+            try:
+                if fd is None:
+                    line.channel.send(message)
+                else:
+                    line.channel.send_socket(message, fd)
+            except (ConnectionClosed, OSError) as exc:
+                self._break(line, exc)
+                raise line.broken from None  # type: ignore[misc]
+            line.pending.append(future)
+        return future
+
+    def _wait_for(self, future: Future, line: _Line) -> None:
+        with self._lock:
+            while not future.done():
+                head = line.pending[0]
+                try:
+                    reply = line.channel.recv()
+                except (ConnectionClosed, OSError) as exc:
+                    self._break(line, exc)
+                    break
+                except FrameError as exc:
+                    if not exc.recoverable:
+                        self._break(line, exc)
+                        break
+                    reply = Raised(exc)
+                except BaseException:
+                    # Interrupted mid-reply: the stream is out of step with the requests.
+                    self._break(line, ConnectionError("interrupted while reading a reply"))
+                    raise
+                line.pending.popleft()
+                head._resolve(reply)
+
+    def _drain_direct(self) -> None:
+        if self._direct is not None and self._direct.pending:
+            self._wait_for(self._direct.pending[-1], self._direct)
+
+    def _break(self, line: _Line, exc: BaseException) -> None:
+        """The line is gone: every request still waiting on it fails with the reason."""
+        waiting = list(line.pending)
+        line.pending.clear()
+        line.broken = DaemonUnavailable(f"lost the connection to salusd at {self.path}: {exc}")
+        if line is not self._line:
+            line.broken = self._why_executor_gone(exc)
+        for future in waiting:
+            future._resolve(Raised(line.broken))
+
+    def _why_executor_gone(self, exc: BaseException, wait_s: float = 5.0) -> BaseException:
+        """The direct line to the executor closed: the daemon knows why the job ended. It
+        learns of an executor's death a moment after the client may see it, so ask until the
+        job shows as ended (at most `wait_s` seconds)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                info = self._request({"op": "info", "job": self._require_id()}).result()
+            except SalusError as error:
+                return error
+            if info.get("state") in ("failed", "cancelled", "finished"):
+                break
+            if time.monotonic() > deadline:
+                return DaemonUnavailable(f"lost the connection to job {self.id}'s executor: "
+                                         f"{exc}")
+            time.sleep(0.02)
+        state, reason = info.get("state"), info.get("reason") or "its executor went away"
+        if state == "failed":
+            return JobFailed(reason)
+        if state in ("cancelled", "finished"):
+            return JobCancelled(reason)
+        return DaemonUnavailable(f"lost the connection to job {self.id}'s executor: {exc}")
+
+    def _rng_to_send(self) -> torch.Tensor | None:
+        """The client's generator state when it changed since the job last had it."""
+        state = torch.get_rng_state()
+        if self._rng_synced is not None and torch.equal(state, self._rng_synced):
+            return None
+        self._rng_synced = state
+        return state
+
+    def _rng_back(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            state = state.clone()
+            torch.set_rng_state(state)
+            self._rng_synced = state
