@@ -50,7 +50,8 @@ DTYPES_BY_CODE: dict[int, torch.dtype] = {i: d for d, i in DTYPE_CODES.items()}
 
 
 class Pickled:
-    """Wrap an object to send it with cloudpickle; `what` names it in error messages."""
+    """Wrap an object to send it with cloudpickle; `what` names it in error messages as it
+    reads after "cannot pickle" ("the call's result", "call arguments")."""
 
     __slots__ = ("obj", "what")
 
@@ -225,8 +226,7 @@ class _Encoder:
         try:
             pickler.dump(p.obj)
         except Exception as exc:
-            raise TypeError(f"cannot send the {p.what} to salusd: {type(exc).__name__}: "
-                            f"{exc}") from exc
+            raise TypeError(f"cannot pickle {p.what}: {type(exc).__name__}: {exc}") from exc
         return {"$": "p", "data": self.blob(buf.getvalue()), "storages": pickler.refs}
 
     def default(self, obj: Any) -> Any:
@@ -236,7 +236,7 @@ class _Encoder:
             return self.blob(obj)
         if isinstance(obj, Pickled):
             return self.pickled(obj)
-        raise TypeError(f"a {type(obj).__name__} cannot be sent to salusd: use tensors, "
+        raise TypeError(f"a {type(obj).__name__} cannot be sent over salusd's wire: use tensors, "
                         "numbers, strings, lists and dicts, or wrap it in Pickled")
 
 
