@@ -20,7 +20,9 @@ functions and arguments it carries stay pickled and go to the job's executor unt
                                                                      straight to the executor
     info       job                                     daemon        the job's figures
     close      job                                     daemon        None
-    status                                             daemon        devices, lanes, jobs
+    status                                             daemon        devices, lanes, the
+                                                                     caller's jobs (root:
+                                                                     every job)
     suspend    job, swap?                              daemon        None
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
@@ -28,6 +30,7 @@ functions and arguments it carries stay pickled and go to the job's executor unt
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -157,7 +160,14 @@ class Handlers:
         client.jobs.discard(record.job_id)
 
     def _status(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
-        return snapshot(self.engine)
+        """The node's devices and lanes, and the jobs the caller may see: its own, or every
+        job for root and the daemon's own user (as REST lists an owner token's jobs only)."""
+        snap = snapshot(self.engine)
+        uid = client.owner.uid
+        if uid not in (0, os.geteuid()):
+            own = {r.job_id for r in self.engine.registry if r.owner.uid == uid}
+            snap["jobs"] = [j for j in snap["jobs"] if j["job_id"] in own]
+        return snap
 
     def _suspend(self, client: Client, request: dict[str, Any]) -> None:
         swap = request.get("swap", False)
