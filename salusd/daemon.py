@@ -12,13 +12,14 @@ import pwd
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from salus.daemon.cluster import ClusterSpec, start_store, stop_store
 from salus.daemon.devices import DeviceSpec
 from salus.daemon.engine.engine import CheckpointPolicy, DataCachePolicy, Engine
+from salus.daemon.engine.events import Event
 from salus.daemon.engine.persist import Persistence
 from salus.daemon.engine.registry import Owner
 from salus.daemon.executor.supervisor import Supervisor
@@ -31,7 +32,9 @@ from salus.daemon.rest.auth import Auth
 from salus.daemon.rest.bridge import EngineBridge
 from salus.daemon.rest.context import Context
 from salus.daemon.rest.server import RestServer
+from salus.daemon.state.checkpoint_files import job_has_checkpoint
 from salus.daemon.state.store import Store, ensure_admin_token
+from salus.daemon.wire.errors import StateDiskFull
 
 log = logging.getLogger("salusd")
 
@@ -108,7 +111,7 @@ class Daemon:
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:
-            self.engine.events.subscribe(Persistence(self.store).observe)
+            self.engine.events.subscribe(_keep_on_disk_full(Persistence(self.store).observe))
         self.rest: RestServer | None = None
         if config.http is not None:
             self.rest = self._make_rest(config.http)
@@ -150,8 +153,21 @@ class Daemon:
             log.info("REST API on %s", self.rest.url)
 
     def _restore(self) -> None:
-        assert self.store is not None
+        assert self.store is not None and self.config.state_dir is not None
+        checkpoints = self.config.state_dir / "checkpoints"
         for row in self.store.unfinished_jobs():
+            if row.checkpoint_iteration is not None and not job_has_checkpoint(
+                    checkpoints / str(row.id)):
+                # Starting over from iteration 0 would silently throw the recorded progress
+                # away: the job ends failed, saying why, and its files stay for inspection.
+                reason = (f"every checkpoint of job {row.id} in {checkpoints / str(row.id)} is "
+                          f"unreadable (the registry recorded one at iteration "
+                          f"{row.checkpoint_iteration}), so it was not restarted from iteration "
+                          "0; its files are left as they are; submit the job again to start "
+                          "afresh")
+                log.error("%s", reason)
+                self.store.update_job(row.id, state="failed", reason=reason)
+                continue
             log.info("restoring job %d %r of %s (%s, checkpoint at iteration %s)", row.id,
                      row.name, row.owner, row.kind, row.checkpoint_iteration)
             self.engine.restore(Owner(row.owner, row.uid, row.gid), row.id, row.name,
@@ -194,6 +210,18 @@ class Daemon:
         self._stop = True
         self.server.stop()
         self.engine.begin_shutdown()
+
+
+def _keep_on_disk_full(observe: Callable[[Event], None]) -> Callable[[Event], None]:
+    """`observe` that logs a full state disk instead of raising: the event stream drops a
+    subscriber that raises, and the registry must be written again once space is freed."""
+    def guarded(event: Event) -> None:
+        try:
+            observe(event)
+        except StateDiskFull as exc:
+            log.error("job %d's %s was not recorded in the registry: %s", event.job_id,
+                      event.kind, exc)
+    return guarded
 
 
 def prepare_state_dir(path: Path) -> Path:

@@ -19,7 +19,7 @@ log = logging.getLogger("salusd.rest")
 MAX_BODY_BYTES = 64 * 1024
 STATUS = {"bad_request": 422, "unknown_job": 404, "not_owner": 403, "conflict": 409,
           "does_not_fit": 409, "job_failed": 409, "job_cancelled": 409, "busy": 409,
-          "shutting_down": 503, "timeout": 503}
+          "shutting_down": 503, "timeout": 503, "state_disk_full": 507}
 
 health = APIRouter(tags=["health"])
 
