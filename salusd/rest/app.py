@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -34,6 +35,25 @@ async def healthz() -> Health:
 async def metrics(request: Request) -> Response:
     body, content_type = request.app.state.ctx.metrics.render()
     return Response(body, media_type=content_type)
+
+
+class RequestLimit:
+    """Runs at most `limit` requests at once; the others wait their turn, holding only their
+    connection (which `connections.ConnectionGuard` bounds), rather than getting a 503.
+    `/healthz` is served ahead of the limit, so health checks answer while the API is
+    saturated."""
+
+    def __init__(self, app: ASGIApp, limit: int = 64,
+                 ahead: frozenset[str] = frozenset({"/healthz"})) -> None:
+        self.app, self.ahead = app, ahead
+        self.running = asyncio.Semaphore(limit)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.ahead:
+            await self.app(scope, receive, send)
+            return
+        async with self.running:
+            await self.app(scope, receive, send)
 
 
 class BodyLimit:
@@ -94,6 +114,7 @@ def make_app(ctx: Context, auth: Auth) -> FastAPI:
                             status_code=STATUS.get(exc.code, 409))
 
     app.add_middleware(BodyLimit)
+    app.add_middleware(RequestLimit)  # outermost: /healthz passes before anything else runs
     return app
 
 
