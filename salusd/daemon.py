@@ -191,10 +191,12 @@ class Daemon:
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         while not self.engine.idle and time.monotonic() < deadline:
             self.loop.run_once(0.1)
+        self._retire_executors()
         flush_deadline = time.monotonic() + 2.0
         while any(link.out for link in self.loop.links) and time.monotonic() < flush_deadline:
             self.loop.run_once(0.05)
         self.supervisor.stop()
+        self._answer_stragglers()
         if self.cluster_store is not None:
             stop_store(self.cluster_store)
         if self.rest is not None:
@@ -203,6 +205,34 @@ class Daemon:
         if self.store is not None:
             self.store.close()
         log.info("stopped")
+
+    def _retire_executors(self, timeout_s: float = 3.0) -> None:
+        """Ask every job's executor to exit, refusing the direct calls it holds with `salusd is
+        shutting down` (the engine refused those queued through the daemon), and wait for them
+        (at most `timeout_s` seconds). Killed at once instead, a client waiting on its direct
+        channel saw the channel reset. Their jobs stay live in the registry, to be restored."""
+        self.supervisor.on_died = lambda *_: None  # their ends now are not the jobs' failures
+        executors = {id(ex): ex for record in self.engine.registry
+                     for ex in (record.executor, *record.replicas) if ex is not None}
+        for ex in executors.values():
+            self.supervisor.retire(ex, "shutting_down", "salusd is shutting down")
+        deadline = time.monotonic() + timeout_s
+        while (any(not getattr(ex, "closed", True) for ex in executors.values())
+               and time.monotonic() < deadline):
+            self.loop.run_once(0.05)
+
+    def _answer_stragglers(self, quiet_s: float = 0.3, timeout_s: float = 2.0) -> None:
+        """Go on answering clients (every job request now gets `salusd is shutting down`) until
+        none has sent anything for `quiet_s` seconds (at most `timeout_s`): a client whose
+        executor just exited asks salusd why, and closing its connection with the question
+        unread would reset it instead."""
+        deadline = time.monotonic() + timeout_s
+        quiet_since = time.monotonic()
+        seen = self.server.requests
+        while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+            self.loop.run_once(0.05)
+            if self.server.requests != seen:
+                seen, quiet_since = self.server.requests, time.monotonic()
 
     def _begin_stop(self) -> None:
         if self._stop:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.engine.report import job_info, snapshot
-from salus.daemon.wire.errors import BadRequest, NotOwner
+from salus.daemon.wire.errors import BadRequest, NotOwner, ShuttingDown
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
     DEFAULT_MAX_FRAME_BYTES,
@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 Answer = Callable[[RawFrame], None]
 MAX_FUNCTIONS = 1024
 _FORWARDED = frozenset({"attach", "define", "call", "pull", "channel"})
+# What a stopping salusd still answers; a job request gets `salusd is shutting down` (a client
+# whose executor exited asks `info` why, and learns it that way).
+_WHILE_STOPPING = frozenset({"ping", "status", "close"})
 
 
 class Handlers:
@@ -85,6 +88,8 @@ class Handlers:
         if not isinstance(op, str):
             raise BadRequest("a request needs an 'op' string")
         self._check_allowed(client, op)
+        if self.engine.stopping and op not in _WHILE_STOPPING:
+            raise ShuttingDown("salusd is shutting down")
         if op in _FORWARDED:
             self._forward(client, op, request, frame, answer)
             return

@@ -86,6 +86,7 @@ class SocketServer:
         self.backlog = backlog
         self.clients: dict[int, Client] = {}
         self.refused_connections = 0
+        self.requests = 0  # received, all connections together
         self._listener: socket.socket | None = None
         self._inode: int | None = None
 
@@ -173,6 +174,7 @@ class SocketServer:
         if client is None:
             frame.close_fd()
             return
+        self.requests += 1
         slot: list[RawFrame | None] = [None]
         client.slots.append(slot)
 
