@@ -41,12 +41,16 @@ from salus.daemon.wire.errors import BadRequest, NotOwner, ShuttingDown
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_SEGMENT,
     FLAG_SOCKET,
+    FLAGS_WITH_FD,
     FUNCTION_MASK,
     OP_CALL,
     VERSION,
     RawFrame,
 )
+from salus.daemon.wire.refs import check_compact, check_json
+from salus.daemon.wire.segment import sealed_size
 
 if TYPE_CHECKING:
     from salus.daemon.frontend.server import Client
@@ -57,6 +61,21 @@ _FORWARDED = frozenset({"attach", "define", "call", "pull", "channel"})
 # What a stopping salusd still answers; a job request gets `salusd is shutting down` (a client
 # whose executor exited asks `info` why, and learns it that way).
 _WHILE_STOPPING = frozenset({"ping", "status", "close"})
+
+
+def _segment_bytes(frame: RawFrame, op: str) -> int | None:
+    """The size of the shared-memory segment `frame` carries (None: it carries none), checked as
+    the executor will map it. Only `channel` carries a socket instead."""
+    if frame.flags & FLAG_SOCKET:
+        if op != "channel" or frame.compact or frame.flags & FLAG_SEGMENT:
+            raise BadRequest("only a 'channel' request carries a socket, and nothing else")
+        return None
+    if not frame.flags & FLAG_SEGMENT or frame.fd is None:
+        return None
+    try:
+        return sealed_size(frame.fd)
+    except (ValueError, OSError) as exc:
+        raise BadRequest(f"the frame's shared-memory segment: {exc}") from None
 
 
 class Handlers:
@@ -77,6 +96,7 @@ class Handlers:
             if op != OP_CALL:
                 raise BadRequest(f"compact op {op} is not a request")
             self._check_allowed(client, "call")
+            check_compact(frame.header, len(frame.body), _segment_bytes(frame, "call"))
             record = self.engine.registry.get(job, client.owner)
             counted = record.functions.get(aux & FUNCTION_MASK) == "iteration"
             self.engine.call(record, frame, answer, counted)
@@ -112,6 +132,7 @@ class Handlers:
     def _forward(self, client: Client, op: str, request: dict[str, Any], frame: RawFrame,
                  answer: Answer) -> None:
         record = self._record(client, request)
+        check_json(request, len(frame.body), _segment_bytes(frame, op))
         if op == "attach":
             self.engine.attach(record, frame, answer)
         elif op == "define":
@@ -127,7 +148,7 @@ class Handlers:
             counted = type(fid) is int and record.functions.get(fid) == "iteration"
             self.engine.call(record, frame, answer, counted)
         elif op == "channel":
-            if frame.fd is None or not frame.flags & FLAG_SOCKET:
+            if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'channel' carries the client's end of a socket pair")
             self.engine.channel(record, frame, answer)
         else:

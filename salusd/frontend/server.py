@@ -143,7 +143,7 @@ class SocketServer:
     def _admit(self, conn: socket.socket) -> None:
         pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                       _UCRED.size))
-        link = Link(conn, self._frame, self._closed, self.max_frame_bytes)
+        link = Link(conn, self._frame, self._closed, self.max_frame_bytes, explain_errors=True)
         client = Client(link, Owner(user_name(uid), uid, gid), pid)
         self.loop.add(link)
         if len(self.clients) >= self.max_connections:

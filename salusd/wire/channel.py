@@ -13,6 +13,7 @@ the connection must be dropped.
 from __future__ import annotations
 
 import array
+import json
 import math
 import os
 import socket
@@ -37,6 +38,7 @@ from salus.daemon.wire.frames import (
     VERSION,
     FrameError,
     FrameTooLarge,
+    VersionMismatch,
     error_from_reply,
     queue_descriptors,
     reply_result,
@@ -58,6 +60,7 @@ _MAX_QUEUED_FDS = MAX_QUEUED_FDS
 _READ_BUFFER_BYTES = 64 * 1024
 _CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microseconds per frame
 _IOV_LIMIT = 512
+_OTHER_VERSION_REPLY_BYTES = 64 * 1024
 
 
 class ConnectionClosed(ConnectionError):
@@ -169,7 +172,10 @@ class Channel:
         """
         if not self._fill(HEADER_BYTES):
             raise ConnectionClosed("the peer closed the connection")
-        flags, header_len, body_len = unpack_fixed(self._buf, self._start)
+        try:
+            flags, header_len, body_len = unpack_fixed(self._buf, self._start)
+        except VersionMismatch as exc:
+            raise self._other_version(exc) from None
         self._start += HEADER_BYTES
         size = header_len + body_len
         fd = self._fds.popleft() if flags & FLAGS_WITH_FD and self._fds else None
@@ -212,6 +218,23 @@ class Channel:
                 raise FrameError("a socket frame's header must be a JSON object")
             message["socket_fd"] = sock_fd  # the receiver owns the descriptor now
         return message
+
+    def _other_version(self, exc: VersionMismatch) -> FrameError:
+        """The error for a frame of another protocol version: with what the peer said when the
+        frame is a small JSON error reply (a salusd that cannot read a frame answers with one
+        before it closes), else `exc` itself. Not recoverable either way."""
+        size = exc.header_len + exc.body_len
+        if size > _OTHER_VERSION_REPLY_BYTES or exc.header_len % codec.ALIGN:
+            return exc
+        self._start += HEADER_BYTES
+        try:
+            reply = json.loads(bytes(self._read(size)[:exc.header_len]).decode())
+        except (FrameError, OSError, ValueError, RecursionError):
+            return exc
+        if not (isinstance(reply, dict) and reply.get("ok") is False):
+            return exc
+        return FrameError(f"{exc}; salusd said: {str(reply.get('message'))[:2000]}",
+                          recoverable=False)
 
     def buffered(self) -> bool:
         """Whether bytes of a next frame are already read (select would not see them)."""
