@@ -2,13 +2,15 @@
 daemon: an old protocol version (answered in that version), a wrong magic, an oversize frame, a
 segment flag without a descriptor; a too deeply nested JSON header is a bad_request naming the
 limit; forged references in `attach` are a bad_request naming the field, and the job's executor
-lives on. Also: today's Channel reports what a peer of another version said."""
+lives on; a result that cannot be pickled says so, once and the right way round. Also: today's
+Channel reports what a peer of another version said."""
 
 from __future__ import annotations
 
 import json
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 from daemon_proc import salusd
 
+import salus.adapters.torch as salus
 from salus.daemon.wire.channel import Channel, Pickled
 from salus.daemon.wire.codec import PickledPayload
 from salus.daemon.wire.frames import (
@@ -151,3 +154,13 @@ def test_today_s_channel_reports_what_a_peer_of_another_version_said() -> None:
                            ) as raised:
             Channel(ours).recv()
         assert not raised.value.recoverable
+
+
+def test_an_unpicklable_result_says_which_way_it_could_not_go(address: str) -> None:
+    with salus.connect(name="lock", iterations=1, address=address) as job:
+        remote = job.attach(model=torch.nn.Linear(2, 2))
+        with pytest.raises(TypeError) as raised:  # the job's own exception type
+            remote.call(lambda s: threading.Lock())
+    message = str(raised.value)
+    assert "cannot pickle the call's result" in message and "the the" not in message, message
+    assert "to salusd" not in message, message
