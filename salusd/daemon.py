@@ -113,6 +113,7 @@ class Daemon:
         if self.store is not None:
             self.engine.events.subscribe(_keep_on_disk_full(Persistence(self.store).observe))
         self.rest: RestServer | None = None
+        self.not_restored: list[int] = []  # job ids recorded failed at restore
         if config.http is not None:
             self.rest = self._make_rest(config.http)
         self.supervisor.on_reply = self.engine.on_executor_reply
@@ -133,7 +134,7 @@ class Daemon:
         auth = Auth(ensure_admin_token(state), self.store, Owner(me.pw_name, me.pw_uid,
                                                                   me.pw_gid))
         ctx = Context(self.engine, EngineBridge(self.loop), self.store, self.metrics,
-                      str(job_root))
+                      str(job_root), not_restored=self.not_restored)
         return RestServer(make_app(ctx, auth), *address)
 
     def start(self) -> None:
@@ -167,6 +168,7 @@ class Daemon:
                           "afresh")
                 log.error("%s", reason)
                 self.store.update_job(row.id, state="failed", reason=reason)
+                self.not_restored.append(row.id)
                 continue
             log.info("restoring job %d %r of %s (%s, checkpoint at iteration %s)", row.id,
                      row.name, row.owner, row.kind, row.checkpoint_iteration)

@@ -5,6 +5,7 @@ instead of starting over; a full state disk answers a clear error, not an intern
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -70,8 +71,12 @@ def test_a_restored_job_with_every_checkpoint_unreadable_ends_failed_with_the_re
         jid = int(reply.json()["id"])
         wait_for(lambda: (job(client, jid)["checkpoint"] or {}).get("iteration", 0) >= 3,
                  "a checkpoint")
-        proc.send_signal(signal.SIGKILL)
+        family = [proc.pid, *_descendants(proc.pid)]
+        for pid in family:  # the whole service, as systemd kills its cgroup: no executor
+            with contextlib.suppress(ProcessLookupError):  # finishes a checkpoint after this
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
+        wait_for(lambda: not any(map(_running, family[1:])), "the executors to be gone")
     ckpts = tmp_path / "state" / "checkpoints" / str(jid)
     manifests = list(ckpts.glob("ckpt-*/manifest.json"))
     assert manifests
@@ -83,7 +88,37 @@ def test_a_restored_job_with_every_checkpoint_unreadable_ends_failed_with_the_re
         assert view["state"] == "failed"
         assert "unreadable" in view["reason"] and str(ckpts) in view["reason"]
         assert "not restarted from iteration 0" in view["reason"]
+        listed = {j["id"]: j for j in client.get("/v1/jobs").json()}
+        assert listed[jid]["state"] == "failed" and listed[jid]["reason"] == view["reason"]
+        status = subprocess.run(
+            [sys.executable, "-m", "salus.daemon.cli", "status", "--state-dir",
+             str(tmp_path / "state"), "--json"], capture_output=True, text=True, timeout=60)
+        (shown,) = [j for j in json.loads(status.stdout)["jobs"] if j["id"] == jid]
+        assert shown["state"] == "failed" and "unreadable" in shown["reason"]
     assert manifests[0].read_text() == "damaged"  # left for inspection
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """The pids of every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 @contextlib.contextmanager
