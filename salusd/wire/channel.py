@@ -7,7 +7,9 @@ compact header of the per-iteration calls is `compact.py`; the segment is `segme
 `recv` returns what was sent. A frame whose header + body exceeds `max_frame_bytes` is read and
 discarded (up to DRAIN_LIMIT_BYTES) and reported as FrameTooLarge, so the connection stays
 usable; a bad magic or version, or a stream that ends mid-frame, cannot be resynchronised and
-the connection must be dropped.
+the connection must be dropped. A frame of another protocol version that is a small JSON error
+reply (what salusd sends before it drops a peer it cannot read) is read first, and what it says
+goes into the error.
 """
 
 from __future__ import annotations
