@@ -206,11 +206,15 @@ def serve(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.logging import RichHandler
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(message)s", datefmt="[%X]",
-        handlers=[RichHandler(console=Console(stderr=True), show_path=False,
-                              rich_tracebacks=False)],
-    )
+    handler: logging.Handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)-8s %(message)s",
+                                           "%H:%M:%S"))
+    if sys.stderr.isatty():
+        handler = RichHandler(console=Console(stderr=True), show_path=False,
+                              rich_tracebacks=False)
+    # A file or the journal gets one line per event: Rich would wrap at 80 columns there.
+    logging.basicConfig(level=args.log_level.upper(), format="%(message)s", datefmt="[%X]",
+                        handlers=[handler])
     log = logging.getLogger("salusd")
 
     from salus.daemon.cluster import parse_cluster

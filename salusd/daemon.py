@@ -12,13 +12,14 @@ import pwd
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from salus.daemon.cluster import ClusterSpec, start_store, stop_store
 from salus.daemon.devices import DeviceSpec
 from salus.daemon.engine.engine import CheckpointPolicy, DataCachePolicy, Engine
+from salus.daemon.engine.events import Event
 from salus.daemon.engine.persist import Persistence
 from salus.daemon.engine.registry import Owner
 from salus.daemon.frontend.handlers import Handlers
@@ -30,8 +31,10 @@ from salus.daemon.rest.auth import Auth
 from salus.daemon.rest.bridge import EngineBridge
 from salus.daemon.rest.context import Context
 from salus.daemon.rest.server import RestServer
+from salus.daemon.state.checkpoint_files import job_has_checkpoint
 from salus.daemon.state.store import Store, ensure_admin_token
 from salus.daemon.supervisor import Supervisor
+from salus.daemon.wire.errors import StateDiskFull
 
 log = logging.getLogger("salusd")
 
@@ -108,8 +111,9 @@ class Daemon:
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:
-            self.engine.events.subscribe(Persistence(self.store).observe)
+            self.engine.events.subscribe(_keep_on_disk_full(Persistence(self.store).observe))
         self.rest: RestServer | None = None
+        self.not_restored: list[int] = []  # job ids recorded failed at restore
         if config.http is not None:
             self.rest = self._make_rest(config.http)
         self.supervisor.on_reply = self.engine.on_executor_reply
@@ -130,7 +134,7 @@ class Daemon:
         auth = Auth(ensure_admin_token(state), self.store, Owner(me.pw_name, me.pw_uid,
                                                                   me.pw_gid))
         ctx = Context(self.engine, EngineBridge(self.loop), self.store, self.metrics,
-                      str(job_root))
+                      str(job_root), not_restored=self.not_restored)
         return RestServer(make_app(ctx, auth), *address)
 
     def start(self) -> None:
@@ -150,8 +154,22 @@ class Daemon:
             log.info("REST API on %s", self.rest.url)
 
     def _restore(self) -> None:
-        assert self.store is not None
+        assert self.store is not None and self.config.state_dir is not None
+        checkpoints = self.config.state_dir / "checkpoints"
         for row in self.store.unfinished_jobs():
+            if row.checkpoint_iteration is not None and not job_has_checkpoint(
+                    checkpoints / str(row.id)):
+                # Starting over from iteration 0 would silently throw the recorded progress
+                # away: the job ends failed, saying why, and its files stay for inspection.
+                reason = (f"every checkpoint of job {row.id} in {checkpoints / str(row.id)} is "
+                          f"unreadable (the registry recorded one at iteration "
+                          f"{row.checkpoint_iteration}), so it was not restarted from iteration "
+                          "0; its files are left as they are; submit the job again to start "
+                          "afresh")
+                log.error("%s", reason)
+                self.store.update_job(row.id, state="failed", reason=reason)
+                self.not_restored.append(row.id)
+                continue
             log.info("restoring job %d %r of %s (%s, checkpoint at iteration %s)", row.id,
                      row.name, row.owner, row.kind, row.checkpoint_iteration)
             self.engine.restore(Owner(row.owner, row.uid, row.gid), row.id, row.name,
@@ -175,10 +193,12 @@ class Daemon:
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         while not self.engine.idle and time.monotonic() < deadline:
             self.loop.run_once(0.1)
+        self._retire_executors()
         flush_deadline = time.monotonic() + 2.0
         while any(link.out for link in self.loop.links) and time.monotonic() < flush_deadline:
             self.loop.run_once(0.05)
         self.supervisor.stop()
+        self._answer_stragglers()
         if self.cluster_store is not None:
             stop_store(self.cluster_store)
         if self.rest is not None:
@@ -188,12 +208,52 @@ class Daemon:
             self.store.close()
         log.info("stopped")
 
+    def _retire_executors(self, timeout_s: float = 3.0) -> None:
+        """Ask every job's executor to exit, refusing the direct calls it holds with `salusd is
+        shutting down` (the engine refused those queued through the daemon), and wait for them
+        (at most `timeout_s` seconds). Killed at once instead, a client waiting on its direct
+        channel saw the channel reset. Their jobs stay live in the registry, to be restored."""
+        self.supervisor.on_died = lambda *_: None  # their ends now are not the jobs' failures
+        executors = {id(ex): ex for record in self.engine.registry
+                     for ex in (record.executor, *record.replicas) if ex is not None}
+        for ex in executors.values():
+            self.supervisor.retire(ex, "shutting_down", "salusd is shutting down")
+        deadline = time.monotonic() + timeout_s
+        while (any(not getattr(ex, "closed", True) for ex in executors.values())
+               and time.monotonic() < deadline):
+            self.loop.run_once(0.05)
+
+    def _answer_stragglers(self, quiet_s: float = 0.3, timeout_s: float = 2.0) -> None:
+        """Go on answering clients (every job request now gets `salusd is shutting down`) until
+        none has sent anything for `quiet_s` seconds (at most `timeout_s`): a client whose
+        executor just exited asks salusd why, and closing its connection with the question
+        unread would reset it instead."""
+        deadline = time.monotonic() + timeout_s
+        quiet_since = time.monotonic()
+        seen = self.server.requests
+        while time.monotonic() < deadline and time.monotonic() - quiet_since < quiet_s:
+            self.loop.run_once(0.05)
+            if self.server.requests != seen:
+                seen, quiet_since = self.server.requests, time.monotonic()
+
     def _begin_stop(self) -> None:
         if self._stop:
             return
         self._stop = True
         self.server.stop()
         self.engine.begin_shutdown()
+
+
+def _keep_on_disk_full(observe: Callable[[Event], None]) -> Callable[[Event], None]:
+    """`observe` that logs a full state disk instead of raising: the event stream drops a
+    subscriber that raises, and the registry must be written again once space is freed."""
+    def guarded(event: Event) -> None:
+        try:
+            observe(event)
+        except StateDiskFull as exc:
+            log.error("job %d's %s was not recorded in the registry: %s", event.job_id,
+                      event.kind, exc)
+    return guarded
 
 
 def prepare_state_dir(path: Path) -> Path:

@@ -21,7 +21,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from salus.daemon.wire.frames import DEFAULT_MAX_FRAME_BYTES, FrameError, FrameReader, RawFrame
+from salus.daemon.wire.frames import (
+    DEFAULT_MAX_FRAME_BYTES,
+    VERSION,
+    FrameError,
+    FrameReader,
+    RawFrame,
+    error_reply_frame,
+)
 
 log = logging.getLogger("salusd.loop")
 FrameHandler = Callable[["Link", RawFrame], None]
@@ -51,6 +58,8 @@ class Link:
     out_bytes: int = 0
     closed: bool = False
     close_after_flush: bool = False
+    explain_errors: bool = False  # a broken frame gets an error frame before the close
+    broken: bool = False  # framing was lost: nothing more is read
 
     def __post_init__(self) -> None:
         self.sock.setblocking(False)
@@ -169,18 +178,22 @@ class Loop:
         except OSError as exc:
             self.close(link, f"send failed: {exc}")
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if link.out else 0)
+        events = ((0 if link.broken else selectors.EVENT_READ)
+                  | (selectors.EVENT_WRITE if link.out else 0))
         with contextlib.suppress(KeyError, ValueError):
             self.selector.modify(link.sock, events, link)
         if not link.out and link.close_after_flush:
             self.close(link, "closed after its last reply")
 
     def _read(self, link: Link) -> None:
+        if link.broken:
+            return
         before = link.reader.pending_bytes
         try:
             frames, closed = link.reader.read(self.clock())
         except FrameError as exc:
-            self.close(link, str(exc))
+            self.pending_bytes += link.reader.pending_bytes - before
+            self._refuse(link, exc)
             return
         except OSError as exc:
             self.close(link, f"receive failed: {exc}")
@@ -204,6 +217,17 @@ class Loop:
                 frame.close_fd()
         if closed:
             self.close(link, "the peer closed the connection")
+
+    def _refuse(self, link: Link, exc: FrameError) -> None:
+        """A frame broke the protocol: a peer that wants to know why gets one error frame (in
+        its own protocol version, which it can parse), then the connection closes."""
+        if not link.explain_errors or exc.recoverable:
+            self.close(link, str(exc))
+            return
+        link.broken = link.close_after_flush = True
+        self.send(link, error_reply_frame(exc, getattr(exc, "version", VERSION)))
+        self._dirty.pop(id(link), None)
+        self._flush(link)
 
     # ---- running ----------------------------------------------------------------------------
     def run_once(self, max_wait_s: float = 1.0) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from client_proc import finish
 from prometheus_client.parser import text_string_to_metric_families
 
 from salus.daemon.control import Control
@@ -524,7 +525,7 @@ def test_a_real_daemon_counts_what_clients_ran(tmp_path: Path) -> None:
                 assert state_of(scrape(m), int(ids["long"])) == "running"
 
             for name, line in (("long", "close\n"), ("short", "crash\n")):
-                out, err = clients[name].communicate(line, timeout=120)
+                out, err = finish(clients[name], line, timeout_s=120)
                 assert clients[name].returncode == 0, err
             assert out.strip() == "JobFailed", out
             s = poll(m, lambda s: not job_series(s), job_series)

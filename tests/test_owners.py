@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from client_proc import finish
 from daemon_proc import salusd
 
 pytestmark = [
@@ -155,7 +156,7 @@ def test_jobs_run_as_their_owner_and_cannot_reach_each_other(two_users: tuple[st
             assert result["steer"] == {"suspend": "NotOwner", "cancel": "NotOwner"}
             b.stdin.write("go\n")
             b.stdin.flush()
-            out_b, err_b = b.communicate(timeout=60)
+            out_b, err_b = finish(b, timeout_s=60)
             assert "B done" in out_b, err_b
             assert proc.poll() is None
     finally:

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from client_proc import finish
 from daemon_proc import salusd
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -278,7 +279,7 @@ def test_a_real_prometheus_sees_the_iterations_jobs_ran(tmp_path: Path) -> None:
                 assert client.stdout is not None
                 ready, _, _ = select.select([client.stdout], [], [], 180)
                 line = client.stdout.readline().strip() if ready else ""
-                assert line.isdigit(), client.communicate(timeout=30)
+                assert line.isdigit(), finish(client, timeout_s=30)
                 ids[line] = name
             with prometheus(tmp_path, http_url.removeprefix("http://")) as url, httpx.Client(
                     trust_env=False, timeout=5) as http:
@@ -296,7 +297,7 @@ def test_a_real_prometheus_sees_the_iterations_jobs_ran(tmp_path: Path) -> None:
                     query(http, url, expr.replace("$instance", ".*"))
 
                 for client in clients.values():
-                    _, err = client.communicate("\n", timeout=120)
+                    _, err = finish(client, "\n", timeout_s=120)
                     assert client.returncode == 0, err
 
                 def after_end() -> tuple[list[float], int]:

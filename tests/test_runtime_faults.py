@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from client_proc import finish
 from daemon_proc import salusd
 
 from salus.daemon.control import Control
@@ -123,13 +124,13 @@ def test_bad_job_costs_only_itself(tmp_path: Path, kind: str) -> None:
             bad = _start(tmp_path / "bad.py", kind, address=address)
             assert bad.stdout is not None
             job_id = bad.stdout.readline().strip()
-            assert job_id.isdigit(), bad.communicate(timeout=30)
+            assert job_id.isdigit(), finish(bad, timeout_s=30)
             if kind == "hang":
                 time.sleep(0.5)
                 started = time.monotonic()
                 with Control(address) as ctl:
                     ctl.cancel(job_id)
-            out, err = bad.communicate(timeout=60)
+            out, err = finish(bad, timeout_s=60)
             if kind == "hang":
                 assert time.monotonic() - started < 15  # grace 1 s, then the kill
             lines = out.strip().splitlines()
@@ -152,7 +153,7 @@ def test_bad_job_costs_only_itself(tmp_path: Path, kind: str) -> None:
                 g.stdin.write("go\n")
                 g.stdin.flush()
             for g in goods:
-                out, err = g.communicate(timeout=120)
+                out, err = finish(g, timeout_s=120)
                 assert g.returncode == 0, err
                 assert json.loads(out.strip().splitlines()[-1])["max_abs_diff"] == 0.0
             assert proc.poll() is None, "the daemon died"

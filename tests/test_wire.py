@@ -227,7 +227,7 @@ def test_unsendable_values_raise_type_error(pair: tuple[Channel, Channel]) -> No
     for bad in (torch.eye(3).to_sparse(), torch.empty(3, device="meta")):
         with pytest.raises(TypeError, match="only dense tensors with data"):
             left.send({"x": bad})
-    with pytest.raises(TypeError, match="cannot send the lock"):
+    with pytest.raises(TypeError, match="cannot pickle lock: "):
         left.send({"x": Pickled(threading.Lock(), "lock")})
 
 

@@ -20,7 +20,9 @@ functions and arguments it carries stay pickled and go to the job's executor unt
                                                                      straight to the executor
     info       job                                     daemon        the job's figures
     close      job                                     daemon        None
-    status                                             daemon        devices, lanes, jobs
+    status                                             daemon        devices, lanes, the
+                                                                     caller's jobs (root:
+                                                                     every job)
     suspend    job, swap?                              daemon        None
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
@@ -28,22 +30,27 @@ functions and arguments it carries stay pickled and go to the job's executor unt
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.engine.report import job_info, snapshot
-from salus.daemon.wire.errors import BadRequest, NotOwner
+from salus.daemon.wire.errors import BadRequest, NotOwner, ShuttingDown
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_SEGMENT,
     FLAG_SOCKET,
+    FLAGS_WITH_FD,
     FUNCTION_MASK,
     OP_CALL,
     VERSION,
     RawFrame,
 )
+from salus.daemon.wire.refs import check_compact, check_json
+from salus.daemon.wire.segment import sealed_size
 
 if TYPE_CHECKING:
     from salus.daemon.frontend.server import Client
@@ -51,6 +58,24 @@ if TYPE_CHECKING:
 Answer = Callable[[RawFrame], None]
 MAX_FUNCTIONS = 1024
 _FORWARDED = frozenset({"attach", "define", "call", "pull", "channel"})
+# What a stopping salusd still answers; a job request gets `salusd is shutting down` (a client
+# whose executor exited asks `info` why, and learns it that way).
+_WHILE_STOPPING = frozenset({"ping", "status", "close"})
+
+
+def _segment_bytes(frame: RawFrame, op: str) -> int | None:
+    """The size of the shared-memory segment `frame` carries (None: it carries none), checked as
+    the executor will map it. Only `channel` carries a socket instead."""
+    if frame.flags & FLAG_SOCKET:
+        if op != "channel" or frame.compact or frame.flags & FLAG_SEGMENT:
+            raise BadRequest("only a 'channel' request carries a socket, and nothing else")
+        return None
+    if not frame.flags & FLAG_SEGMENT or frame.fd is None:
+        return None
+    try:
+        return sealed_size(frame.fd)
+    except (ValueError, OSError) as exc:
+        raise BadRequest(f"the frame's shared-memory segment: {exc}") from None
 
 
 class Handlers:
@@ -71,6 +96,7 @@ class Handlers:
             if op != OP_CALL:
                 raise BadRequest(f"compact op {op} is not a request")
             self._check_allowed(client, "call")
+            check_compact(frame.header, len(frame.body), _segment_bytes(frame, "call"))
             record = self.engine.registry.get(job, client.owner)
             counted = record.functions.get(aux & FUNCTION_MASK) == "iteration"
             self.engine.call(record, frame, answer, counted)
@@ -82,6 +108,8 @@ class Handlers:
         if not isinstance(op, str):
             raise BadRequest("a request needs an 'op' string")
         self._check_allowed(client, op)
+        if self.engine.stopping and op not in _WHILE_STOPPING:
+            raise ShuttingDown("salusd is shutting down")
         if op in _FORWARDED:
             self._forward(client, op, request, frame, answer)
             return
@@ -104,6 +132,7 @@ class Handlers:
     def _forward(self, client: Client, op: str, request: dict[str, Any], frame: RawFrame,
                  answer: Answer) -> None:
         record = self._record(client, request)
+        check_json(request, len(frame.body), _segment_bytes(frame, op))
         if op == "attach":
             self.engine.attach(record, frame, answer)
         elif op == "define":
@@ -119,7 +148,7 @@ class Handlers:
             counted = type(fid) is int and record.functions.get(fid) == "iteration"
             self.engine.call(record, frame, answer, counted)
         elif op == "channel":
-            if frame.fd is None or not frame.flags & FLAG_SOCKET:
+            if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'channel' carries the client's end of a socket pair")
             self.engine.channel(record, frame, answer)
         else:
@@ -157,7 +186,14 @@ class Handlers:
         client.jobs.discard(record.job_id)
 
     def _status(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
-        return snapshot(self.engine)
+        """The node's devices and lanes, and the jobs the caller may see: its own, or every
+        job for root and the daemon's own user (as REST lists an owner token's jobs only)."""
+        snap = snapshot(self.engine)
+        uid = client.owner.uid
+        if uid not in (0, os.geteuid()):
+            own = {r.job_id for r in self.engine.registry if r.owner.uid == uid}
+            snap["jobs"] = [j for j in snap["jobs"] if j["job_id"] in own]
+        return snap
 
     def _suspend(self, client: Client, request: dict[str, Any]) -> None:
         swap = request.get("swap", False)

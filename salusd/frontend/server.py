@@ -86,6 +86,7 @@ class SocketServer:
         self.backlog = backlog
         self.clients: dict[int, Client] = {}
         self.refused_connections = 0
+        self.requests = 0  # received, all connections together
         self._listener: socket.socket | None = None
         self._inode: int | None = None
 
@@ -142,7 +143,7 @@ class SocketServer:
     def _admit(self, conn: socket.socket) -> None:
         pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                       _UCRED.size))
-        link = Link(conn, self._frame, self._closed, self.max_frame_bytes)
+        link = Link(conn, self._frame, self._closed, self.max_frame_bytes, explain_errors=True)
         client = Client(link, Owner(user_name(uid), uid, gid), pid)
         self.loop.add(link)
         if len(self.clients) >= self.max_connections:
@@ -173,6 +174,7 @@ class SocketServer:
         if client is None:
             frame.close_fd()
             return
+        self.requests += 1
         slot: list[RawFrame | None] = [None]
         client.slots.append(slot)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -19,7 +20,7 @@ log = logging.getLogger("salusd.rest")
 MAX_BODY_BYTES = 64 * 1024
 STATUS = {"bad_request": 422, "unknown_job": 404, "not_owner": 403, "conflict": 409,
           "does_not_fit": 409, "job_failed": 409, "job_cancelled": 409, "busy": 409,
-          "shutting_down": 503, "timeout": 503}
+          "shutting_down": 503, "timeout": 503, "state_disk_full": 507}
 
 health = APIRouter(tags=["health"])
 
@@ -34,6 +35,25 @@ async def healthz() -> Health:
 async def metrics(request: Request) -> Response:
     body, content_type = request.app.state.ctx.metrics.render()
     return Response(body, media_type=content_type)
+
+
+class RequestLimit:
+    """Runs at most `limit` requests at once; the others wait their turn, holding only their
+    connection (which `connections.ConnectionGuard` bounds), rather than getting a 503.
+    `/healthz` is served ahead of the limit, so health checks answer while the API is
+    saturated."""
+
+    def __init__(self, app: ASGIApp, limit: int = 64,
+                 ahead: frozenset[str] = frozenset({"/healthz"})) -> None:
+        self.app, self.ahead = app, ahead
+        self.running = asyncio.Semaphore(limit)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.ahead:
+            await self.app(scope, receive, send)
+            return
+        async with self.running:
+            await self.app(scope, receive, send)
 
 
 class BodyLimit:
@@ -94,6 +114,7 @@ def make_app(ctx: Context, auth: Auth) -> FastAPI:
                             status_code=STATUS.get(exc.code, 409))
 
     app.add_middleware(BodyLimit)
+    app.add_middleware(RequestLimit)  # outermost: /healthz passes before anything else runs
     return app
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -26,6 +26,9 @@ class Context:
     metrics: Metrics
     job_root: str
     checkpoint_timeout_s: float = 300.0
+    # Jobs this start found unrestorable and recorded failed (the engine never held them): the
+    # job list shows them beside the engine's, so `salusd status` says why they are gone.
+    not_restored: list[int] = field(default_factory=list)
 
     def find(self, job_id: int, who: Principal) -> JobRecord:
         """The job, if `who` may act on it (on the engine's thread)."""

@@ -34,9 +34,13 @@ async def list_jobs(who: Principal = Depends(principal),
     def read() -> list[JobOut]:
         engine = ctx.engine
         records = [*engine.registry.live.values(), *engine.registry.ended.values()]
-        return sorted((job_out(engine, r) for r in records
-                       if who.admin or r.owner.uid == who.owner.uid), key=lambda j: j.id)
-    return await ctx.bridge.run(read)
+        return [job_out(engine, r) for r in records
+                if who.admin or r.owner.uid == who.owner.uid]
+    jobs = await ctx.bridge.run(read)
+    rows = [row for row in await run_in_threadpool(lambda: [
+        ctx.store.get_job(job_id) for job_id in ctx.not_restored])
+        if row is not None and (who.admin or row.uid == who.owner.uid)]
+    return sorted([*jobs, *map(row_out, rows)], key=lambda j: j.id)
 
 
 @router.get("/{job_id}", response_model=JobOut, summary="One job")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from salus.daemon.state.durable import fsync_dir
+from salus.daemon.wire.errors import StateDiskFull
 
 DB_NAME = "salusd.db"
 ADMIN_TOKEN_NAME = "admin.token"
@@ -165,7 +166,8 @@ class Store:
     @classmethod
     def open(cls, path: Path, *, clock: Callable[[], float] = time.time) -> Store:
         """Open (creating it with mode 0600 when missing) and migrate the database at `path`.
-        Raises RuntimeError for a database written by a newer schema than this code knows."""
+        Raises RuntimeError, with what to do, for a database written by a newer schema than
+        this code knows, or one SQLite cannot open or finds damaged."""
         path = Path(path)
         with contextlib.suppress(FileExistsError):  # WAL and SHM files copy these permissions
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -175,8 +177,14 @@ class Store:
                 raise RuntimeError(f"{path}: SQLite could not switch to WAL mode")
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError("; ".join(map(str, problems)))
             store = cls(conn, path, clock)
             store._migrate()
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise damaged(path, exc) from None
         except BaseException:
             conn.close()
             raise
@@ -318,9 +326,15 @@ class Store:
             try:
                 yield cur
                 cur.execute("COMMIT")
-            except BaseException:
+            except BaseException as exc:
                 if self._conn.in_transaction:
                     cur.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.OperationalError) and (
+                        exc.sqlite_errorcode == sqlite3.SQLITE_FULL):
+                    raise StateDiskFull(
+                        f"salusd's state disk is full: the registry {self.path} cannot grow "
+                        f"({exc}); nothing was changed. The operator frees space on the disk "
+                        f"of {self.path.parent}, then the request works again") from None
                 raise
 
     def _jobs(self, where: str, params: tuple[Any, ...]) -> list[JobRow]:
@@ -348,6 +362,17 @@ class Store:
                 cur.execute("INSERT INTO schema_version (version, applied) VALUES (?, ?)",
                             (target, self._clock()))
                 cur.execute(f"PRAGMA user_version = {target}")
+
+
+def damaged(path: Path, exc: sqlite3.DatabaseError) -> RuntimeError:
+    """The start-up error for a registry SQLite cannot open or read: which file, and what to
+    do."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return RuntimeError(f"cannot open the registry {path}: {exc}")
+    return RuntimeError(
+        f"the registry {path} is damaged (SQLite: {exc}). To start afresh, move it aside with "
+        f"its -wal and -shm files (mv {path} {path}.damaged); the jobs it listed are then not "
+        f"restored, and their checkpoints stay in {path.parent / 'checkpoints'}")
 
 
 def ensure_admin_token(state_dir: Path) -> str:

@@ -7,12 +7,15 @@ compact header of the per-iteration calls is `compact.py`; the segment is `segme
 `recv` returns what was sent. A frame whose header + body exceeds `max_frame_bytes` is read and
 discarded (up to DRAIN_LIMIT_BYTES) and reported as FrameTooLarge, so the connection stays
 usable; a bad magic or version, or a stream that ends mid-frame, cannot be resynchronised and
-the connection must be dropped.
+the connection must be dropped. A frame of another protocol version that is a small JSON error
+reply (what salusd sends before it drops a peer it cannot read) is read first, and what it says
+goes into the error.
 """
 
 from __future__ import annotations
 
 import array
+import json
 import math
 import os
 import socket
@@ -37,6 +40,7 @@ from salus.daemon.wire.frames import (
     VERSION,
     FrameError,
     FrameTooLarge,
+    VersionMismatch,
     error_from_reply,
     queue_descriptors,
     reply_result,
@@ -58,6 +62,7 @@ _MAX_QUEUED_FDS = MAX_QUEUED_FDS
 _READ_BUFFER_BYTES = 64 * 1024
 _CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microseconds per frame
 _IOV_LIMIT = 512
+_OTHER_VERSION_REPLY_BYTES = 64 * 1024
 
 
 class ConnectionClosed(ConnectionError):
@@ -169,7 +174,10 @@ class Channel:
         """
         if not self._fill(HEADER_BYTES):
             raise ConnectionClosed("the peer closed the connection")
-        flags, header_len, body_len = unpack_fixed(self._buf, self._start)
+        try:
+            flags, header_len, body_len = unpack_fixed(self._buf, self._start)
+        except VersionMismatch as exc:
+            raise self._other_version(exc) from None
         self._start += HEADER_BYTES
         size = header_len + body_len
         fd = self._fds.popleft() if flags & FLAGS_WITH_FD and self._fds else None
@@ -212,6 +220,23 @@ class Channel:
                 raise FrameError("a socket frame's header must be a JSON object")
             message["socket_fd"] = sock_fd  # the receiver owns the descriptor now
         return message
+
+    def _other_version(self, exc: VersionMismatch) -> FrameError:
+        """The error for a frame of another protocol version: with what the peer said when the
+        frame is a small JSON error reply (a salusd that cannot read a frame answers with one
+        before it closes), else `exc` itself. Not recoverable either way."""
+        size = exc.header_len + exc.body_len
+        if size > _OTHER_VERSION_REPLY_BYTES or exc.header_len % codec.ALIGN:
+            return exc
+        self._start += HEADER_BYTES
+        try:
+            reply = json.loads(bytes(self._read(size)[:exc.header_len]).decode())
+        except (FrameError, OSError, ValueError, RecursionError):
+            return exc
+        if not (isinstance(reply, dict) and reply.get("ok") is False):
+            return exc
+        return FrameError(f"{exc}; salusd said: {str(reply.get('message'))[:2000]}",
+                          recoverable=False)
 
     def buffered(self) -> bool:
         """Whether bytes of a next frame are already read (select would not see them)."""

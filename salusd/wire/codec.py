@@ -31,26 +31,22 @@ import torch
 
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.frames import ALIGN, FrameError
+from salus.daemon.wire.refs import DTYPE_NAMES, MAX_DIMS, check_aligned, part_offset
 
 _PAD = bytes(ALIGN)
-MAX_DIMS = 64
-_DTYPE_NAMES = (
-    "float16", "float32", "float64", "bfloat16", "complex32", "complex64", "complex128",
-    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-)
 DTYPES: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+    n: getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
 }
 _DTYPE_NAME = {d: n for n, d in DTYPES.items()}
-# Compact headers name a dtype by its index in _DTYPE_NAMES: append new dtypes, never reorder.
-DTYPE_CODES: dict[torch.dtype, int] = {DTYPES[n]: i for i, n in enumerate(_DTYPE_NAMES)
+# Compact headers name a dtype by its index in refs.DTYPE_NAMES.
+DTYPE_CODES: dict[torch.dtype, int] = {DTYPES[n]: i for i, n in enumerate(DTYPE_NAMES)
                                        if n in DTYPES}
 DTYPES_BY_CODE: dict[int, torch.dtype] = {i: d for d, i in DTYPE_CODES.items()}
 
 
 class Pickled:
-    """Wrap an object to send it with cloudpickle; `what` names it in error messages."""
+    """Wrap an object to send it with cloudpickle; `what` names it in error messages as it
+    reads after "cannot pickle" ("the call's result", "call arguments")."""
 
     __slots__ = ("obj", "what")
 
@@ -169,28 +165,19 @@ def part_region(data: bytearray, base: int, segment: mmap.mmap | None, seg: obje
     """Where a part of `nbytes` bytes at offset `off` of segment `seg` lies: (buffer, absolute
     byte offset). `data` holds the header (`base` bytes) then the inline body. Raises
     FrameError when the part is not inside a segment the frame carries."""
-    if type(off) is not int or off < 0:
-        raise FrameError(f"bad part offset {off!r}")
+    at = part_offset(seg, off, nbytes, len(data) - base,
+                     len(segment) if segment is not None else None)
     if seg == 0:
-        buf: bytearray | mmap.mmap = data
-        size = len(data) - base
-    elif seg == 1 and segment is not None:
-        buf, base, size = segment, 0, len(segment)
-    else:
-        raise FrameError(f"part refers to segment {seg!r}, which the frame does not carry")
-    if off + nbytes > size:
-        raise FrameError(f"a part of {nbytes} bytes at offset {off} runs past the end of "
-                         f"its {size}-byte segment")
-    return buf, base + off
+        return data, base + at
+    assert segment is not None
+    return segment, at
 
 
 def tensor_view(buf: bytearray | mmap.mmap, off: int, dtype: torch.dtype,
                 numel: int) -> torch.Tensor:
     """A flat tensor of `numel` elements viewing `buf` from byte `off` (no copy); FrameError
     when `off` is not aligned to the element size."""
-    if off % dtype.itemsize:
-        raise FrameError(f"tensor offset {off} is not aligned to its {dtype.itemsize}-byte "
-                         "elements")
+    check_aligned(off, dtype.itemsize)
     return torch.frombuffer(buf, dtype=dtype, count=numel, offset=off)
 
 
@@ -225,8 +212,7 @@ class _Encoder:
         try:
             pickler.dump(p.obj)
         except Exception as exc:
-            raise TypeError(f"cannot send the {p.what} to salusd: {type(exc).__name__}: "
-                            f"{exc}") from exc
+            raise TypeError(f"cannot pickle {p.what}: {type(exc).__name__}: {exc}") from exc
         return {"$": "p", "data": self.blob(buf.getvalue()), "storages": pickler.refs}
 
     def default(self, obj: Any) -> Any:
@@ -236,7 +222,7 @@ class _Encoder:
             return self.blob(obj)
         if isinstance(obj, Pickled):
             return self.pickled(obj)
-        raise TypeError(f"a {type(obj).__name__} cannot be sent to salusd: use tensors, "
+        raise TypeError(f"a {type(obj).__name__} cannot be sent over salusd's wire: use tensors, "
                         "numbers, strings, lists and dicts, or wrap it in Pickled")
 
 

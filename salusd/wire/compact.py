@@ -57,6 +57,7 @@ from salus.daemon.wire.frames import (
     OP_CALL,
     OP_RESULT,
 )
+from salus.daemon.wire.refs import dense_permutation
 
 REVISION = COMPACT_REVISION
 OP_NAMES = {OP_CALL: "call", OP_RESULT: "result"}
@@ -135,20 +136,6 @@ def _describe(t: torch.Tensor, out: Encoded, shm_threshold: float, parts: list[b
     else:
         parts.append(_DESC_STRIDED[ndim].pack(code, ndim, seg, _STRIDED, 0, off, *shape,
                                               *strides))
-
-
-def dense_permutation(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """True when `strides` (in elements) lay `shape` out densely without overlap: contiguous up
-    to an order of the dimensions, so its elements fill exactly prod(shape) slots from the
-    first."""
-    expected = 1
-    for stride, size in sorted(zip(strides, shape, strict=True)):
-        if size == 1:
-            continue  # a size-1 dimension's stride never addresses memory
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Message:

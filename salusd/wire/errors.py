@@ -77,6 +77,13 @@ class JobCancelled(SalusError):
     code = "job_cancelled"
 
 
+class StateDiskFull(SalusError):
+    """salusd cannot record the request: the disk of its state dir is full. Nothing was
+    started; the operator frees space and the same request then works."""
+
+    code = "state_disk_full"
+
+
 class DaemonUnavailable(SalusError, ConnectionError):
     """salusd cannot be reached, or the connection to it was lost."""
 
@@ -87,5 +94,5 @@ ERRORS_BY_CODE: dict[str, type[SalusError]] = {
     cls.code: cls
     for cls in (SalusError, BadRequest, UnknownJob, NotOwner, Conflict, DoesNotFit, JobFailed,
                 CallFailed,
-                JobCancelled, ShuttingDown, Busy, DaemonUnavailable)
+                JobCancelled, ShuttingDown, Busy, StateDiskFull, DaemonUnavailable)
 }

@@ -54,6 +54,9 @@ COMPACT_HEAD = struct.Struct("<BBHId")
 COMPACT_REVISION = 2
 OP_CALL, OP_RESULT = 3, 0x83
 FUNCTION_MASK = 0xFFFF
+MAX_JSON_DEPTH = 64  # lists and dicts in a JSON header; a pytree of arguments is far shallower
+_TOO_DEEP = (f"the JSON header nests lists and objects more than {MAX_JSON_DEPTH} levels deep; "
+             "send flatter arguments")
 
 
 class FrameError(BadRequest):
@@ -73,16 +76,27 @@ class FrameTooLarge(FrameError):
     code = "too_large"
 
 
+class VersionMismatch(FrameError):
+    """A salusd frame of another protocol version. The fixed header has had the same layout in
+    every version, so its lengths can still be read (and an error sent back in the peer's
+    version, which it can parse)."""
+
+    def __init__(self, version: int, header_len: int, body_len: int) -> None:
+        super().__init__(f"frame version {version}, this side speaks {VERSION}: install "
+                         "matching salusd and adapter versions", recoverable=False)
+        self.version, self.header_len, self.body_len = version, header_len, body_len
+
+
 def unpack_fixed(buf: bytes | bytearray, offset: int = 0) -> tuple[int, int, int]:
     """(flags, header bytes, body bytes) of the fixed header at `buf[offset:]`; FrameError
-    (framing lost) when it is not a salusd frame of this version."""
+    (framing lost) when it is not a salusd frame, VersionMismatch for another version's."""
     magic, version, flags, _, header_len, body_len = FIXED.unpack_from(buf, offset)
     if magic != MAGIC:
-        raise FrameError(f"not a salusd frame (magic {bytes(magic)!r}, expected {MAGIC!r})",
+        raise FrameError(f"not a salusd frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
+                         "is this a salusd socket, and the client a salusd client?",
                          recoverable=False)
     if version != VERSION:
-        raise FrameError(f"frame version {version}, this side speaks {VERSION}: install "
-                         "matching salusd and adapter versions", recoverable=False)
+        raise VersionMismatch(version, header_len, body_len)
     return flags, header_len, body_len
 
 
@@ -115,6 +129,7 @@ class RawFrame:
     header: bytes
     body: bytes
     fd: int | None = None
+    version: int = VERSION  # another only for an error sent to a peer of that version
 
     @property
     def compact(self) -> bool:
@@ -122,7 +137,8 @@ class RawFrame:
 
     def buffers(self) -> list[bytes]:
         """The frame's bytes as they go on the wire."""
-        fixed = FIXED.pack(MAGIC, VERSION, self.flags, 0, len(self.header), len(self.body))
+        fixed = FIXED.pack(MAGIC, self.version, self.flags, 0, len(self.header),
+                           len(self.body))
         return [fixed, self.header, self.body]
 
     def size(self) -> int:
@@ -130,14 +146,21 @@ class RawFrame:
 
     def json(self) -> object:
         """The JSON header as plain data: tensor, bytes and pickle references stay the dicts
-        they are in the header (nothing is decoded). FrameError for a compact frame or bad
-        JSON."""
+        they are in the header (nothing is decoded). FrameError for a compact frame, a header
+        that is not UTF-8 JSON (as the executors decode it) or one nested deeper than
+        MAX_JSON_DEPTH."""
         if self.compact:
             raise FrameError("expected a JSON frame, got a compact one")
         try:
-            return json.loads(self.header)
+            message = json.loads(self.header.decode())
         except ValueError as exc:
-            raise FrameError(f"frame header is not JSON: {exc}") from None
+            raise FrameError(f"frame header is not UTF-8 JSON: {exc}") from None
+        except RecursionError:
+            raise FrameError(_TOO_DEEP) from None
+        if self.header.count(b"[") + self.header.count(b"{") > MAX_JSON_DEPTH and (
+                json_depth(message) > MAX_JSON_DEPTH):
+            raise FrameError(_TOO_DEEP)
+        return message
 
     def compact_head(self) -> tuple[int, str, int]:
         """(op, job id, aux) of a compact frame; FrameError when it is malformed."""
@@ -162,6 +185,27 @@ class RawFrame:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def json_depth(value: object) -> int:
+    """How deeply lists and dicts nest in `value` (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def error_reply_frame(exc: SalusError, version: int = VERSION) -> RawFrame:
+    """The JSON error reply for `exc`, in frame `version` (a peer of another version can read
+    it: the fixed header's layout and the reply's fields have not changed)."""
+    frame = json_frame({"ok": False, "code": exc.code, "message": str(exc)})
+    frame.version = version
+    return frame
 
 
 def queue_descriptors(ancillary: list[tuple[int, int, bytes]], msg_flags: int,
@@ -234,9 +278,9 @@ class FrameReader:
                                  "bytes)", recoverable=False)
             size = header_len + body_len
             if size > self.max_frame_bytes:
-                raise FrameError(f"frame of {size} bytes exceeds the {self.max_frame_bytes}-"
-                                 "byte limit; large tensors go through shared memory, so "
-                                 "split the data", recoverable=False)
+                raise FrameTooLarge(f"frame of {size} bytes exceeds the {self.max_frame_bytes}"
+                                    "-byte limit; large tensors go through shared memory, so "
+                                    "split the data", recoverable=False)
             end = HEADER_BYTES + size
             if len(self._buf) < end:
                 break

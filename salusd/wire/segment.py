@@ -59,24 +59,28 @@ def create(parts: Sequence[tuple[int, memoryview]], size: int) -> int:
     return fd
 
 
-def open_mapping(fd: int) -> mmap.mmap:
-    """Map a received segment copy-on-write (writable, private) and close `fd`.
-
-    Raises ValueError when the descriptor is not a sealed memfd: mapping a file the peer could
-    still truncate would let it crash the reader with SIGBUS.
-    """
+def sealed_size(fd: int) -> int:
+    """The size in bytes of the segment `fd` (which stays open). Raises ValueError when the
+    descriptor is not a sealed memfd: mapping a file the peer could still truncate would let it
+    crash the reader with SIGBUS. The daemon checks a client's segment with this before it
+    forwards the frame, so the executor never gets one it would refuse."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+        raise ValueError("the descriptor sent with the frame is not a shared-memory segment")
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
-            raise ValueError("the descriptor sent with the frame is not a shared-memory segment")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
-            raise ValueError("shared-memory segment is not sealed against shrinking and writing")
-        return mmap.mmap(
-            fd, info.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+        raise ValueError("shared-memory segment is not sealed against shrinking and writing")
+    return info.st_size
+
+
+def open_mapping(fd: int) -> mmap.mmap:
+    """Map a received segment copy-on-write (writable, private) and close `fd`; ValueError as
+    `sealed_size` says."""
+    try:
+        size = sealed_size(fd)
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -1,0 +1,97 @@
+"""The REST port under idle connections and load, against the real daemon: connections that
+send nothing or part of a request head are bounded in number per client and in time, /healthz
+answers throughout, and a burst of authenticated requests is served rather than refused."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from daemon_proc import salusd
+from fastapi import FastAPI
+
+from salus.daemon.rest.connections import ConnectionGuard
+from salus.daemon.rest.server import MAX_HEAD_BYTES, RestServer
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(4096) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+async def _burst(url: str, token: str, n: int) -> list[int]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits,
+                                 headers={"Authorization": f"Bearer {token}"}) as client:
+        replies = await asyncio.gather(*(client.get("/v1/jobs") for _ in range(n)),
+                                       return_exceptions=True)
+    return [r.status_code if isinstance(r, httpx.Response) else 0 for r in replies]
+
+
+@pytest.mark.slow
+def test_idle_connections_neither_block_healthz_nor_the_api(tmp_path: Path) -> None:
+    with salusd(tmp_path, "--http", "127.0.0.1:0", devices=1):
+        state = tmp_path / "state"
+        url = (state / "http.url").read_text().strip()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        idle = []
+        try:
+            for i in range(260):  # half send nothing, half one header line and no more
+                sock = socket.create_connection((host, int(port)), timeout=5)
+                if i % 2:
+                    sock.sendall(b"GET /v1/jobs HTTP/1.1\r\n")
+                idle.append(sock)
+            until = time.monotonic() + 3.0  # past the 1 s grace, when eviction starts
+            probes = 0
+            while time.monotonic() < until:
+                started = time.monotonic()
+                reply = httpx.get(f"{url}/healthz", timeout=2.0)
+                assert reply.status_code == 200, reply.text
+                assert time.monotonic() - started < 2.0
+                probes += 1
+                time.sleep(0.1)
+            assert probes >= 10
+            still_open = sum(not _closed_by_server(s) for s in idle)
+            assert still_open <= 32, f"{still_open} idle connections of one client kept"
+            token = (state / "admin.token").read_text().strip()
+            codes = asyncio.run(_burst(url, token, 500))
+            served = codes.count(200)
+            assert served >= 475, f"{served} of 500 served; codes {sorted(set(codes))}"
+            assert httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_a_connection_without_a_request_is_closed_and_heads_are_bounded() -> None:
+    app = FastAPI()
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    server = RestServer(app, "127.0.0.1", 0, guard=ConnectionGuard(head_timeout_s=0.5))
+    server.start()
+    try:
+        silent = socket.create_connection((server.host, server.port), timeout=5)
+        partial = socket.create_connection((server.host, server.port), timeout=5)
+        partial.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(2.5)  # the sweep runs every second
+        assert _closed_by_server(silent) and _closed_by_server(partial)
+        big = socket.create_connection((server.host, server.port), timeout=5)
+        big.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * MAX_HEAD_BYTES)
+        assert big.recv(64).startswith(b"HTTP/1.1 400")
+        assert httpx.get(f"{server.url}/healthz", timeout=2.0).status_code == 200
+        for sock in (silent, partial, big):
+            sock.close()
+    finally:
+        server.stop()
