@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pwd
+import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,7 @@ from salus.daemon.control import Control
 from salus.daemon.daemon import Daemon, DaemonConfig
 from salus.daemon.devices import cpu_devices
 from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.executor_ops import (
     Ack,
     Attach,
@@ -128,9 +130,9 @@ replies: st.SearchStrategy[Reply] = st.one_of(
 
 def _through_json(msg: Message) -> dict[str, Any]:
     wire = encode(msg)
-    sent = json.loads(json.dumps(wire))
+    sent: dict[str, Any] = json.loads(json.dumps(wire))
     assert sent == wire
-    return sent  # type: ignore[no-any-return]
+    return sent
 
 
 @given(requests)
@@ -181,6 +183,7 @@ def test_which_requests_carry_the_clients_frame() -> None:
     assert not client_frame_follows(encode(Step()))
     assert not client_frame_follows({"op": "nonsense"})
     assert not client_frame_follows(["run"])
+    assert not client_frame_follows({"op": ["run"]})
 
 
 # ---- malformed dicts ----------------------------------------------------------------------------
@@ -287,6 +290,46 @@ def test_anything_but_an_object_is_refused() -> None:
         decode_request(["op", "run"])
     with pytest.raises(ValueError, match="JSON object"):
         decode_reply(None)
+
+
+# ---- a real executor refuses what does not decode ----------------------------------------------
+EXECUTOR = ("import socket, sys; from salus.daemon.executor.main import serve; "
+            "sys.exit(serve(socket.socket(fileno=int(sys.argv[1]))))")
+
+
+@pytest.mark.slow
+def test_an_executor_answers_a_malformed_message_with_its_reason_and_goes_on(
+        tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", EXECUTOR, str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    daemon = Channel(ours)
+    try:
+        me = pwd.getpwuid(os.getuid())
+        daemon.send(encode(Become(me.pw_uid, me.pw_gid, tuple(os.getgroups()), me.pw_name,
+                                  me.pw_dir, str(tmp_path), 1, 1, False)))
+        daemon.send({"op": "lease", "granted": 1})
+        assert decode_reply(daemon.recv()) == Failed(
+            "executor message 'lease': field 'granted' must be true or false, got 1")
+        daemon.send({"op": "teleport"})
+        assert decode_reply(daemon.recv()) == Failed("unknown executor op 'teleport'")
+        # A request that carries the client's frame: the frame is read, and the client answered.
+        daemon.send_many([{"op": "define", "fid": 0}, {"op": "define", "fid": 0}])
+        failed = decode_reply(daemon.recv())
+        assert failed == Failed("executor message 'define': unknown field(s) ['fid']; it has "
+                                "['op']", forward=True)
+        forwarded = daemon.recv()
+        assert forwarded["ok"] is False and forwarded["code"] == "bad_request"
+        daemon.send(encode(Lease(True)))  # still in step
+        assert decode_reply(daemon.recv()) == Ack()
+        daemon.send(encode(Exit("job_cancelled", "done")))
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        daemon.close()
 
 
 # ---- what a real daemon and its executors say ---------------------------------------------------

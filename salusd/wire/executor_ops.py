@@ -396,9 +396,12 @@ Message = Request | Reply
 
 
 def client_frame_follows(meta: object) -> bool:
-    """Whether the client's frame follows the meta `meta` (a request dict, decoded or not)."""
-    return (isinstance(meta, dict) and meta.get("op") in _FRAME_OPS
-            and bool(meta.get("frame", True)))
+    """Whether the client's frame follows the request meta `meta`, as received (the frame is
+    read even when the meta does not decode, so the stream stays in step)."""
+    if not isinstance(meta, dict):
+        return False
+    op = meta.get("op")
+    return type(op) is str and op in _FRAME_OPS and bool(meta.get("frame", True))
 
 
 # ---- encode ---------------------------------------------------------------------------------
