@@ -1,6 +1,7 @@
 """The simulator replays the daemon's own scheduling: the same random traces of gangs and
 one-device jobs, run through the trace simulator and through the real `Engine` (a fake clock,
-fake executors that answer each iteration after its trace time), give the same schedule.
+the shared fake executors, `tests/fake_executor.py`, answering each iteration after its trace
+time), give the same schedule.
 
 Both drive `scheduler/dispatch.py`; this test holds them to one rule for gangs (picked in one
 lane, a gang reserves all its lanes and starts once all are idle), which they once disagreed on.
@@ -17,13 +18,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from fake_executor import FakeExecutor, FakeExecutors
 
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.wire.executor_ops import Request, Step
 from salus.scheduler.sim import Simulator
 from salus.scheduler.traces import TraceJob
 
@@ -32,53 +34,36 @@ UNIT = 2.0**-10
 DEVICE_BYTES = 64 << 20
 
 
-@dataclass(eq=False)
-class FakeExecutor:
-    record: JobRecord
-    due: float = 0.0  # when its last queued reply is given
-    iterations: int = 0
-
-
-@dataclass
-class Driver:
+class Driver(FakeExecutors):
     """The engine's executors and clock: each message is answered in order, an iteration
-    after its trace time, everything else at once."""
+    after its trace time (seconds), everything else at once."""
 
-    iter_s: dict[int, float]
-    sizes: dict[int, tuple[int, int]]
-    now: float = 0.0
-    engine: Engine | None = None
-    heap: list[tuple[float, int, FakeExecutor, dict[str, Any]]] = field(default_factory=list)
-    starts: list[tuple[float, int]] = field(default_factory=list)
-    seq: itertools.count = field(default_factory=itertools.count)
+    def __init__(self, iter_s: dict[int, float], sizes: dict[int, tuple[int, int]]) -> None:
+        super().__init__()
+        self.iter_s = iter_s
+        self.sizes = sizes  # job id -> (persistent, ephemeral) bytes
+        self.now = 0.0
+        self.due: dict[int, float] = {}  # id(executor) -> when its last queued reply is given
+        self.heap: list[tuple[float, int, FakeExecutor]] = []
+        self.starts: list[tuple[float, int]] = []
+        self.seq = itertools.count()
+        self.on_send = self._queue_reply
 
     def acquire(self, record: JobRecord, cwd: str | None) -> FakeExecutor:
-        return FakeExecutor(record)
+        executor = super().acquire(record, cwd)
+        executor.persistent_bytes, executor.ephemeral_bytes = self.sizes[record.job_id]
+        executor.seconds = self.iter_s[record.job_id]
+        return executor
 
-    def send(self, executor: object, meta: dict[str, Any], frame: object) -> None:
-        assert isinstance(executor, FakeExecutor)
-        job_id, op = executor.record.job_id, meta["op"]
-        persistent, ephemeral = self.sizes[job_id]
-        reply: dict[str, Any] = {"ok": True}
+    def _queue_reply(self, executor: FakeExecutor, request: Request) -> None:
         delay = 0.0
-        if op == "load":
-            reply.update(persistent_bytes=persistent, iteration=0)
-        elif op == "estimate":
-            reply.update(bytes=ephemeral, method="trace")
-        elif op == "step":
+        if isinstance(request, Step):
             if executor is executor.record.replicas[0]:
-                self.starts.append((self.now, job_id))
-            executor.iterations += 1
-            delay = self.iter_s[job_id]
-            reply.update(seconds=delay, peak=None, loss=0.0, iteration=executor.iterations)
-        executor.due = max(executor.due, self.now) + delay
-        heapq.heappush(self.heap, (executor.due, next(self.seq), executor, reply))
-
-    def kill(self, executor: object) -> None:
-        raise AssertionError("no executor is killed in a trace")
-
-    def retire(self, executor: object, code: str = "", message: str = "") -> None:
-        pass
+                self.starts.append((self.now, executor.record.job_id))
+            delay = executor.seconds
+        due = max(self.due.get(id(executor), 0.0), self.now) + delay
+        self.due[id(executor)] = due
+        heapq.heappush(self.heap, (due, next(self.seq), executor))
 
     def call_later(self, delay_s: float, fn: Any) -> None:
         raise AssertionError("no timer is needed in a trace")
@@ -115,10 +100,11 @@ def _through_engine(trace: list[TraceJob], policy: str, devices: int) -> tuple[E
                                          f"/jobs/j{job.job_id}.py", "make", devices=job.gang)
             assert record.job_id == job.job_id
             continue
-        due, _, executor, reply = heapq.heappop(driver.heap)
+        due, _, executor = heapq.heappop(driver.heap)
         driver.now = due
-        engine.on_executor_reply(executor, reply, None)
+        driver.answer(executor)
         engine.check_invariants()
+        assert not driver.killed, "no executor is killed in a trace"
     return engine, driver
 
 

@@ -1,7 +1,7 @@
 """The engine's gang scheduling as a property: batch jobs of 1-3 replicas on 3 devices, under
-every policy, with executors that answer in a random order (a fake `ExecutorPort` that records
-what the engine sends; the engine is pure policy on an injected clock, so this is the real
-engine, only the processes are stood in for).
+every policy, with executors that answer in a random order (the shared fake executor,
+`tests/fake_executor.py`, which records what the engine sends; the engine is pure policy on an
+injected clock, so this is the real engine, only the processes are stood in for).
 
 Checked after every engine step: a gang's iteration is sent to all its replicas at once or not
 at all, each on its own lane and never beside another job's call in that lane; no call starts
@@ -21,13 +21,15 @@ import random
 from typing import Any
 
 import pytest
+from fake_executor import FakeExecutor, FakeExecutors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.engine import Engine
-from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.engine.registry import Owner
 from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.executor_ops import Estimate, Request, Step
 from salus.scheduler import POLICIES
 
 DEVICES = 3
@@ -35,31 +37,17 @@ CAPACITY = 1 << 30
 OWNER = Owner("alice", 1000, 1000)
 
 
-class FakeExecutor:
-    def __init__(self, record: JobRecord) -> None:
-        self.record = record
-        self.inbox: list[dict[str, Any]] = []  # sent, not answered yet
-        self.device: str | None = None
-        self.iterations = 0
-
-
-class FakePort:
-    """Executors that hold what they are sent until the test makes them answer."""
+class FakePort(FakeExecutors):
+    """The shared fake executors, noting each step sent and checking that it starts in no lane
+    held for another gang."""
 
     def __init__(self) -> None:
-        self.executors: list[FakeExecutor] = []
+        super().__init__()
         self.steps_sent: list[tuple[int, FakeExecutor]] = []
-        self.engine: Engine | None = None
+        self.on_send = self._sent
 
-    def acquire(self, record: JobRecord, cwd: str | None) -> FakeExecutor:
-        ex = FakeExecutor(record)
-        self.executors.append(ex)
-        return ex
-
-    def send(self, executor: object, meta: dict[str, Any], frame: object) -> None:
-        assert isinstance(executor, FakeExecutor)
-        executor.inbox.append(meta)
-        if meta["op"] == "step":
+    def _sent(self, executor: FakeExecutor, request: Request) -> None:
+        if isinstance(request, Step):
             job_id = executor.record.job_id
             self.steps_sent.append((job_id, executor))
             assert self.engine is not None
@@ -67,15 +55,6 @@ class FakePort:
                 lane = self.engine.dispatch.lane(key)
                 holder = lane.reserved_for if lane and lane.reserved_for is not None else job_id
                 assert holder == job_id, f"job {job_id} started in {key}, held for gang {holder}"
-        if meta["op"] == "place":
-            executor.device = meta["device"]
-
-    def kill(self, executor: object) -> None:
-        raise AssertionError("no executor should be killed here")
-
-    def retire(self, executor: object, code: str = "", message: str = "") -> None:
-        assert isinstance(executor, FakeExecutor)
-        executor.inbox.clear()
 
 
 class NoTimers:
@@ -83,21 +62,16 @@ class NoTimers:
         pass
 
 
-def _reply(ex: FakeExecutor, meta: dict[str, Any]) -> dict[str, Any]:
-    op = meta["op"]
-    if op == "load":
-        return {"ok": True, "persistent_bytes": 1 << 19, "iteration": 0}
-    if op == "estimate":  # one-replica jobs only: gangs are measured on their first step
+def _answer(port: FakePort, ex: FakeExecutor) -> None:
+    """Answer `ex`'s oldest message as an executor does (0.01 s steps, 512 KiB states)."""
+    request = ex.unanswered[0][0]
+    if isinstance(request, Estimate):  # one-replica jobs only: gangs are measured on their step
         assert ex.record.gang == 1
-        return {"ok": True, "bytes": 1 << 20, "method": "fake-tensor"}
-    if op == "step":
-        ex.iterations += 1
-        return {"ok": True, "seconds": 0.01, "peak": None, "loss": 1.0,
-                "iteration": ex.iterations}
-    return {"ok": True}
+    port.answer(ex)
 
 
 def _check_gang_calls(engine: Engine, port: FakePort) -> None:
+    assert not port.killed, "no executor should be killed here"
     sent, port.steps_sent = port.steps_sent, []
     by_job: dict[int, set[int]] = {}
     for job_id, ex in sent:
@@ -150,13 +124,12 @@ def test_gang_iterations_are_all_or_nothing_and_every_job_finishes(
             engine.set_policy("fair")
     _check_gang_calls(engine, port)
     for _ in range(10_000):
-        waiting = [ex for ex in port.executors if ex.inbox]
+        waiting = [ex for ex in port.executors if ex.unanswered]
         if not waiting:
             break
         ex = rng.choice(waiting)
-        meta = ex.inbox.pop(0)
         now[0] += 0.01
-        engine.on_executor_reply(ex, _reply(ex, meta), None)
+        _answer(port, ex)
         _check_gang_calls(engine, port)
     for record, (_, iterations, _) in zip(records, jobs, strict=True):
         assert record.end_state == "finished", (record.job_id, record.phase, record.reason)
@@ -179,7 +152,7 @@ def test_no_job_joins_the_lanes_of_a_gang_spanning_nodes() -> None:
     others = [engine.submit_batch(OWNER, f"g{i}", 10, "/jobs/g.py", "make", devices=3)
               for i in range(4)]
     for ex in list(port.executors):  # loads answered in submit order
-        engine.on_executor_reply(ex, _reply(ex, ex.inbox.pop(0)), None)
+        _answer(port, ex)
     lanes = engine.dispatch.gang_lanes(spanning.job_id)
     assert [_residents(engine, k) for k in lanes] == [(spanning.job_id,)] * 3
     shared = engine.dispatch.gang_lanes(others[-1].job_id)

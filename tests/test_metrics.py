@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from client_proc import finish
+from fake_executor import FakeExecutor, FakeExecutors
 from prometheus_client.parser import text_string_to_metric_families
 
 from salus.daemon.control import Control
@@ -35,7 +36,7 @@ from salus.daemon.engine.events import Event
 from salus.daemon.engine.ledger import aligned
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.metrics import JOB_STATES, Metrics
-from salus.daemon.wire.frames import RawFrame, json_frame
+from salus.daemon.wire.frames import json_frame
 
 MiB = 2**20
 Labels = tuple[tuple[str, str], ...]
@@ -244,81 +245,48 @@ def test_a_scrape_during_events_sees_one_consistent_snapshot() -> None:
 
 
 # ---- the real engine, executors answering as executor processes do -------------------------------
-class AnsweringExecutors:
-    """Stands in for the supervisor: each executor answers its messages in order, as the
-    executor process does; `peaks` says what a job's next run reports as its peak."""
-
-    def __init__(self) -> None:
-        self.unanswered: dict[int, list[dict[str, Any]]] = {}
-        self.handles: dict[int, object] = {}
-        self.persistent: dict[int, int] = {}  # id(handle) -> bytes its state measures
-        self.ephemeral: dict[int, int] = {}
-        self.peaks: dict[int, int] = {}
-        self.runs: dict[int, int] = {}  # counted runs answered, per executor
-
-    def acquire(self, record: JobRecord, cwd: str | None) -> object:
-        handle = object()
-        self.handles[id(handle)] = handle
-        self.unanswered[id(handle)] = []
-        return handle
-
-    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
-        self.unanswered[id(executor)].append(meta)
-
-    def kill(self, executor: object) -> None:
-        pass
-
-    def retire(self, executor: object, code: str = "", message: str = "") -> None:
-        pass
-
-    def answer_all(self, engine: Engine) -> None:
-        """Answer every message, and those the answers cause, oldest executor first."""
-        for _ in range(10_000):
-            key = next((k for k, q in self.unanswered.items() if q), None)
-            if key is None:
-                return
-            meta = self.unanswered[key].pop(0)
-            engine.on_executor_reply(self.handles[key], self._reply(key, meta), None)
-        raise AssertionError("the engine kept sending")
-
-    def _reply(self, key: int, meta: dict[str, Any]) -> dict[str, Any]:
-        op = meta["op"]
-        if op == "attach":
-            return {"ok": True, "persistent_bytes": self.persistent[key]}
-        if op == "estimate":
-            return {"ok": True, "bytes": self.ephemeral[key]}
-        if op == "run":
-            self.runs[key] = self.runs.get(key, 0) + bool(meta["counted"])
-            return {"ok": True, "seconds": 0.004, "peak": self.peaks.pop(key, 0)}
-        return {"ok": True}
-
-
 class NoTimers:
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         pass
 
 
-def _open(engine: Engine, executors: AnsweringExecutors, name: str, persistent: int,
+ITERATION, FUNCTION = 0, 1  # the function ids every job here defines
+
+
+def _open(engine: Engine, executors: FakeExecutors, name: str, persistent: int,
           ephemeral: int) -> JobRecord:
+    """A job whose state measures `persistent` bytes and whose calls are estimated at
+    `ephemeral` bytes (measured at 0 unless a test says otherwise), with an iteration and a
+    function defined."""
     record = engine.open(Owner("ada", 1000, 1000), name, 100, None)
     engine.attach(record, json_frame({}), lambda f: None)
-    executors.persistent[id(record.executor)] = persistent
-    executors.ephemeral[id(record.executor)] = ephemeral
-    executors.answer_all(engine)
+    executor = record.executor
+    assert isinstance(executor, FakeExecutor)
+    executor.persistent_bytes, executor.ephemeral_bytes = persistent, ephemeral
+    executor.seconds, executor.peak = 0.004, 0
+    executors.answer_all()
+    for fid, kind in ((ITERATION, "iteration"), (FUNCTION, "function")):
+        record.functions[fid] = kind  # as the front end notes it
+        engine.define(record, json_frame({"op": "define", "fid": fid, "kind": kind}),
+                      lambda f: None)
+    executors.answer_all()
     return record
 
 
 def _calls(engine: Engine, record: JobRecord, counted: int, uncounted: int = 0) -> None:
     for i in range(counted + uncounted):
-        engine.call(record, json_frame({}), lambda f: None, counted=i < counted)
+        fid = ITERATION if i < counted else FUNCTION
+        engine.call(record, json_frame({"op": "call", "fid": fid}), lambda f: None,
+                    counted=record.functions[fid] == "iteration")
 
 
 def test_the_real_engine_states_memory_and_ends() -> None:
-    executors = AnsweringExecutors()
+    executors = FakeExecutors()
     clock = iter(range(10**9))
     capacity = 96 * MiB
     engine = Engine([capacity], "fair", executors, clock=lambda: float(next(clock)),
                     timers=NoTimers(), torch_devices=["cpu"])
+    executors.engine = engine
     m = Metrics()
     engine.events.subscribe(m.observe)
 
@@ -327,7 +295,7 @@ def test_the_real_engine_states_memory_and_ends() -> None:
     assert state_of(scrape(m), a.job_id) == "open"
     _calls(engine, a, 3)
     _calls(engine, b, 2, uncounted=1)
-    executors.answer_all(engine)
+    executors.answer_all()
     s = scrape(m)
     assert state_of(s, a.job_id) == state_of(s, b.job_id) == "running"
     assert value(s, "salusd_job_iterations_total", job_id=str(a.job_id)) == 3
@@ -343,36 +311,36 @@ def test_the_real_engine_states_memory_and_ends() -> None:
         capacity - booked - aligned(4 * MiB))
 
     engine.suspend(a, swap=True)
-    executors.answer_all(engine)
+    executors.answer_all()
     s = scrape(m)
     assert state_of(s, a.job_id) == "suspended"
     assert value(s, "salusd_device_persistent_bytes", device="0") == aligned(20 * MiB)
     engine.resume(a)
-    executors.answer_all(engine)
+    executors.answer_all()
     assert state_of(scrape(m), a.job_id) == "running"
 
     # a call measures more than a's lane: a is re-admitted with the measured peak
-    executors.peaks[id(a.executor)] = 40 * MiB
+    a.executor.peaks.append(40 * MiB)
     _calls(engine, a, 1)
-    executors.answer_all(engine)
+    executors.answer_all()
     s = scrape(m)
     assert value(s, "salusd_job_ephemeral_bytes", job_id=str(a.job_id)) == 40 * MiB
     assert state_of(s, a.job_id) == "running"
 
     big = _open(engine, executors, "big", capacity, MiB)  # can never fit
     _calls(engine, big, 1)
-    executors.answer_all(engine)
+    executors.answer_all()
     dies = _open(engine, executors, "dies", MiB, MiB)
     _calls(engine, dies, 2)
-    executors.answer_all(engine)
-    engine.on_executor_died(dies.executor, "signal 9 (SIGKILL)")
+    executors.answer_all()
+    executors.die(dies.executor, "signal 9 (SIGKILL)")
     engine.close(a)
     engine.cancel(b)
-    executors.answer_all(engine)
+    executors.answer_all()
 
     s = scrape(m)
     assert job_series(s) == set()
-    ran = sum(executors.runs.values())
+    ran = sum(ex.iterations for ex in executors.executors)
     assert ran == 3 + 2 + 1 + 2
     assert value(s, "salusd_iterations_total") == ran
     assert value(s, "salusd_jobs_total", state="finished") == 1

@@ -1,15 +1,16 @@
 """Every admitted job can be placed: the engine's admission (the Salus lane rule) books exactly
 what the placement ledger needs, so no random mix of jobs, sizes, finishes, re-admissions and
-swaps ever fails a placement. The engine runs for real; only its executors are replaced by a
-recorder that answers the way executors do (the executor processes are tested with the daemon).
+swaps ever fails a placement. The engine runs for real; only its executors are replaced by the
+shared fake executor (`tests/fake_executor.py`), which records what each was sent and answers
+the way executors do (the executor processes are tested with the daemon).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
+from fake_executor import FakeExecutors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,30 +18,10 @@ from salus.daemon.engine import admission
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.ledger import ALIGNMENT, DeviceLedger, aligned
 from salus.daemon.engine.registry import JobRecord, Owner
-from salus.daemon.wire.frames import RawFrame, json_frame
+from salus.daemon.wire.executor_ops import Attached, Estimated, Place
+from salus.daemon.wire.frames import json_frame
 
 MiB = 2**20
-
-
-class RecordingExecutors:
-    """Stands in for the supervisor: remembers what each executor was sent."""
-
-    def __init__(self) -> None:
-        self.sent: dict[int, list[dict[str, Any]]] = {}
-
-    def acquire(self, record: JobRecord, cwd: str | None) -> object:
-        handle = object()
-        self.sent[id(handle)] = []
-        return handle
-
-    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
-        self.sent[id(executor)].append(meta)
-
-    def kill(self, executor: object) -> None:
-        pass
-
-    def retire(self, executor: object, code: str = "", message: str = "") -> None:
-        pass
 
 
 class NoTimers:
@@ -48,11 +29,12 @@ class NoTimers:
         pass
 
 
-def _engine(capacities: list[int], policy: str) -> tuple[Engine, RecordingExecutors]:
-    executors = RecordingExecutors()
+def _engine(capacities: list[int], policy: str) -> tuple[Engine, FakeExecutors]:
+    executors = FakeExecutors()
     clock = iter(range(10**9))
     engine = Engine(capacities, policy, executors, clock=lambda: float(next(clock)),
                     timers=NoTimers(), torch_devices=["cpu"] * len(capacities))
+    executors.engine = engine
     return engine, executors
 
 
@@ -62,14 +44,15 @@ def _grow(engine: Engine, record: JobRecord, key: tuple[int, int], peak: int) ->
     engine._step()
 
 
-def _open_and_submit(engine: Engine, persistent: int, ephemeral: int) -> JobRecord:
+def _open_and_submit(engine: Engine, executors: FakeExecutors, persistent: int,
+                     ephemeral: int) -> JobRecord:
     """What a client and its executor do up to admission: open, attach, first call, estimate."""
     record = engine.open(Owner("u", 1000, 1000), "job", 100, None)
     engine.attach(record, json_frame({}), lambda f: None)
-    engine.on_executor_reply(record.executor, {"ok": True, "persistent_bytes": persistent},
-                             json_frame({"ok": True}))
+    executors.answer(record.executor, Attached(persistent, 1, forward=True),
+                     json_frame({"ok": True}))
     engine.call(record, json_frame({}), lambda f: None, counted=True)
-    engine.on_executor_reply(record.executor, {"ok": True, "bytes": ephemeral}, None)
+    executors.answer(record.executor, Estimated(ephemeral, "fake-tensor"))
     return record
 
 
@@ -92,7 +75,7 @@ def test_every_admitted_job_is_placed(policy: str, capacities: list[int],
             if aligned(persistent) + aligned(ephemeral) > max(
                     c - c % ALIGNMENT for c in capacities):
                 continue  # could never fit: refused at submit, tested elsewhere
-            records.append(_open_and_submit(engine, persistent, ephemeral))
+            records.append(_open_and_submit(engine, executors, persistent, ephemeral))
         elif action == "finish":
             engine.close(live[pick % len(live)])
         elif action == "grow":  # a measured call found more than the estimate
@@ -111,7 +94,7 @@ def test_every_admitted_job_is_placed(policy: str, capacities: list[int],
                 key = ("job", record.job_id)
                 device = engine.dispatch.placements(record.job_id)[0].device
                 assert engine.ledgers[device].size(key) == aligned(record.persistent_bytes)
-                assert any(m["op"] == "place" for m in executors.sent[id(record.executor)])
+                assert any(isinstance(m, Place) for m in record.executor.sent)
 
 
 def test_compaction_places_what_fragmentation_would_refuse() -> None:

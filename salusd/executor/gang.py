@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.procgroup import init_loopback, init_through_store
+from salus.daemon.wire.executor_ops import GangPlace
 from salus.daemon.wire.replicas import PerReplica, Whole
 
 GANG_TIMEOUT_S = 120.0
@@ -57,18 +58,16 @@ class GangSpec:
     loopback: bool = True
 
     @classmethod
-    def parse(cls, raw: object) -> GangSpec | None:
-        if raw is None:
+    def of(cls, place: GangPlace | None) -> GangSpec | None:
+        """The replica's place as the daemon sent it (None: no gang), checked."""
+        if place is None:
             return None
-        if not isinstance(raw, dict):
-            raise TypeError(f"'gang' must be an object, got {type(raw).__name__}")
-        spec = cls(int(raw["rank"]), int(raw["world"]), int(raw.get("port", 0)),
-                   raw.get("store"), str(raw.get("key", "")), int(raw.get("local", 0)),
-                   bool(raw.get("loopback", True)))
+        spec = cls(place.rank, place.world, place.port or 0, place.store, place.key or "",
+                   place.local or 0, True if place.loopback is None else place.loopback)
         port = spec.port if spec.store is None else int(spec.store.rpartition(":")[2])
         if not 0 <= spec.rank < spec.world or not 0 < port < 65536 or not (
                 0 <= spec.local <= spec.world):
-            raise ValueError(f"bad gang placement {raw!r}")
+            raise ValueError(f"bad gang placement {place!r}")
         return spec
 
     @property

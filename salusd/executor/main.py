@@ -1,11 +1,10 @@
 """An executor process: runs one job's code, as the job's owner, for the daemon.
 
 It is forked by the zygote (`zygote.py`) with torch already imported, so it starts in
-milliseconds. Its first message from the daemon says who it becomes (`become`): as root it
+milliseconds. Its first message from the daemon says who it becomes (`Become`): as root it
 drops to the owner's uid, gid and groups before it receives any job bytes, and then can do
-exactly what the owner could do by running the script. Every later message from the daemon is a
-JSON meta frame, followed by the client's own frame for the ops that carry one; every message
-gets one meta reply, followed by the frame to forward to the client when `forward` is true.
+exactly what the owner could do by running the script. The messages, their replies and their
+wire form are `salusd/wire/executor_ops.py`.
 """
 
 from __future__ import annotations
@@ -21,16 +20,45 @@ import socket
 import sys
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from salus.daemon.executor.measure import EstimationError
-from salus.daemon.executor.runtime import JobRuntime, call_error, error_text
+from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
 from salus.daemon.services.slowdown import check_factor
-from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
-from salus.daemon.wire.frames import FUNCTION_MASK
+from salus.daemon.wire.executor_ops import (
+    Ack,
+    Attach,
+    Become,
+    CallDone,
+    Checkpoint,
+    Define,
+    DirectChannel,
+    Estimate,
+    Estimated,
+    EstimateFailed,
+    Exit,
+    Failed,
+    Lease,
+    Load,
+    Place,
+    Pull,
+    Ran,
+    Ready,
+    Refuse,
+    Reply,
+    Request,
+    Restore,
+    Run,
+    Step,
+    SwapOut,
+    client_frame_follows,
+    decode_request,
+    encode,
+)
 
 log = logging.getLogger("salusd.executor")
 _PR_SET_DUMPABLE = 4
@@ -38,7 +66,6 @@ MAX_QUEUED_CALLS = 64
 SPIN_US = 200.0  # see spin_window_s
 REPORT_EVERY_S = 0.02  # leased calls are reported to the daemon in batches this often
 _BUSY = object()  # a call refused for the bound, answered in its turn
-_WITH_FRAME = frozenset({"attach", "define", "pull", "estimate", "run", "channel"})
 
 
 def spin_window_s() -> float:
@@ -58,10 +85,10 @@ def spin_window_s() -> float:
     return max(0.0, min(us, 100_000.0)) / 1e6
 
 
-def become(hello: dict[str, Any]) -> None:
+def become(hello: Become) -> None:
     """Drop to the owner's identity (when running as root) and set up the job's environment:
     home, user name, working directory, intra-op threads, no core dumps."""
-    uid, gid, groups = int(hello["uid"]), int(hello["gid"]), [int(g) for g in hello["groups"]]
+    uid, gid, groups = hello.uid, hello.gid, list(hello.groups)
     if os.geteuid() == 0 and uid != 0:
         os.setgroups(groups)
         os.setgid(gid)
@@ -71,15 +98,14 @@ def become(hello: dict[str, Any]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
     if os.getuid() != uid:
         raise PermissionError(f"executor runs as uid {os.getuid()} and cannot become {uid}")
-    os.environ.update({"HOME": str(hello.get("home") or "/"), "USER": str(hello["user"]),
-                       "LOGNAME": str(hello["user"])})
-    for place in (hello.get("cwd"), hello.get("home"), "/"):
+    os.environ.update({"HOME": hello.home or "/", "USER": hello.user, "LOGNAME": hello.user})
+    for place in (hello.cwd, hello.home, "/"):
         if isinstance(place, str):
             with contextlib.suppress(OSError):
                 os.chdir(place)
                 break
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    torch.set_num_threads(max(1, int(hello.get("threads", 1))))
+    torch.set_num_threads(max(1, hello.threads))
 
 
 class Executor:
@@ -103,19 +129,20 @@ class Executor:
         self.asked = False
         self.queue: deque[Any] = deque()
         self.estimated = False  # the first call's peak goes with its `ready`, for admission
-        self.ran: dict[str, Any] | None = None  # leased calls not yet reported to the daemon
-        self.ran_since = 0.0
+        self.ran: _RanSoFar | None = None  # leased calls not yet reported to the daemon
         self.spin_s = spin_window_s()  # poll this long after a message before blocking
         self.active_at = 0.0
 
     def serve(self) -> int:
         try:
-            hello = self.daemon.recv()
-            become(hello)
+            hello = decode_request(self.daemon.recv())
         except ConnectionClosed:
             return 0
+        if not isinstance(hello, Become):
+            raise ValueError(f"the executor's first message must be 'become', not {hello.op!r}")
+        become(hello)
         # Where the daemon measures first calls, the first `ready` carries no estimate.
-        self.estimated = not hello.get("estimate", True)
+        self.estimated = not hello.estimate
         while True:
             sources = [name for name, ch in (("daemon", self.daemon), ("data", self.data))
                        if ch is not None and ch.buffered()]
@@ -123,7 +150,7 @@ class Executor:
                 sources = self._spin()
             if not sources:
                 timeout = (None if self.ran is None else
-                           max(0.0, self.ran_since + REPORT_EVERY_S - time.monotonic()))
+                           max(0.0, self.ran.since + REPORT_EVERY_S - time.monotonic()))
                 sources = [key.data for key, _ in self.selector.select(timeout)]
                 if not sources:
                     self._report_ran()
@@ -157,57 +184,65 @@ class Executor:
         """Handle one message from the daemon; True when the executor must exit."""
         try:
             meta = self.daemon.recv()
-            op = meta.get("op") if isinstance(meta, dict) else None
-            request = (self.daemon.recv() if op in _WITH_FRAME and meta.get("frame", True)
-                       else None)
+            request = self.daemon.recv() if client_frame_follows(meta) else None
         except ConnectionClosed:
-            self._refuse_queued({"code": "unavailable", "message": "salusd went away"})
+            self._refuse_queued("unavailable", "salusd went away")
             return True
-        if op == "exit":
-            self._refuse_queued({"code": meta.get("code", "job_cancelled"),
-                                 "message": meta.get("message", "the job ended")})
-            return True
-        if op == "lease":
-            self.lease = bool(meta.get("granted"))
-            self._reply({"ok": True}, None)
-        elif op == "refuse":
-            self._refuse_queued(meta)
-            self._reply({"ok": True}, None)
-        elif op == "channel":
-            self._open_channel(request)
-        elif op == "run" and request is None:
-            self.asked = False
-            self._refuse_busy_at_head()
-            if self.queue:
-                reply_meta, reply = self._run(self.queue.popleft())
-                self._answer_client(reply)
-                self._reply(reply_meta, None)
-            else:
-                # The call already ran under a lease granted meanwhile: nothing ran now.
-                self._reply({"ok": False, "empty": True, "seconds": 0.0, "peak": None}, None)
-        else:
-            self._reply(*handle(self.runtime, op, meta, request))
+        try:
+            message = decode_request(meta)
+        except ValueError as exc:
+            with_frame = client_frame_follows(meta)
+            self._reply(Failed(str(exc)[:2000], forward=with_frame),
+                        _error(exc) if with_frame else None)
+            return False
+        match message:
+            case Exit(code=code, message=text):
+                self._refuse_queued(code, text)
+                return True
+            case Lease(granted=granted):
+                self.lease = granted
+                self._reply(Ack(), None)
+            case Refuse(code=code, message=text):
+                self._refuse_queued(code, text)
+                self._reply(Ack(), None)
+            case DirectChannel():
+                self._open_channel(request)
+            case Run() if request is None:
+                self.asked = False
+                self._refuse_busy_at_head()
+                if self.queue:
+                    done, reply = run_call(self.runtime, self.queue.popleft(), forward=False)
+                    self._answer_client(reply)
+                    self._reply(done, None)
+                else:
+                    # The call already ran under a lease granted meanwhile: nothing ran now.
+                    self._reply(CallDone(False, 0.0, None, False, None, None, empty=True), None)
+            case _:
+                self._reply(*handle(self.runtime, message, request))
         return False
 
     def _open_channel(self, request: Any) -> None:
         fd = request.get("socket_fd") if isinstance(request, dict) else None
         if not isinstance(fd, int):
-            self._reply({"ok": False}, _error(ValueError("'channel' needs a socket")))
+            self._reply(Failed(None, forward=True), _error(ValueError("'channel' needs a socket")))
             return
         if self.data is not None:
             os.close(fd)
-            self._reply({"ok": False}, _error(ValueError("the job already has a channel")))
+            self._reply(Failed(None, forward=True),
+                        _error(ValueError("the job already has a channel")))
             return
         sock = socket.socket(fileno=fd)
         self.data = Channel(sock)
         self.selector.register(sock, selectors.EVENT_READ, "data")
-        self._reply({"ok": True}, {"ok": True, "result": None})
+        self._reply(Ack(forward=True), {"ok": True, "result": None})
 
-    def _reply(self, meta: dict[str, Any], forward: Any) -> None:
+    def _reply(self, reply: Reply, forward: Any) -> None:
         try:
-            _send(self.daemon, meta, forward)
+            _send(self.daemon, reply, forward)
         except TypeError as exc:  # a result that cannot be pickled fails its call only
-            _send(self.daemon, {**meta, "ok": False}, _unsendable(exc))
+            failed = (replace(reply, ok=False) if isinstance(reply, CallDone)
+                      else Failed(None, forward=True))
+            _send(self.daemon, failed, _unsendable(exc))
 
     # ---- the client's direct calls ------------------------------------------------------------
     def _from_client(self) -> None:
@@ -239,53 +274,29 @@ class Executor:
     def _run_queued(self) -> None:
         self._refuse_busy_at_head()
         while self.queue and self.lease:
-            request = self.queue.popleft()
-            reply_meta, reply = self._run(request)
+            done, reply = run_call(self.runtime, self.queue.popleft(), forward=False)
             self._answer_client(reply)
-            self._note_ran(reply_meta)
+            self._note_ran(done)
             self._refuse_busy_at_head()
         if self.queue and not self.lease and not self.asked:
             self.asked = True
-            ready: dict[str, Any] = {"op": "ready", "unsolicited": True,
-                                     "counted": self._counted(self.queue[0])}
+            estimate = None
             if not self.estimated:
                 self.estimated = True
-                estimate, _ = handle(self.runtime, "estimate", {}, self.queue[0])
-                ready["estimate"] = estimate
+                estimate = estimate_call(self.runtime, self.queue[0])
+            ready = Ready(is_iteration(self.queue[0], self.runtime.kinds), estimate)
             _send(self.daemon, ready, None)
 
-    def _note_ran(self, meta: dict[str, Any]) -> None:
+    def _note_ran(self, done: CallDone) -> None:
         """Add one leased call to the next report (sent at most every REPORT_EVERY_S)."""
-        counted = bool(meta.get("counted"))
         if self.ran is None:
-            self.ran = {"op": "ran", "unsolicited": True, "calls": 0, "iterations": 0,
-                        "failed": 0, "seconds": 0.0, "peak": None, "began": meta.get("began")}
-            self.ran_since = time.monotonic()
-        ran = self.ran
-        ran["calls"] += 1
-        ran["iterations"] += counted
-        ran["failed"] += 0 if meta.get("ok") else 1
-        ran["seconds"] += float(meta.get("seconds", 0.0)) if counted else 0.0
-        peak = meta.get("peak")
-        if isinstance(peak, int):
-            ran["peak"] = max(ran["peak"] or 0, peak)
-        ran["ended"] = meta.get("ended")
+            self.ran = _RanSoFar(time.monotonic(), done.began)
+        self.ran.add(done)
 
     def _report_ran(self) -> None:
         if self.ran is not None:
             ran, self.ran = self.ran, None
-            _send(self.daemon, ran, None)
-
-    def _run(self, request: Any) -> tuple[dict[str, Any], Any]:
-        counted = self._counted(request)
-        reply_meta, reply = handle(self.runtime, "run", {"counted": counted}, request)
-        reply_meta["counted"] = counted
-        return reply_meta, reply
-
-    def _counted(self, request: Any) -> bool:
-        fid = (request.aux & FUNCTION_MASK if type(request) is compact.Message
-               else request.get("fid") if isinstance(request, dict) else None)
-        return self.runtime.kinds.get(fid) == "iteration" if type(fid) is int else False
+            _send(self.daemon, ran.report(), None)
 
     def _answer_client(self, reply: Any) -> None:
         if self.data is None:
@@ -297,9 +308,8 @@ class Executor:
         except OSError:
             self._close_channel()
 
-    def _refuse_queued(self, meta: dict[str, Any]) -> None:
-        error = {"ok": False, "code": str(meta.get("code", "job_cancelled")),
-                 "message": str(meta.get("message", "the job ended"))}
+    def _refuse_queued(self, code: str, message: str) -> None:
+        error = {"ok": False, "code": code, "message": message}
         while self.queue:
             self.queue.popleft()
             self._answer_client(error)
@@ -311,8 +321,34 @@ def serve(sock: socket.socket) -> int:
     return Executor(sock).serve()
 
 
-def _send(channel: Channel, meta: dict[str, Any], forward: Any) -> None:
-    meta = {**meta, "forward": forward is not None}
+class _RanSoFar:
+    """Leased calls since the last `Ran` report: calls, iterations, failures, the iterations'
+    seconds, the largest peak (bytes), the first call's start and the last one's end."""
+
+    def __init__(self, since: float, began: float | None) -> None:
+        self.since = since  # when the first of them was noted (time.monotonic)
+        self.calls = self.iterations = self.failed = 0
+        self.seconds = 0.0
+        self.peak: int | None = None
+        self.began = self.ended = began if began is not None else 0.0
+
+    def add(self, done: CallDone) -> None:
+        self.calls += 1
+        self.iterations += done.counted
+        self.failed += not done.ok
+        self.seconds += done.seconds if done.counted else 0.0
+        if done.peak is not None:
+            self.peak = max(self.peak or 0, done.peak)
+        if done.ended is not None:
+            self.ended = done.ended
+
+    def report(self) -> Ran:
+        return Ran(self.calls, self.iterations, self.failed, self.seconds, self.peak,
+                   self.began, self.ended)
+
+
+def _send(channel: Channel, reply: Reply, forward: Any) -> None:
+    meta = encode(reply)
     channel.send_many([meta] if forward is None else [meta, forward])
 
 
@@ -325,53 +361,69 @@ def _error(exc: BaseException) -> dict[str, Any]:
     return {"ok": False, "code": "bad_request", "message": error_text(exc)}
 
 
-def handle(runtime: JobRuntime, op: object, meta: dict[str, Any],
-           request: Any) -> tuple[dict[str, Any], Any]:
-    """One message: (reply meta, reply to forward to the client or None)."""
-    if op == "step":
-        return runtime.step(), None
-    if op == "run":
-        if meta.get("counted"):
-            runtime.iterations += 1
-        reply, seconds, peak = runtime.run(request)
-        ok = not (isinstance(reply, dict) and reply.get("ok") is False)
-        began, ended = runtime.last_span
-        out = {"ok": ok, "seconds": seconds, "peak": peak, "began": began, "ended": ended,
-               **runtime.service_counters()}
-        if not ok:
-            out["message"] = str(reply.get("message", ""))[:2000]
-        return out, reply
-    if op == "estimate":
-        try:
-            nbytes, method = runtime.estimate(request)
-            return {"ok": True, "bytes": nbytes, "method": method}, None
-        except (EstimationError, Exception) as exc:
-            return {"ok": False, "reason": error_text(exc)}, None
+def run_call(runtime: JobRuntime, request: Any, forward: bool) -> tuple[CallDone, Any]:
+    """Run the client's call `request`: (what the daemon is told, the client's reply).
+    `forward`: the client's reply goes through the daemon."""
+    counted = is_iteration(request, runtime.kinds)
+    if counted:
+        runtime.iterations += 1
+    reply, seconds, peak = runtime.run(request)
+    ok = not (isinstance(reply, dict) and reply.get("ok") is False)
+    began, ended = runtime.last_span
+    cache, comm = runtime.service_counters()
+    message = None if ok else str(reply.get("message", ""))[:2000]
+    return CallDone(ok, seconds, peak, counted, began, ended, message, cache, comm,
+                    forward=forward), reply
+
+
+def estimate_call(runtime: JobRuntime, request: Any) -> Estimated | EstimateFailed:
+    """The peak ephemeral bytes of `request` (None: a batch job's next batch) on fake
+    tensors, or why they cannot be found."""
     try:
-        if op == "attach":
-            result = runtime.attach(request, meta.get("gang"))
-            return {"ok": True, **result}, {"ok": True, "result": result}
-        if op == "define":
-            runtime.define(request)
-            return {"ok": True}, {"ok": True, "result": None}
-        if op == "pull":
-            return {"ok": True}, runtime.pull(request)
-        if op in ("load", "restore"):
-            result = runtime.load(meta) if op == "load" else runtime.restore(meta)
-            return {"ok": True, **result}, None
-        if op == "checkpoint":
-            return {"ok": True, **runtime.checkpoint(meta)}, None
-        if op == "place":
-            runtime.place(str(meta["device"]), int(meta["budget_bytes"]),
-                          check_factor(meta.get("slowdown", 1.0)))
-            return {"ok": True}, None
-        if op == "swap_out":
-            runtime.swap_out()
-            return {"ok": True}, None
+        nbytes, method = runtime.estimate(request)
+        return Estimated(nbytes, method)
+    except (EstimationError, Exception) as exc:
+        return EstimateFailed(error_text(exc))
+
+
+def handle(runtime: JobRuntime, message: Request, request: Any) -> tuple[Reply, Any]:
+    """One message with the client's frame `request` (None: none came): (the reply, the
+    client's answer to forward or None)."""
+    if isinstance(message, Step):
+        return runtime.step(), None
+    if isinstance(message, Run):
+        return run_call(runtime, request, forward=True)
+    if isinstance(message, Estimate):
+        return estimate_call(runtime, request), None
+    try:
+        match message:
+            case Attach(gang=gang):
+                attached = runtime.attach(request, gang)
+                return replace(attached, forward=True), {"ok": True, "result": {
+                    "persistent_bytes": attached.persistent_bytes,
+                    "threads": attached.threads}}
+            case Define():
+                runtime.define(request)
+                return Ack(forward=True), {"ok": True, "result": None}
+            case Pull():
+                return Ack(forward=True), runtime.pull(request)
+            case Load():
+                return runtime.load(message), None
+            case Restore(dir=where, gang=gang):
+                return runtime.restore(where, gang), None
+            case Checkpoint(dir=where, job=job):
+                return runtime.checkpoint(where, job), None
+            case Place(device=device, budget_bytes=budget, slowdown=slowdown):
+                runtime.place(device, budget, check_factor(slowdown))
+                return Ack(), None
+            case SwapOut():
+                runtime.swap_out()
+                return Ack(), None
     except Exception as exc:
-        return {"ok": False, "message": error_text(exc)[:2000]}, (
-            _error(exc) if op in _WITH_FRAME else None)
-    return {"ok": False, "message": f"unknown executor op {op!r}"}, None
+        with_frame = isinstance(message, Attach | Define | Pull)
+        return (Failed(error_text(exc)[:2000], forward=with_frame),
+                _error(exc) if with_frame else None)
+    return Failed(f"unknown executor op {message.op!r}"), None
 
 
 def child_main(fd: int) -> None:

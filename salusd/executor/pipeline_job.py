@@ -46,6 +46,7 @@ from salus.daemon.executor.gang import GangSpec
 from salus.daemon.services.optimizers import rebuilt
 from salus.daemon.services.placement import plan_in_group, split_model
 from salus.daemon.services.slowdown import ComputeSlowdown
+from salus.daemon.wire.executor_ops import PipelineOptions
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -81,10 +82,10 @@ class PipelinePlan:
         return range(self.boundaries[self.rank], self.boundaries[self.rank + 1])
 
 
-def prepare(job: BatchJob, options: dict[str, Any], gang: GangSpec | None,
+def prepare(job: BatchJob, options: PipelineOptions, gang: GangSpec | None,
             placed: Placed) -> BatchJob:
-    """`job` as a pipeline job of `options` ({"placement", "microbatches"}) on this gang;
-    TypeError or ValueError says why the entrypoint cannot run as one."""
+    """`job` as a pipeline job of `options` on this gang; TypeError or ValueError says why
+    the entrypoint cannot run as one."""
     if gang is None or gang.world < 2:
         raise ValueError('a pipeline job runs on a gang of at least 2 devices ("devices": N)')
     model, opt, loss = job.state.get("model"), job.state.get("opt"), job.loss
@@ -101,8 +102,7 @@ def prepare(job: BatchJob, options: dict[str, Any], gang: GangSpec | None,
     if not callable(loss):
         raise TypeError("a pipeline job's entrypoint must give 'loss': loss(output, target)")
     _check_state(job.state, model, opt)
-    plan = PipelinePlan(str(options.get("placement", "even")),
-                        int(options.get("microbatches", 1)), gang.rank, gang.world)
+    plan = PipelinePlan(options.placement, options.microbatches, gang.rank, gang.world)
     state = {**job.state, "pipeline": plan}
     return dataclasses.replace(job, state=state, iteration=PipelineStep(loss, placed, state),
                                pipelined=True)

@@ -18,7 +18,7 @@ import dataclasses
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from salus.daemon.services.comm import Comm
 from salus.daemon.services.slowdown import ComputeSlowdown
 from salus.daemon.wire import compact
 from salus.daemon.wire.codec import Pickled, PickledPayload
+from salus.daemon.wire.executor_ops import Attached, Checkpointed, GangPlace, Load, Loaded, StepDone
 from salus.daemon.wire.frames import FUNCTION_MASK
 
 MAX_FUNCTIONS = 1024
@@ -115,7 +116,7 @@ class JobRuntime:
         self.slowdown = ComputeSlowdown()  # the device's simulated one (--cpu-device-slowdown)
 
     # ---- messages ---------------------------------------------------------------------------
-    def attach(self, request: dict[str, Any], place: object = None) -> dict[str, Any]:
+    def attach(self, request: dict[str, Any], place: GangPlace | None = None) -> Attached:
         """Hold the client's objects; a replica of a gang job (`place`: its place in the gang)
         joins the gang's process group first. Every replica loads the same bytes, so they start
         equal without a broadcast."""
@@ -129,8 +130,7 @@ class JobRuntime:
             raise TypeError("attached objects must be a dict of identifiers to objects")
         _set_rng(request)
         self._hold(objects)
-        return {"persistent_bytes": state_bytes(objects.values()),
-                "threads": torch.get_num_threads()}
+        return Attached(state_bytes(objects.values()), torch.get_num_threads())
 
     def define(self, request: dict[str, Any]) -> None:
         fid, payload = request.get("fid"), request.get("fn")
@@ -195,40 +195,38 @@ class JobRuntime:
         return result, self._settle(self.meter.peak())
 
     # ---- batch jobs and checkpoints -----------------------------------------------------------
-    def load(self, request: dict[str, Any]) -> dict[str, Any]:
+    def load(self, request: Load) -> Loaded:
         """A batch job: import its entrypoint and hold what it returned; with `restore`, go on
         from the job's latest checkpoint (if it has one)."""
         # Joined first, so that what the entrypoint builds can use the gang (a
         # salus.data.CachedDataset shards its level 2 over it).
-        spec = self._join(request.get("gang"))
-        cache = request.get("cache") or {}
-        self.context = context.JobContext(self.comm, cache.get("dir"), cache.get("bytes"))
+        spec = self._join(request.gang)
+        cache = request.cache
+        self.context = context.JobContext(self.comm, cache and cache.dir, cache and cache.bytes)
         context.activate(self.context)
-        job = load_entrypoint(str(request["path"]), str(request["function"]))
-        if request.get("pipeline") is not None:  # imported here: only these need scipy
+        job = load_entrypoint(request.path, request.function)
+        if request.pipeline is not None:  # imported here: only these need scipy
             from salus.daemon.executor import pipeline_job
 
-            job = pipeline_job.prepare(job, request["pipeline"], spec, self)
+            job = pipeline_job.prepare(job, request.pipeline, spec, self)
         self.batch, self.cursor = job, DataCursor(job.data)
         self._hold(job.state)
         iteration = 0
-        if request.get("restore"):
-            iteration = self.restore(request)["iteration"]
+        if request.restore:
+            iteration = self.restore(request.dir, request.gang).iteration
         elif self.comm is not None:
             gang.broadcast_state(self.comm, self._objects())
-        return {"persistent_bytes": state_bytes(self._objects().values()),
-                "iteration": iteration}
+        return Loaded(state_bytes(self._objects().values()), iteration)
 
-    def restore(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Load the latest checkpoint under `request["dir"]`: objects, functions, random state,
-        the iteration count and (batch jobs) where the data stood."""
-        self._join(request.get("gang"))  # a gang's interactive job: before its state
-        loaded = checkpoint.load_latest(Path(str(request["dir"])))
+    def restore(self, where: str | None, place: GangPlace | None = None) -> Loaded:
+        """Load the latest checkpoint under `where`: objects, functions, random state, the
+        iteration count and (batch jobs) where the data stood."""
+        self._join(place)  # a gang's interactive job: before its state
+        loaded = checkpoint.load_latest(Path(str(where)))
         if loaded is None:
             if self.batch is not None:
-                return {"iteration": 0, "persistent_bytes": state_bytes(
-                    self._objects().values())}
-            raise FileNotFoundError(f"no checkpoint in {request['dir']}")
+                return Loaded(state_bytes(self._objects().values()), 0)
+            raise FileNotFoundError(f"no checkpoint in {where}")
         payload = loaded.payload
         self._hold(payload["objects"])
         for fid, (kind, fn) in payload.get("functions", {}).items():
@@ -241,10 +239,9 @@ class JobRuntime:
         if torch.cuda.is_available() and payload["rng"].get("cuda"):
             torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
         self.iterations = int(payload["iterations"])
-        return {"iteration": self.iterations,
-                "persistent_bytes": state_bytes(self._objects().values())}
+        return Loaded(state_bytes(self._objects().values()), self.iterations)
 
-    def checkpoint(self, request: dict[str, Any]) -> dict[str, Any]:
+    def checkpoint(self, where: str | None, job: int) -> Checkpointed:
         """Write the job's persistent state at this boundary (see `checkpoint.py`)."""
         payload = {
             "objects": self._objects(),
@@ -257,17 +254,23 @@ class JobRuntime:
             "cursor": self.cursor.state() if self.cursor is not None else None,
             "comm": self.comm.checkpoint_state() if self.comm is not None else None,
         }
-        saved = checkpoint.save(Path(str(request["dir"])), self.iterations, payload,
-                                extra={"job": request.get("job"), "kind": (
+        saved = checkpoint.save(Path(str(where)), self.iterations, payload,
+                                extra={"job": job, "kind": (
                                     "batch" if self.batch else "interactive")})
-        return {"iteration": saved.iteration, "bytes": saved.bytes, "seconds": saved.seconds,
-                "path": str(saved.path), "time": time.time()}
+        return Checkpointed(saved.iteration, saved.bytes, saved.seconds, str(saved.path),
+                            time.time())
 
-    def step(self) -> dict[str, Any]:
+    def step(self) -> StepDone:
         """One iteration of a batch job on its next batch; an exception fails the job, as it
         would end the script."""
         assert self.batch is not None and self.cursor is not None
         start = time.perf_counter()
+        loss: float | None = None
+        evaluation: float | str | None = None
+        message: str | None = None
+        trace: str | None = None
+        cache: dict[str, Any] | None = None
+        comm: dict[str, Any] | None = None
         try:
             batch = self.cursor.next()
             if self.gang is not None and not self.batch.pipelined and not getattr(
@@ -276,39 +279,33 @@ class JobRuntime:
             result, peak = self._invoke(self.batch.iteration, (batch,), {},
                                         slowed=not self.batch.pipelined)
             self.iterations += 1
-            reply: dict[str, Any] = {"ok": True, "loss": scalar(result), "peak": peak,
-                                     **self.service_counters()}
+            ok, loss = True, scalar(result)
+            cache, comm = self.service_counters()
             every = self.batch.every
             if self.batch.evaluate is not None and every and self.iterations % every == 0:
                 value = self.batch.evaluate(self.state)
-                reply["evaluation"] = scalar(value) if scalar(value) is not None else str(
-                    value)[:200]
+                evaluation = scalar(value) if scalar(value) is not None else str(value)[:200]
         except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the job
-            reply = {"ok": False, "peak": None, "message": error_text(exc),
-                     "traceback": call_error(exc)["traceback"]}
+            ok, peak, message, trace = False, None, error_text(exc), call_error(exc)["traceback"]
         began, ended = self.last_span
-        return {**reply, "seconds": time.perf_counter() - start, "began": began,
-                "ended": ended, "iteration": self.iterations}
+        return StepDone(ok, time.perf_counter() - start, peak, is_iteration(None, self.kinds),
+                        began, ended, self.iterations, loss, evaluation, message, trace, cache,
+                        comm)
 
-    def _join(self, place: object) -> gang.GangSpec | None:
+    def _join(self, place: GangPlace | None) -> gang.GangSpec | None:
         """Join the gang's process group once, for a replica told its `place` (None: no
         gang); returns this replica's place."""
-        spec = gang.GangSpec.parse(place)
+        spec = gang.GangSpec.of(place)
         if spec is not None and self.comm is None:
             self.gang, self.comm = spec, gang.join(spec, self.device)
         return spec
 
-    def service_counters(self) -> dict[str, Any]:
+    def service_counters(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """What the job's services counted so far, for a call's reply: its data sets' cache
-        counters (`cache`) and what `s.comm` sent and which algorithm "auto" picked last
-        (`comm`); each only where the job uses it."""
-        out: dict[str, Any] = {}
-        cache = self.context.cache_stats()
-        if cache is not None:
-            out["cache"] = cache
-        if self.comm is not None:
-            out["comm"] = self.comm.stats.snapshot()
-        return out
+        counters and what `s.comm` sent and which algorithm "auto" picked last; each None
+        where the job does not use it."""
+        comm = self.comm.stats.snapshot() if self.comm is not None else None
+        return self.context.cache_stats(), comm
 
     def _objects(self) -> dict[str, Any]:
         """The job's named objects (``s.comm``, a service, is not one of them)."""
@@ -409,6 +406,20 @@ class JobRuntime:
         return fn
 
 
+def is_iteration(request: Any, kinds: Mapping[int, str]) -> bool:
+    """Whether running `request` is one of the job's iterations (what the scheduler accounts,
+    the daemon counts and a checkpoint's iteration is), given the kinds of the job's defined
+    functions by id: a batch job's step (`request` None) always; a client's call when it names
+    a function defined as "iteration" (`@remote.iteration`); never an inline function
+    (`remote.call`). The one place this is decided: the executor's replies carry it to the
+    daemon (`counted`)."""
+    if request is None:
+        return True
+    fid = (request.aux & FUNCTION_MASK if type(request) is compact.Message
+           else request.get("fid") if isinstance(request, dict) else None)
+    return type(fid) is int and kinds.get(fid) == "iteration"
+
+
 def _set_rng(request: dict[str, Any]) -> None:
     rng = request.get("rng")
     if isinstance(rng, torch.Tensor):
@@ -471,4 +482,5 @@ def error_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
-__all__ = ["EstimationError", "JobRuntime", "State", "call_error", "error_text", "to_host"]
+__all__ = ["EstimationError", "JobRuntime", "State", "call_error", "error_text", "is_iteration",
+           "to_host"]
