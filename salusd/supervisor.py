@@ -25,6 +25,7 @@ from typing import Any
 
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.loop import Link, Loop
+from salus.daemon.wire.executor_ops import Become, Exit, encode
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 
 log = logging.getLogger("salusd.supervisor")
@@ -175,10 +176,10 @@ class Supervisor:
     def acquire(self, record: JobRecord, cwd: str | None) -> ExecutorHandle:
         ex = self._standby.popleft() if self._standby else self._fork()
         ex.record = record
-        self.loop.send(ex.link, json_frame({"op": "become", **identity(record.owner),
-                                            "cwd": cwd, "threads": self.threads,
-                                            "job": record.job_id,
-                                            "estimate": self.estimate_first}))
+        who = identity(record.owner)
+        self.loop.send(ex.link, json_frame(encode(Become(
+            who["uid"], who["gid"], tuple(who["groups"]), who["user"], who["home"], cwd,
+            self.threads, record.job_id, self.estimate_first))))
         while len(self._standby) < self.standby_size and not self._stopping:
             self._standby.append(self._fork())
         return ex
@@ -200,8 +201,7 @@ class Supervisor:
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:
         assert isinstance(executor, ExecutorHandle)
-        self.loop.send(executor.link, json_frame({"op": "exit", "code": code,
-                                                  "message": message}))
+        self.loop.send(executor.link, json_frame(encode(Exit(code, message))))
         self.loop.call_later(self.retire_after_s, lambda: self._kill_if_alive(executor))
 
     def _kill_if_alive(self, ex: ExecutorHandle) -> None:

@@ -11,6 +11,7 @@ from salus.daemon.engine.core import Core
 from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.errors import BadRequest, Conflict
+from salus.daemon.wire.executor_ops import Checkpoint
 
 log = logging.getLogger("salusd.engine")
 
@@ -33,8 +34,8 @@ def request(core: Core, record: JobRecord, on_done: OnDone | None = None) -> Non
     record.checkpointing += 1
     record.since_checkpoint, record.since_checkpoint_s = 0, 0.0
     core.outbox.send_all(record, "checkpoint", [
-        {"op": "checkpoint", "dir": replica_dir(record, r), "job": record.job_id}
-        for r in range(record.gang)], on_done=on_done)
+        Checkpoint(replica_dir(record, r), record.job_id) for r in range(record.gang)],
+        on_done=on_done)
 
 
 def maybe(core: Core, record: JobRecord) -> None:

@@ -53,6 +53,7 @@ from salus.daemon.wire.errors import (
     JobFailed,
     ShuttingDown,
 )
+from salus.daemon.wire.executor_ops import Define, DirectChannel, Estimate, Pull
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler import make_policy
 from salus.scheduler.dispatch import Dispatcher
@@ -116,6 +117,11 @@ class Engine:
         """The policy switched to once no call runs, if a switch waits."""
         policy = self.core.pending_policy
         return policy.name if policy is not None else None
+
+    @property
+    def stopping(self) -> bool:
+        """Shutdown began: new work is refused."""
+        return self.core.stopping
 
     @property
     def idle(self) -> bool:
@@ -233,13 +239,13 @@ class Engine:
     def define(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a function definition (`@remote.iteration` / `@remote.function`)."""
         _require_attached(record)
-        self.core.outbox.send_all(record, "define", [{"op": "define"}] * record.gang,
-                                  answer=answer, frame=frame)
+        self.core.outbox.send_all(record, "define", [Define()] * record.gang, answer=answer,
+                                  frame=frame)
 
     def pull(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a request for the job's state; the executor answers after its current call."""
         _require_attached(record)
-        self.core.outbox.send(record, Sent("pull", answer), {"op": "pull"}, frame)
+        self.core.outbox.send(record, Sent("pull", answer), Pull(), frame)
 
     def channel(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Hand the job's executor the client's end of a direct call channel (the descriptor
@@ -251,7 +257,7 @@ class Engine:
             frame.close_fd()
             raise BadRequest(f"job {record.job_id} is a gang of {record.gang} replicas: its "
                              "calls go through salusd to all of them, not on a direct channel")
-        self.core.outbox.send(record, Sent("channel", answer), {"op": "channel"}, frame)
+        self.core.outbox.send(record, Sent("channel", answer), DirectChannel(), frame)
 
     def call(self, record: JobRecord, frame: RawFrame, answer: Answer, counted: bool) -> None:
         """Queue one call; it runs when the policy picks the job in its lane."""
@@ -270,8 +276,7 @@ class Engine:
             if record.gang > 1 or not core.config.estimate_first:
                 admission.measure_first(core, record, "call")
             else:
-                core.outbox.send(record, Sent("estimate"), {"op": "estimate"},
-                                 frame.duplicate())
+                core.outbox.send(record, Sent("estimate"), Estimate(), frame.duplicate())
         self._step()
 
     def close(self, record: JobRecord) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from salus.daemon.engine.core import Core, LaneKey
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import JobRecord
+from salus.daemon.wire.executor_ops import Lease
 from salus.scheduler import JobState
 
 
@@ -38,7 +39,7 @@ class Leases:
                 record = self.core.registry.live[wanted]
                 self.held[lane.key] = wanted
                 dispatch.hold(lane.key, wanted)
-                self.core.outbox.send(record, Sent("grant"), {"op": "lease", "granted": True})
+                self.core.outbox.send(record, Sent("grant"), Lease(granted=True))
         for key in [k for k in self.held if dispatch.lane(k) is None]:
             self._revoke(key, self.held[key])
 
@@ -50,8 +51,7 @@ class Leases:
                 record.executor):
             return
         self.revoking.add(key)
-        self.core.outbox.send(record, Sent("revoke", lane=key),
-                              {"op": "lease", "granted": False})
+        self.core.outbox.send(record, Sent("revoke", lane=key), Lease(granted=False))
 
     def _candidate(self, residents: tuple[int, ...]) -> int | None:
         core = self.core

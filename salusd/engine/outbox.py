@@ -15,6 +15,7 @@ from typing import Any
 from salus.daemon.engine.gang import GangReply
 from salus.daemon.engine.ports import ExecutorPort
 from salus.daemon.engine.registry import Answer, JobRecord
+from salus.daemon.wire.executor_ops import Request, encode
 from salus.daemon.wire.frames import RawFrame
 
 LaneKey = tuple[int, int]
@@ -28,7 +29,6 @@ class Sent:
     kind: str
     answer: Answer | None = None
     lane: LaneKey | None = None
-    counted: bool = False
     on_done: OnDone | None = None  # gets the executor's reply meta
     gang: GangReply | None = None  # sent to every replica of a gang: their replies merge
     replica: int = 0
@@ -85,35 +85,34 @@ class Outbox:
             if self.alive(executor):
                 self.port.retire(executor, code, message)
 
-    def send_to(self, executor: object, sent: Sent, meta: dict[str, Any],
+    def send_to(self, executor: object, sent: Sent, msg: Request,
                 frame: RawFrame | None = None) -> None:
         """Send one message to `executor`; its reply is matched with `sent`."""
         self._sent[id(executor)].append(sent)
-        self.port.send(executor, meta, frame)
+        self.port.send(executor, encode(msg), frame)
 
-    def send(self, record: JobRecord, sent: Sent, meta: dict[str, Any],
+    def send(self, record: JobRecord, sent: Sent, msg: Request,
              frame: RawFrame | None = None) -> None:
         """Send one message to the job's executor (a gang's replica 0)."""
-        self.send_to(record.executor, sent, meta, frame)
+        self.send_to(record.executor, sent, msg, frame)
 
-    def send_all(self, record: JobRecord, kind: str, metas: list[dict[str, Any]], *,
-                 lanes: list[LaneKey] | None = None, counted: bool = False,
-                 on_done: OnDone | None = None, answer: Answer | None = None,
-                 frame: RawFrame | None = None) -> None:
-        """Send `metas[r]` (and the client's `frame`, to each) to replica r of the job; their
+    def send_all(self, record: JobRecord, kind: str, msgs: list[Request], *,
+                 lanes: list[LaneKey] | None = None, on_done: OnDone | None = None,
+                 answer: Answer | None = None, frame: RawFrame | None = None) -> None:
+        """Send `msgs[r]` (and the client's `frame`, to each) to replica r of the job; their
         replies come back as one (replica 0's `Sent` with the merged meta; replica 0's reply
         frame goes to `answer`). A job of one replica gets a plain `send`."""
         if record.gang == 1:
-            self.send(record, Sent(kind, answer, lanes[0] if lanes else None, counted,
-                                   on_done), metas[0], frame)
+            self.send(record, Sent(kind, answer, lanes[0] if lanes else None, on_done),
+                      msgs[0], frame)
             return
-        frames = [frame, *(frame.duplicate() for _ in metas[1:])] if frame is not None else (
+        frames = [frame, *(frame.duplicate() for _ in msgs[1:])] if frame is not None else (
             [None] * record.gang)
         gang = GangReply(record.gang, list(lanes or []))
-        for replica, (executor, meta) in enumerate(zip(record.replicas, metas, strict=True)):
+        for replica, (executor, msg) in enumerate(zip(record.replicas, msgs, strict=True)):
             sent = Sent(kind, answer if replica == 0 else None,
-                        lanes[replica] if lanes else None, counted,
-                        on_done if replica == 0 else None, gang, replica)
+                        lanes[replica] if lanes else None, on_done if replica == 0 else None,
+                        gang, replica)
             if replica == 0:
                 gang.head = sent
-            self.send_to(executor, sent, meta, frames[replica])
+            self.send_to(executor, sent, msg, frames[replica])

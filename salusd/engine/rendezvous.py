@@ -16,6 +16,7 @@ from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.registry import spec_nodes
 from salus.daemon.wire.address import free_port
 from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.executor_ops import GangPlace
 
 RENDEZVOUS_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -44,16 +45,16 @@ def check_nodes(nodes: object, rendezvous: object, name: str,
 
 
 def gang_places(spec: dict[str, Any], devices: int, owner: str,
-                cluster: ClusterSpec | None) -> list[dict[str, Any]] | None:
-    """Each local replica's `gang` entry, by local rank; None for a job that is no gang."""
+                cluster: ClusterSpec | None) -> list[GangPlace] | None:
+    """Each local replica's place in its gang, by local rank; None for a job that is no gang."""
     nodes = spec_nodes(spec)
     if nodes == 1:
         if devices == 1:
             return None
         port = free_port()
-        return [{"rank": r, "world": devices, "port": port} for r in range(devices)]
+        return [GangPlace(r, devices, port=port) for r in range(devices)]
     assert cluster is not None, "a multi-node job was admitted without a cluster"
     first = cluster.node_rank * devices
-    return [{"rank": first + r, "world": nodes * devices, "local": devices,
-             "store": cluster.store, "key": f"salus/{owner}/{spec['rendezvous']}",
-             "loopback": cluster.loopback} for r in range(devices)]
+    return [GangPlace(first + r, nodes * devices, local=devices, store=cluster.store,
+                      key=f"salus/{owner}/{spec['rendezvous']}", loopback=cluster.loopback)
+            for r in range(devices)]

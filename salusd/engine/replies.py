@@ -14,6 +14,7 @@ from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError
+from salus.daemon.wire.executor_ops import Estimate, Refuse
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler.dispatch import Finished, RanUnderLease
 
@@ -98,9 +99,9 @@ class Replies:
         op = meta.get("op")
         if op == "ready":
             if not record.live or core.stopping:
-                core.outbox.send(record, Sent("refuse"), {"op": "refuse", "code": (
-                    "shutting_down" if core.stopping else "job_cancelled"),
-                    "message": record.reason or "salusd is shutting down"})
+                core.outbox.send(record, Sent("refuse"), Refuse(
+                    "shutting_down" if core.stopping else "job_cancelled",
+                    record.reason or "salusd is shutting down"))
                 return
             core.queue_call(record, Call(None, None, bool(meta.get("counted"))))
             if record.phase == "attached" and not core.config.estimate_first:
@@ -137,7 +138,7 @@ class Replies:
         seconds = float(meta.get("seconds", 0.0))
         # The executor says what it ran: the call asked for may have run under a lease
         # meanwhile, and the next queued call (maybe of the other kind) in its place.
-        counted = 0 if meta.get("empty") else int(bool(meta.get("counted", sent.counted)))
+        counted = 0 if meta.get("empty") else int(bool(meta.get("counted")))
         if not meta.get("empty"):
             record.calls_done += 1
             record.calls_failed += 0 if meta.get("ok") else 1
@@ -197,7 +198,7 @@ class Replies:
         if record.gang > 1 or record.nodes > 1 or not core.config.estimate_first:
             admission.measure_first(core, record, "iteration")
         else:
-            core.outbox.send(record, Sent("estimate"), {"op": "estimate", "frame": False})
+            core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
 
     def died(self, executor: object, reason: str) -> None:
         """The executor is gone: fail its job with `reason` (unless it had already ended) and

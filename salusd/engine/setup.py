@@ -13,6 +13,15 @@ from salus.daemon.engine.pipeline_spec import check_pipeline
 from salus.daemon.engine.registry import Answer, JobRecord, Owner, spec_nodes
 from salus.daemon.engine.rendezvous import check_nodes, gang_places
 from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.executor_ops import (
+    Attach,
+    CachePlace,
+    GangPlace,
+    Load,
+    PipelineOptions,
+    Request,
+    Restore,
+)
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler import Policy
 
@@ -42,27 +51,28 @@ def load(core: Core, record: JobRecord, restore: bool,
     places = gang_places(record.spec, record.gang, record.owner.name, core.config.cluster)
     if attach is not None:
         frame, answer = attach
-        core.outbox.send_all(record, "attach", [{"op": "attach", "gang": p}
-                                                for p in places or [None]],
+        core.outbox.send_all(record, "attach", [Attach(p) for p in places or [None]],
                              answer=answer, frame=frame)
         return
+    gangs: list[GangPlace | None] = list(places) if places else [None]
+    msgs: list[Request]
     if record.kind == "batch":
-        meta = {"op": "load", "path": record.spec["path"],
-                "function": record.spec["function"], "restore": restore,
-                "pipeline": record.spec.get("pipeline"), "cache": _cache_for(core, record.owner)}
+        pipeline = record.spec.get("pipeline")
+        options = None if pipeline is None else PipelineOptions(
+            str(pipeline["placement"]), int(pipeline["microbatches"]))
+        cache = _cache_for(core, record.owner)
+        msgs = [Load(record.spec["path"], record.spec["function"], restore, options, cache,
+                     replica_dir(record, r), gangs[r]) for r in range(record.gang)]
     else:
-        meta = {"op": "restore"}
-    metas = [{**meta, "dir": replica_dir(record, r)} for r in range(record.gang)]
-    for m, place in zip(metas, places or [], strict=False):
-        m["gang"] = place
-    core.outbox.send_all(record, "load", metas)
+        msgs = [Restore(replica_dir(record, r), gangs[r]) for r in range(record.gang)]
+    core.outbox.send_all(record, "load", msgs)
 
 
-def _cache_for(core: Core, owner: Owner) -> dict[str, Any] | None:
+def _cache_for(core: Core, owner: Owner) -> CachePlace | None:
     """Where `owner`'s jobs keep their data cache, and its cap per replica."""
     policy = core.config.data_cache
     if policy is None:
         return None
     path = os.path.join(policy.root, owner.name)
     policy.make_dir(path, owner)
-    return {"dir": path, "bytes": policy.bytes_per_replica}
+    return CachePlace(path, policy.bytes_per_replica)

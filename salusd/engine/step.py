@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import JobRecord
+from salus.daemon.wire.executor_ops import Place, Run, Step, SwapOut
 from salus.scheduler.dispatch import Start
 
 log = logging.getLogger("salusd.engine")
@@ -54,7 +54,7 @@ class Stepper:
         record.swap_requested = False
         record.swapped = True
         for executor in record.replicas:
-            self.core.outbox.send_to(executor, Sent("swap_out"), {"op": "swap_out"})
+            self.core.outbox.send_to(executor, Sent("swap_out"), SwapOut())
         self.core.event("swap_out", record.job_id)
         self.core.take(self.core.dispatch.swap_out(record.job_id))
 
@@ -85,11 +85,9 @@ class Stepper:
             if record is None or job is None or (p.device, p.lane_id) not in lanes:
                 continue  # ended, or placed again since
             replica = lanes.index((p.device, p.lane_id))
-            core.outbox.send_to(record.replicas[replica], Sent("place"), {
-                "op": "place", "device": core.config.torch_devices[p.device],
-                "budget_bytes": job.persistent_bytes + p.lane_bytes,
-                "slowdown": core.config.compute_slowdowns[p.device],
-            })
+            core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
+                core.config.torch_devices[p.device], job.persistent_bytes + p.lane_bytes,
+                core.config.compute_slowdowns[p.device]))
 
     def _start(self, start: Start) -> None:
         """Send the started job's next call (a batch job's next iteration) to its replicas."""
@@ -97,15 +95,12 @@ class Stepper:
         record = core.registry.live[start.job_id]
         lanes = list(start.lanes)
         if record.kind == "batch":  # the daemon drives the loop: the next batch, in its lanes
-            core.outbox.send_all(record, "run", [{"op": "step"}] * record.gang, lanes=lanes,
-                                 counted=True)
+            core.outbox.send_all(record, "run", [Step()] * record.gang, lanes=lanes)
             return
         call = record.calls.popleft()
-        meta: dict[str, Any] = {"op": "run", "counted": call.counted}
-        if record.gang == 1:
-            meta["frame"] = call.frame is not None
-        core.outbox.send_all(record, "run", [meta] * record.gang, lanes=lanes,
-                             counted=call.counted, answer=call.answer, frame=call.frame)
+        run = Run(call.counted, call.frame is not None if record.gang == 1 else None)
+        core.outbox.send_all(record, "run", [run] * record.gang, lanes=lanes,
+                             answer=call.answer, frame=call.frame)
         if call.frame is not None and record.gang == 1:
             call.frame.close_fd()
 

@@ -1,0 +1,124 @@
+"""The daemon↔executor protocol: one frozen type per message, and the JSON dict each one is.
+
+The daemon and a job's executor (`salusd/executor/main.py`) share one socket pair. Every message
+is a JSON meta frame, the dict `encode` gives; a request whose op carries the client's own frame
+(`attach`, `define`, `pull`, `channel`, a first call's `estimate`, a `run` through the daemon) is
+followed by it, in the same `sendmsg` (`client_frame_follows`). The daemon never looks inside that
+frame: the executor unpickles it.
+
+Daemon → executor, in the order a job meets them:
+
+- `Become` (from the supervisor, first): who the executor becomes. As root it drops to the
+  owner's uid, gid and groups before it receives any job bytes, then changes into `cwd` and sets
+  the job's intra-op thread count.
+- `Attach` (unpickle the named objects, report their exact bytes), `Define` (a function),
+  `Estimate` (fake-tensor peak of the first call), `DirectChannel` (the client's end of its
+  direct channel), `Load` (a batch job's entrypoint) or `Restore` (a job's checkpoint after a
+  restart).
+- `Place` (device and budget, after each admission), `Lease` (granted or taken back), `Run` (one
+  call), `Step` (a batch job's iteration), `Pull`, `Checkpoint`, `SwapOut`, `Refuse` (fail the
+  direct calls waiting in the executor), `Exit` (from the supervisor: answer nothing more).
+
+Every request but `Become` and `Exit` gets exactly one reply, in order (the daemon matches it
+with the oldest unanswered request): `Ack` or `Failed` for most, `CallDone` for `Run`,
+`StepDone` for `Step`, `Estimated` or `EstimateFailed`, `Attached`, `Loaded` (for `Load` and
+`Restore`), `Checkpointed`. A reply with `forward` true is followed by the frame the daemon hands
+to the client as its answer. The executor also speaks unasked (`unsolicited`), between replies:
+
+- `Ready`: a call came on the job's direct channel while it holds no lease; the daemon queues it
+  for the job and answers `Run` (without a frame) when the policy picks the job in its lane. The
+  first `Ready` carries the call's estimate where the daemon estimates first calls.
+- `Ran`: calls that ran at once under the job's lease, reported in batches (at most every 20 ms,
+  and before the executor reads any message from the daemon, so every decision sees them):
+  calls, iterations, seconds, the largest peak. The daemon takes the lease back (`Lease` false,
+  answered once any running call has returned) as soon as the job must share its lane or stop.
+
+Whether a call is one of the job's iterations is decided by the executor (`is_iteration` in
+`salusd/executor/runtime.py`), which says so in each `CallDone`, `StepDone`, `Ready` and `Ran`;
+`Run.counted` is the daemon's own reading, used only until the reply comes.
+
+`decode_request` and `decode_reply` check every field's type (bools are not ints, ints are taken
+for floats) and refuse unknown fields, raising ValueError that names the message and the field;
+`encode(decode_…(d)) == d` for every dict the daemon and the executor send. Sizes are bytes,
+durations seconds, `began`/`ended` the executor's `time.monotonic()`.
+"""
+
+from salus.daemon.wire.executor_ops.decoding import decode_reply, decode_request
+from salus.daemon.wire.executor_ops.encoding import client_frame_follows, encode
+from salus.daemon.wire.executor_ops.messages import (
+    Ack,
+    Attach,
+    Attached,
+    Become,
+    CachePlace,
+    CallDone,
+    Checkpoint,
+    Checkpointed,
+    Define,
+    DirectChannel,
+    Estimate,
+    Estimated,
+    EstimateFailed,
+    Exit,
+    Failed,
+    GangPlace,
+    Lease,
+    Load,
+    Loaded,
+    Message,
+    PipelineOptions,
+    Place,
+    Pull,
+    Ran,
+    Ready,
+    Refuse,
+    Reply,
+    Request,
+    Restore,
+    Run,
+    Step,
+    StepDone,
+    SwapOut,
+    Wire,
+)
+
+__all__ = [
+    "client_frame_follows",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "Ack",
+    "Attach",
+    "Attached",
+    "Become",
+    "CachePlace",
+    "CallDone",
+    "Checkpoint",
+    "Checkpointed",
+    "Define",
+    "DirectChannel",
+    "Estimate",
+    "EstimateFailed",
+    "Estimated",
+    "Exit",
+    "Failed",
+    "GangPlace",
+    "Lease",
+    "Load",
+    "Loaded",
+    "Message",
+    "PipelineOptions",
+    "Place",
+    "Pull",
+    "Ran",
+    "Ready",
+    "Refuse",
+    "Reply",
+    "Request",
+    "Restore",
+    "Run",
+    "Step",
+    "StepDone",
+    "SwapOut",
+    "Wire",
+]

@@ -1,0 +1,348 @@
+"""The message types of the daemon<->executor protocol (see the package's docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+Wire = dict[str, Any]
+
+
+# ---- nested values --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GangPlace:
+    """Where a replica stands in its gang (`salusd/executor/gang.py`): its `rank` of `world`.
+
+    One node: replica 0 hosts the rendezvous on loopback `port`. Across nodes: the cluster's
+    store at `store` (HOST:PORT) under the prefix `key`, `local` replicas per node, and
+    `loopback` when every node is on this machine. A field left None is left out of the wire.
+    """
+
+    rank: int
+    world: int
+    port: int | None = None
+    local: int | None = None
+    store: str | None = None
+    key: str | None = None
+    loopback: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineOptions:
+    """A pipeline job's split (`salusd/engine/pipeline_spec.py`): the placement allocator
+    ("even", "sky", "optimal") and the micro-batches per iteration."""
+
+    placement: str
+    microbatches: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlace:
+    """The owner's data cache directory (level 1 of `salus.data.CachedDataset`) and its cap
+    per replica (bytes)."""
+
+    dir: str
+    bytes: int
+
+
+# ---- daemon → executor ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Become:
+    """Who the executor runs as (uid, gid, groups, user name, home), the directory it starts
+    in, its intra-op `threads`, its `job` id, and whether it estimates a job's first direct
+    call before asking to run it (`estimate`)."""
+
+    op: ClassVar[str] = "become"
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    user: str
+    home: str
+    cwd: str | None
+    threads: int
+    job: int
+    estimate: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """Load the client's named objects (in the frame that follows); a gang's replica joins its
+    gang's process group first (`gang`: its place; None for a job of one executor)."""
+
+    op: ClassVar[str] = "attach"
+    gang: GangPlace | None
+
+
+@dataclass(frozen=True, slots=True)
+class Define:
+    """Hold the function in the frame that follows (its id, kind and pickled body)."""
+
+    op: ClassVar[str] = "define"
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Send the named objects of the frame that follows back to the client."""
+
+    op: ClassVar[str] = "pull"
+
+
+@dataclass(frozen=True, slots=True)
+class DirectChannel:
+    """Serve the job's direct channel: the client's socket travels with the frame that
+    follows."""
+
+    op: ClassVar[str] = "channel"
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """The peak ephemeral bytes of a call run on fake tensors: the client's call in the frame
+    that follows, or (`frame` False) a batch job's next batch. `frame` None leaves the key out,
+    which means a frame follows."""
+
+    op: ClassVar[str] = "estimate"
+    frame: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Run one call: the client's, in the frame that follows (`frame` true or None, which
+    leaves the key out, as a gang's calls are sent), or (`frame` False) the oldest direct call
+    waiting in the executor. `counted` is the daemon's reading of whether it is an iteration;
+    the executor decides (`CallDone.counted`)."""
+
+    op: ClassVar[str] = "run"
+    counted: bool
+    frame: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Run a batch job's next iteration on its next batch."""
+
+    op: ClassVar[str] = "step"
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Run direct calls at once (`granted`), or give the lane back once the running call
+    returned (not granted)."""
+
+    op: ClassVar[str] = "lease"
+    granted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Run on torch `device` within `budget_bytes` (persistent bytes plus the lane; enforced
+    on CUDA), slowed by the device's simulated `slowdown` factor (1.0: none)."""
+
+    op: ClassVar[str] = "place"
+    device: str
+    budget_bytes: int
+    slowdown: float
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Import a batch job's entrypoint `path`:`function` and hold what it returns; with
+    `restore`, go on from the latest checkpoint under `dir`. `pipeline`: run it split into
+    stages; `cache`: the owner's data cache; `gang`: this replica's place (None, left out of
+    the wire: no gang)."""
+
+    op: ClassVar[str] = "load"
+    path: str
+    function: str
+    restore: bool
+    pipeline: PipelineOptions | None
+    cache: CachePlace | None
+    dir: str | None
+    gang: GangPlace | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Load an interactive job's latest checkpoint under `dir` (after a restart); `gang` as in
+    `Load`."""
+
+    op: ClassVar[str] = "restore"
+    dir: str | None
+    gang: GangPlace | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Write the job's state (job id `job`) under `dir` at this boundary."""
+
+    op: ClassVar[str] = "checkpoint"
+    dir: str | None
+    job: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapOut:
+    """Move the job's state to host memory (its device budget is released)."""
+
+    op: ClassVar[str] = "swap_out"
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer every direct call waiting in the executor with the error `code` and `message`."""
+
+    op: ClassVar[str] = "refuse"
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """Exit now; direct calls still waiting get the error `code` with `message`."""
+
+    op: ClassVar[str] = "exit"
+    code: str
+    message: str
+
+
+Request = (Become | Attach | Define | Pull | DirectChannel | Estimate | Run | Step | Lease | Place
+           | Load | Restore | Checkpoint | SwapOut | Refuse | Exit)
+
+
+# ---- executor → daemon ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Done (`lease`, `refuse`, `define`, `pull`, `channel`, `place`, `swap_out`). `forward`:
+    the client's answer follows (in every reply type alike)."""
+
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed: `message` says why (None: the forwarded answer says it)."""
+
+    message: str | None
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Estimated:
+    """The call's peak ephemeral `bytes`, found by `method` ("fake-tensor")."""
+
+    bytes: int
+    method: str
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EstimateFailed:
+    """The call cannot run on fake tensors (`reason`): its first real run is measured."""
+
+    reason: str
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """The attached objects hold `persistent_bytes`; the executor runs `threads` intra-op
+    threads."""
+
+    persistent_bytes: int
+    threads: int
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A batch job's entrypoint or a checkpoint was loaded: the state's `persistent_bytes` and
+    the iteration it stands at (0: from the start)."""
+
+    persistent_bytes: int
+    iteration: int
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointed:
+    """A checkpoint of `iteration` was written to `path`: `bytes` on disk in `seconds`, at
+    wall-clock `time` (seconds since the epoch)."""
+
+    iteration: int
+    bytes: int
+    seconds: float
+    path: str
+    time: float
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CallDone:
+    """A `Run` returned: whether it was `ok`, its `seconds`, its measured `peak` ephemeral bytes
+    (None: not measured), whether it was an iteration (`counted`), when the function `began`
+    and `ended`; `message` when it failed; the job's data cache and `s.comm` counters where it
+    uses them. `empty`: the call had already run under a lease, and nothing ran now (`began`
+    and `ended` are None)."""
+
+    ok: bool
+    seconds: float
+    peak: int | None
+    counted: bool
+    began: float | None
+    ended: float | None
+    message: str | None = None
+    cache: dict[str, Any] | None = None
+    comm: dict[str, Any] | None = None
+    empty: bool = False
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """A batch job's `Step` returned: as `CallDone`, with the job's `iteration` count after it,
+    its `loss` (None when not one number; only when `ok`), its `evaluation` (every N
+    iterations, a number or text) and, when its code raised, the `message` and `traceback`."""
+
+    ok: bool
+    seconds: float
+    peak: int | None
+    counted: bool
+    began: float
+    ended: float
+    iteration: int
+    loss: float | None = None
+    evaluation: float | str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    cache: dict[str, Any] | None = None
+    comm: dict[str, Any] | None = None
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Unsolicited: a direct call waits for a `Run`; whether it is an iteration (`counted`)
+    and, for a job's first call where the executor estimates, its estimate."""
+
+    counted: bool
+    estimate: Estimated | EstimateFailed | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """Unsolicited: `calls` ran under the lease (`iterations` of them iterations, `failed`
+    failed), the iterations taking `seconds` in all, the largest `peak` (bytes; None: none
+    measured); the first `began` and the last `ended`."""
+
+    calls: int
+    iterations: int
+    failed: int
+    seconds: float
+    peak: int | None
+    began: float
+    ended: float
+
+
+Reply = (Ack | Failed | Estimated | EstimateFailed | Attached | Loaded | Checkpointed | CallDone
+         | StepDone | Ready | Ran)
+Message = Request | Reply
