@@ -51,12 +51,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from salus.daemon.engine.events import Event
+from salus.daemon.engine.jobstate import ENDED, LIVE_STATES, EventState
 
-JOB_STATES = ("open", "pending", "running", "suspended")
-"""open: no admission asked yet; pending: waiting for admission (also after a swap-out or a
-re-admission); running: admitted into a lane (holds device memory, runs when picked);
-suspended: held by an operator, whatever its admission."""
-END_STATES = {"finish": "finished", "cancelled": "cancelled", "failed": "failed"}
+JOB_STATES = LIVE_STATES
+"""A live job's states, as `salusd/engine/jobstate.py` defines them."""
 ITERATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                        2.5, 5.0, 10.0, 30.0, 60.0)
 CHECKPOINT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -94,8 +92,7 @@ class _Job:
     name: str
     owner: str
     kind: str
-    admission: str = "open"  # open, pending or running; `held` shows as suspended
-    held: bool = False
+    state: EventState = field(default_factory=EventState)
     iterations: int = 0
     seconds: _Histogram = field(default_factory=lambda: _Histogram(ITERATION_BUCKETS_S))
     persistent_bytes: int = 0
@@ -123,7 +120,7 @@ class Metrics(Collector):
         self._devices: dict[int, dict[str, int]] = {}
         self._pending = 0
         self._iterations = 0
-        self._ended = dict.fromkeys(END_STATES.values(), 0)
+        self._ended = dict.fromkeys(ENDED.values(), 0)
         self._switches: dict[int, int] = {}
         self._admissions = self._rejections = self._deaths = 0
         self._last_failure: tuple[int, str] | None = None  # (job, reason) if the last end failed
@@ -143,30 +140,26 @@ class Metrics(Collector):
     def _observe(self, e: Event) -> None:
         job = self._jobs.get(e.job_id)
         d = e.detail
+        if job is not None:
+            job.state.observe(e.kind)
         match e.kind:
             case "open":
                 self._jobs[e.job_id] = _Job(str(d.get("name", "")), str(d.get("owner", "")),
                                             str(d.get("job_kind", "interactive")))
-            case "submit" | "requeue" | "swap_out" if job is not None:
-                job.admission = "pending"
-                if e.kind == "submit":
-                    job.persistent_bytes = int(d.get("persistent", 0))
-                    job.ephemeral_bytes = int(d.get("ephemeral", 0))
-                elif e.kind == "requeue":
-                    job.ephemeral_bytes = int(d.get("peak", job.ephemeral_bytes))
+            case "submit" if job is not None:
+                job.persistent_bytes = int(d.get("persistent", 0))
+                job.ephemeral_bytes = int(d.get("ephemeral", 0))
+            case "requeue" if job is not None:
+                job.ephemeral_bytes = int(d.get("peak", job.ephemeral_bytes))
             case "admit":
                 self._admissions += 1
-                if job is not None:
-                    job.admission = "running"
-            case "suspend" | "resume" | "reattach" if job is not None:
-                job.held = e.kind == "suspend"
             case "end" | "ran":
                 self._iterations_ran(e, job, max(0, int(d.get("iterations", 0))),
                                      max(0.0, float(d.get("seconds", 0.0))))
                 if job is not None and isinstance(d.get("cache"), dict):
                     job.cache = d["cache"]
             case "finish" | "cancelled" | "failed":
-                self._ended[END_STATES[e.kind]] += 1
+                self._ended[ENDED[e.kind]] += 1
                 self._last_failure = (e.job_id, str(d.get("reason", ""))) if (
                     e.kind == "failed") else None
                 if self._jobs.pop(e.job_id, None) is not None:
@@ -248,7 +241,7 @@ class Metrics(Collector):
         for job_id, job in sorted(self._jobs.items()):
             jid = str(job_id)
             info.add_metric([jid, job.name, job.owner, job.kind], 1)
-            now = "suspended" if job.held else job.admission
+            now = job.state.state
             for s in JOB_STATES:
                 state.add_metric([jid, s], 1 if s == now else 0)
             iterations.add_metric([jid], job.iterations)

@@ -13,11 +13,9 @@ import logging
 from typing import Any, Protocol
 
 from salus.daemon.engine.events import Event
+from salus.daemon.engine.jobstate import ENDED, EventState
 
 log = logging.getLogger("salusd.persist")
-ENDED = {"finish": "finished", "cancelled": "cancelled", "failed": "failed"}
-STATES = {"attach": "attached", "submit": "pending", "admit": "running", "requeue": "pending",
-          "suspend": "suspended", "resume": "running", "reattach": "running"}
 
 
 class Updates(Protocol):
@@ -29,7 +27,7 @@ class Persistence:
 
     def __init__(self, store: Updates) -> None:
         self.store = store
-        self.suspended: set[int] = set()
+        self.states: dict[int, EventState] = {}  # live jobs, as the events tell them
 
     def observe(self, event: Event) -> None:
         if event.job_id < 0:
@@ -41,7 +39,7 @@ class Persistence:
     def _fields(self, event: Event) -> dict[str, Any]:
         kind, detail = event.kind, event.detail
         if kind in ENDED:
-            self.suspended.discard(event.job_id)
+            self.states.pop(event.job_id, None)
             return {"state": ENDED[kind], "reason": str(detail.get("reason", ""))[:4000],
                     "iterations_done": int(detail.get("iterations_done", 0))}
         if kind == "checkpoint":
@@ -52,11 +50,5 @@ class Persistence:
                     "iterations_done": int(detail["iteration"])}
         if kind == "priority":
             return {"priority": float(detail["priority"])}
-        if kind == "suspend":
-            self.suspended.add(event.job_id)
-        elif kind in ("resume", "reattach"):
-            self.suspended.discard(event.job_id)
-        elif event.job_id in self.suspended:
-            return {}  # a suspended job admitted or requeued stays suspended
-        state = STATES.get(kind)
-        return {"state": state} if state else {}
+        state = self.states.setdefault(event.job_id, EventState())
+        return {"state": state.state} if state.observe(kind) else {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from salus.daemon.engine.admission import RSS_NOISE_BYTES
+from salus.daemon.engine.jobstate import live_state
 from salus.daemon.engine.registry import JobRecord
 
 if TYPE_CHECKING:
@@ -24,12 +25,6 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
     job = engine.dispatch.job(record.job_id)
     placed = engine.dispatch.placements(record.job_id)
     lane = engine.dispatch.lane((placed[0].device, placed[0].lane_id)) if placed else None
-    if not record.live:
-        state = record.end_state or "ended"
-    elif job is not None:
-        state = job.state.value
-    else:
-        state = record.phase
     enforced = "enforced" if record.device_kind == "cuda" else "accounted"
     ephemeral = record.measured_peak
     slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
@@ -38,7 +33,7 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "job_id": record.job_id,
         "owner": record.owner.name,
         "name": record.name,
-        "state": state,
+        "state": live_state(record, job),
         "reason": record.reason,
         "iterations_done": job.done_iterations if job else 0,
         "iterations_planned": record.planned_iterations,

@@ -17,10 +17,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     """A live or recently ended job (on the engine's thread)."""
     info = job_info(engine, record)
     memory = info["memory"]
-    if record.live and (record.awaiting_client or record.held):
-        state = "suspended"
-    else:
-        state = str(info["state"])
+    state = str(info["state"])
     ephemeral = memory["ephemeral_measured_bytes"]
     checkpoint = None
     if record.checkpoint_iteration is not None and record.checkpoint_time is not None:
