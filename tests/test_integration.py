@@ -273,3 +273,36 @@ def test_on_cpu_devices_the_first_call_is_measured_by_default(tmp_path):
     torch.set_num_threads(1)  # the daemon's executors run one intra-op thread
     direct = train_direct(lambda: mlp("sgd"), data).state_dict()
     assert all(torch.equal(params[k], v) for k, v in direct.items())
+
+
+def test_a_model_that_fills_most_of_the_device_is_admitted_and_its_lane_is_its_peak(tmp_path):
+    """`--cpu-memory 256M`: a 4000 x 4000 linear layer with momentum SGD holds 183 MiB of state
+    (weights, gradients, momentum) and needs a few MiB per step. Its first call is measured, not
+    guessed at its state's size (which asked for 366 MiB and refused the job), and its lane is
+    then what the call measured, not the guess."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4000, 4000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = [(torch.randn(4, 4000), torch.randn(4, 4000)) for _ in range(3)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    with salusd(tmp_path, devices=1, memory="256M") as (_, address), salus.connect(
+            name="big", iterations=len(data), address=address) as job:
+        step = job.train_step(model, opt, torch.nn.functional.mse_loss)
+        for x, y in data:
+            step(x, y)
+        info = job.info()
+        params = job.state_dict()
+    memory = info["memory"]
+    assert memory["persistent_bytes"] >= 3 * 4000 * 4000 * 4, memory  # weights, grads, momentum
+    assert memory["ephemeral_estimate_bytes"] <= 16 * 2**20, memory  # the guess, not the state
+    measured = memory["ephemeral_measured_bytes"]
+    assert measured is not None and memory["lane_bytes"] <= measured + 256, memory
+    torch.set_num_threads(1)
+    direct = torch.nn.Linear(4000, 4000)
+    direct.load_state_dict(start)
+    direct_opt = torch.optim.SGD(direct.parameters(), lr=0.01, momentum=0.9)
+    for x, y in data:
+        direct_opt.zero_grad()
+        torch.nn.functional.mse_loss(direct(x), y).backward()
+        direct_opt.step()
+    assert all(torch.equal(params[k], v) for k, v in direct.state_dict().items())

@@ -29,9 +29,10 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
         ephemeral = int(meta["bytes"])
         record.estimate_method = str(meta.get("method", "fake-tensor"))
     else:
-        # Data-dependent code: admit with the persistent size as the guess; the first real
-        # call is measured and the job is moved if it needs more.
-        ephemeral = record.persistent_bytes
+        # No estimate: admit with a guess; the first real call is measured and the job's lane
+        # is then made exactly what it measured (moved, or queued, if that is more).
+        ephemeral = first_call_guess(record)
+        record.ephemeral_guessed = True
         record.estimate_method = ("first call measured (no fake-tensor estimate: "
                                   f"{str(meta.get('reason', ''))[:300]})")
     record.estimate_bytes = ephemeral
@@ -59,6 +60,17 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     core.take(update)
 
 
+def first_call_guess(record: JobRecord) -> int:
+    """Bytes booked for a job's first call before it is measured: its persistent size, the
+    usual order of a training step's peak. On the CPU at most `RSS_NOISE_BYTES`: memory there
+    is accounted, not capped, so the guess need not hold the call, and a job whose state is
+    most of the device must not be refused for twice its state (a 183 MiB model with
+    momentum on a 256 MiB device was)."""
+    if record.device_kind == "cpu":
+        return min(record.persistent_bytes, RSS_NOISE_BYTES)
+    return record.persistent_bytes
+
+
 def measure_first(core: Core, record: JobRecord, what: str) -> None:
     """Admit a job without a fake-tensor estimate, with its persistent size as the guess;
     its first real `what` is measured (and re-admits it if it outgrows its lane). A gang
@@ -76,11 +88,16 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int) -> None:
     is re-admitted with that size (moved to a lane that holds it, or queued)."""
     record.measured_peak = max(record.measured_peak or 0, peak)
     lane = core.dispatch.lane(key)
-    slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
     job = core.dispatch.job(record.job_id)
-    if lane is None or job is None or peak <= lane.size + slack:
+    if lane is None or job is None:
         return
-    log.info("job %d measured %d B ephemeral, over its %d B lane: re-admitting",
+    guessed, record.ephemeral_guessed = record.ephemeral_guessed, False
+    slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
+    if guessed and lane.residents == (record.job_id,) and aligned(peak) < lane.size:
+        pass  # the lane was the first call's guess: made what the call measured
+    elif peak <= lane.size + slack:
+        return
+    log.info("job %d measured %d B ephemeral in its %d B lane: re-admitting",
              record.job_id, peak, lane.size)
     try:
         update = core.dispatch.requeue(record.job_id, job.persistent_bytes, aligned(peak))

@@ -71,6 +71,7 @@ class JobRecord:
     threads: int = 1
     estimate_bytes: int | None = None
     estimate_method: str = ""
+    ephemeral_guessed: bool = False  # admitted with a guess that its next measured call sets
     measured_peak: int | None = None
     priority: float = 1.0
     held: bool = False
