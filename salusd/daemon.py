@@ -175,7 +175,8 @@ class Daemon:
             self.engine.restore(Owner(row.owner, row.uid, row.gid), row.id, row.name,
                                 row.iterations_total or 1,
                                 "batch" if row.kind == "batch" else "interactive",
-                                dict(row.spec), float(row.priority), row.checkpoint_iteration)
+                                dict(row.spec), float(row.priority), row.checkpoint_iteration,
+                                row.checkpoint_time, row.checkpoint_bytes or 0)
 
     def request_stop(self) -> None:
         """Safe from a signal handler or another thread."""

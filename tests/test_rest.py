@@ -155,8 +155,10 @@ def test_kill_9_then_restart_resumes_batch_job_exactly(tmp_path):
     assert saved is not None and saved >= 10
     with _serve(tmp_path, "--checkpoint-every", "5"):
         client = connect(tmp_path / "state")
-        resumed = job(client, jid)
+        resumed = job(client, jid)  # at once: its executor may not have loaded it yet
         assert resumed["resumed_from"] is not None and resumed["resumed_from"] >= saved
+        assert resumed["iterations_done"] >= saved, resumed
+        assert (resumed["checkpoint"] or {}).get("iteration", 0) >= saved, resumed
         done = wait_for(lambda: (j := job(client, jid))["state"] == "finished" and j,
                         "the resumed job to finish", timeout_s=120)
         assert done["iterations_done"] == iterations

@@ -201,13 +201,17 @@ class Engine:
         return devices
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
-                spec: dict[str, Any], priority: float, checkpoint_iteration: int | None) -> None:
+                spec: dict[str, Any], priority: float, checkpoint_iteration: int | None,
+                checkpoint_time: float | None = None, checkpoint_bytes: int = 0) -> None:
         """Bring back a job the durable registry says was live when salusd stopped: a batch
         job goes on from its last checkpoint on its own; an interactive one waits, suspended
-        at its last checkpoint, for its client to connect again."""
+        at its last checkpoint, for its client to connect again. Until its executor has loaded
+        the checkpoint, the job's views show the one the registry recorded."""
         record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
                            priority=priority, job_id=job_id)
-        record.resumed_from = checkpoint_iteration or 0
+        record.resumed_from = record.done_before = checkpoint_iteration or 0
+        record.checkpoint_iteration = checkpoint_iteration
+        record.checkpoint_time, record.checkpoint_bytes = checkpoint_time, checkpoint_bytes
         if record.nodes > 1 and self.core.config.cluster is None:
             self.core.end(record, "failed", f"job {job_id} spans {record.nodes} nodes and "
                           "this salusd restarted without --cluster")
