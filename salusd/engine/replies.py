@@ -179,6 +179,13 @@ class Replies:
             return
         record.persistent_bytes = int(meta.get("persistent_bytes", 0))
         iteration = int(meta.get("iteration", 0))
+        if record.resumed_from and not iteration and record.live:
+            # The registry recorded a checkpoint that the executor found none of: going on from
+            # iteration 0 would throw the recorded progress away without a word.
+            core.end(record, "failed", f"job {record.job_id}'s checkpoint at iteration "
+                     f"{record.resumed_from} could not be read, so it was not restarted from "
+                     "iteration 0; submit it again to start afresh")
+            return
         if record.resumed_from is not None:  # restored after a restart
             record.resumed_from = record.done_before = iteration
             record.checkpoint_iteration = iteration if iteration else None
