@@ -18,11 +18,11 @@ from safetensors import safe_open
 from torch import nn
 
 from salus.daemon.executor.checkpoint import (
-    MAX_MANIFEST_BYTES,
     latest_iteration,
     load_latest,
     save,
 )
+from salus.daemon.state.checkpoint_files import MAX_MANIFEST_BYTES
 
 
 def _training_objects() -> dict[str, Any]:

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -43,16 +42,18 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from salus.daemon.state.checkpoint_files import (
+    CHECKPOINT_DIR,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    OBJECTS_FILE,
+    TENSORS_FILE,
+    complete,
+)
 from salus.daemon.state.durable import fsync_dir
 
 log = logging.getLogger("salusd.checkpoint")
 
-FORMAT_VERSION = 1
-MAX_MANIFEST_BYTES = 16 * 2**20
-TENSORS_FILE = "tensors.safetensors"
-OBJECTS_FILE = "objects.pkl"
-MANIFEST_FILE = "manifest.json"
-_CKPT = re.compile(r"ckpt-(\d{12})")
 _PID_TAG = "salus.tensor"
 _SAFE_DTYPES = frozenset(
     getattr(torch, name) for name in (
@@ -223,7 +224,7 @@ def load_latest(root: Path) -> LoadedCheckpoint | None:
     """The newest complete checkpoint under `root`, or None when there is none. Incomplete
     directories are skipped; an error unpickling a complete one propagates (falling back to an
     older one would silently lose progress)."""
-    for path, manifest in _complete(Path(root)):
+    for path, manifest in complete(Path(root)):
         tensors = safetensors.torch.load_file(path / TENSORS_FILE)
         with open(path / OBJECTS_FILE, "rb") as f:
             payload = _TensorUnpickler(f, tensors).load()
@@ -233,54 +234,18 @@ def load_latest(root: Path) -> LoadedCheckpoint | None:
 
 def latest_iteration(root: Path) -> int | None:
     """The iteration of the newest complete checkpoint, from manifests only; None when none."""
-    for _, manifest in _complete(Path(root)):
+    for _, manifest in complete(Path(root)):
         return int(manifest["iteration"])
     return None
-
-
-def _complete(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """Complete checkpoints, newest first: a `ckpt-*` directory whose manifest parses, names its
-    own iteration, and whose files have the sizes it records."""
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = _CKPT.fullmatch(path.name)
-        if match is None or not path.is_dir():
-            continue
-        manifest = _read_manifest(path)
-        if manifest is not None and manifest.get("iteration") == int(match.group(1)):
-            found.append((path, manifest))
-        else:
-            log.warning("skipping incomplete checkpoint %s", path)
-    found.sort(key=lambda item: item[1]["iteration"], reverse=True)
-    return found
-
-
-def _read_manifest(path: Path) -> dict[str, Any] | None:
-    try:
-        with open(path / MANIFEST_FILE, "rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
-                log.warning("%s: manifest over %d bytes, refused", path, MAX_MANIFEST_BYTES)
-                return None
-            manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
-        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-            return None
-        sizes = manifest["bytes"]
-        truncated = any((path / name).stat().st_size != sizes[name]
-                        for name in (TENSORS_FILE, OBJECTS_FILE))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return None if truncated else manifest
 
 
 def _prune(root: Path, keep: int) -> None:
     """Remove all but the newest `keep` complete checkpoints, every incomplete `ckpt-*`, and
     every `tmp-*` (this process holds none now: one writer per root)."""
-    complete = {path for path, _ in _complete(root)[:keep]}
+    kept = {path for path, _ in complete(root)[:keep]}
     for path in root.iterdir():
         stale = path.name.startswith("tmp-") or (
-            _CKPT.fullmatch(path.name) is not None and path not in complete)
+            CHECKPOINT_DIR.fullmatch(path.name) is not None and path not in kept)
         if stale and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
 

@@ -2,19 +2,22 @@
 
 The daemon never imports torch, so it cannot load a checkpoint; it can still tell, before it
 restores a job, whether the job's checkpoint directory holds one an executor could load. The
-rules are those of `salus.daemon.executor.checkpoint` (which writes and loads them; its layout
-is described there): a `ckpt-<iteration:012d>/` directory whose `manifest.json` is at most
-MAX_MANIFEST_BYTES, parses, has this format version, names the directory's own iteration and
-gives the exact sizes of `tensors.safetensors` and `objects.pkl`. A test checks that the two
-modules agree on the names and limits.
+executors (`salus.daemon.executor.checkpoint`, which writes and loads them; its layout is
+described there) judge them by these same rules: a `ckpt-<iteration:012d>/` directory whose
+`manifest.json` is at most MAX_MANIFEST_BYTES, parses, has this format version, names the
+directory's own iteration and gives the exact sizes of `tensors.safetensors` and `objects.pkl`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("salusd.checkpoint")
 
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 16 * 2**20
@@ -24,16 +27,27 @@ MANIFEST_FILE = "manifest.json"
 CHECKPOINT_DIR = re.compile(r"ckpt-(\d{12})")
 
 
-def complete_iterations(root: Path) -> list[int]:
-    """The iterations of the complete checkpoints directly under `root`, newest first."""
+def complete(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The complete checkpoints directly under `root` and their manifests, newest first."""
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
         match = CHECKPOINT_DIR.fullmatch(path.name)
-        if match is not None and path.is_dir() and _manifest_ok(path, int(match.group(1))):
-            found.append(int(match.group(1)))
-    return sorted(found, reverse=True)
+        if match is None or not path.is_dir():
+            continue
+        manifest = read_manifest(path)
+        if manifest is not None and manifest.get("iteration") == int(match.group(1)):
+            found.append((path, manifest))
+        else:
+            log.warning("skipping incomplete checkpoint %s", path)
+    found.sort(key=lambda item: item[1]["iteration"], reverse=True)
+    return found
+
+
+def complete_iterations(root: Path) -> list[int]:
+    """The iterations of the complete checkpoints directly under `root`, newest first."""
+    return [manifest["iteration"] for _, manifest in complete(root)]
 
 
 def job_has_checkpoint(job_dir: Path) -> bool:
@@ -44,16 +58,20 @@ def job_has_checkpoint(job_dir: Path) -> bool:
         complete_iterations(job_dir))
 
 
-def _manifest_ok(path: Path, iteration: int) -> bool:
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of checkpoint directory `path` when it is of this format and its files
+    have the sizes it records, else None."""
     try:
         with open(path / MANIFEST_FILE, "rb") as f:
             if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
-                return False
+                log.warning("%s: manifest over %d bytes, refused", path, MAX_MANIFEST_BYTES)
+                return None
             manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
         if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-            return False
+            return None
         sizes = manifest["bytes"]
-        return manifest.get("iteration") == iteration and all(
-            (path / name).stat().st_size == sizes[name] for name in (TENSORS_FILE, OBJECTS_FILE))
+        truncated = any((path / name).stat().st_size != sizes[name]
+                        for name in (TENSORS_FILE, OBJECTS_FILE))
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
+    return None if truncated else manifest
