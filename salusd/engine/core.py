@@ -1,7 +1,7 @@
 """The engine's shared state, and the few operations every part of it needs: emit an event,
 queue a client's call, end a job.
 
-The parts (`admission`, `leases`, `gangs`, `checkpoints`, `step`) each take a `Core`; none
+The parts (`admission`, `leases`, `gang_failures`, `checkpoints`, `step`) each take a `Core`; none
 imports another part or the `Engine` facade, so there is no import circle. Changes to what the
 scheduler admitted are collected in `placed` and acted on by the next `step`.
 """

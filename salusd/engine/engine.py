@@ -7,7 +7,7 @@ it forwards the client's frames to the job's executors (`outbox.py`) and their r
 Every public command and every executor event ends in one `_step()` (`step.py`), as vLLM's
 `EngineCore.step` does: the scheduler's admissions are placed, the `Dispatcher` says what
 starts (`scheduler/dispatch.py`), leases are refreshed. Deciding lives in `salus.scheduler`;
-admission (`admission.py`), leases (`leases.py`), gang failures (`gangs.py`) and checkpoints
+admission (`admission.py`), leases (`leases.py`), gang failures (`gang_failures.py`) and checkpoints
 (`checkpoints.py`) each in their own file, sharing `core.py`.
 """
 

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from salus.daemon.engine import admission, checkpoints, gangs
+from salus.daemon.engine import admission, checkpoints, gang_failures
 from salus.daemon.engine.core import Core, LaneKey, error_frame
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
@@ -47,10 +47,10 @@ class Replies:
             gang = sent.gang
             if sent.kind == "run" and not meta.get("ok") and record.live:
                 if record.kind == "batch":
-                    gangs.broke(core, record, sent, meta)
+                    gang_failures.broke(core, record, sent, meta)
                     return
-                gangs.await_peers(core, gang, lambda: self.after(
-                    lambda: gangs.peers_late(core, record, gang)))
+                gang_failures.await_peers(core, gang, lambda: self.after(
+                    lambda: gang_failures.peers_late(core, record, gang)))
             if not gang.add(sent.replica, meta, frame):
                 return  # other replicas have yet to answer
             meta, frame, sent = gang.merged(), gang.frame, gang.head
@@ -59,7 +59,7 @@ class Replies:
                     frame.close_fd()
                 return
             if sent.kind == "run" and record.live and gang.diverged():
-                frame = gangs.diverged(core, record, gang, frame)
+                frame = gang_failures.diverged(core, record, gang, frame)
         self._answered(record, sent, meta)
         if sent.on_done is not None:
             sent.on_done(meta)
