@@ -1,0 +1,57 @@
+"""The project's CUDA tests: `pytest -m cuda` over tests/, with counts of passed, failed and
+skipped tests and the failures' names (from pytest's JUnit XML). Without CUDA they all skip,
+which is what a CPU run reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import kit
+
+LIMIT_S = 170  # run.py gives this step 200 s
+
+
+def measure(cpu: bool) -> dict[str, Any]:
+    root = kit.BENCH.parent
+    with tempfile.TemporaryDirectory(prefix="salusd-kit-pytest-") as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+               f"--junitxml={report}", "tests"]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if cpu else None
+        done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=LIMIT_S,
+                              env=env)
+        if not report.exists():
+            return {"error": f"pytest exited {done.returncode} without a report: "
+                             f"{(done.stdout + done.stderr)[-2000:]}"}
+        cases = ET.parse(report).getroot().iter("testcase")
+        outcome: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+        for case in cases:
+            name = f"{case.get('classname')}::{case.get('name')}"
+            kinds = {child.tag for child in case}
+            key = ("failed" if kinds & {"failure", "error"} else
+                   "skipped" if "skipped" in kinds else "passed")
+            outcome[key].append(name)
+    return {
+        "command": "pytest -m cuda tests",
+        "exit_code": done.returncode,
+        "passed": len(outcome["passed"]),
+        "failed": len(outcome["failed"]),
+        "skipped": len(outcome["skipped"]),
+        "failures": outcome["failed"],
+        "summary": "".join(done.stdout.strip().splitlines()[-1:]),
+    }
+
+
+def main() -> None:
+    args = kit.arguments(__doc__.splitlines()[0])
+    kit.emit(measure(args.cpu))
+
+
+if __name__ == "__main__":
+    main()
