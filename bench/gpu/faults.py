@@ -2,12 +2,13 @@
 (an illegal memory access on CUDA; a segfault on both backends), each beside a job that keeps
 training; on CUDA with and without NVIDIA MPS where `nvidia-cuda-mps-control` exists.
 
-Each case: job A trains without pause in its own client process; 1 s in, job B (this process)
-makes the bad call; A's calls in the 1.5 s before and after are counted from its call end
-times (the machine's monotonic clock). `a_kept_training` is true when A completed calls after
-B's call returned and saw no error. salusd has no MPS support yet: the MPS case starts a
-control daemon with private pipe and log folders and runs salusd under it, so its executors
-become MPS clients of one server (a fatal fault is then expected to reach every client).
+Each case: job A trains without pause in its own client process; job B (this process) makes
+one small call (its lane) and, 1 s later, the bad call; A's calls in the 1.5 s before it and
+after it are counted from A's call end times (the machine's monotonic clock).
+`a_kept_training` is true when A completed calls after B's call returned and saw no error.
+salusd has no MPS support yet: the MPS case starts a control daemon with private pipe and log
+folders and runs salusd under it, so its executors become MPS clients of one server (a fatal
+fault is then expected to reach every client).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _beside(address: str, cuda: bool, bad: Callable[[Any], Any]) -> dict[str, An
     out: dict[str, Any] = {}
     with salus.connect(name="b", iterations=10, address=address) as job:
         remote = job.attach(model=model)
+        remote.function(jobfns.infer)(models.batch(width, 32)[0])  # B's lane: a small call
         time.sleep(1.0)
         t0 = time.monotonic()
         try:
@@ -96,15 +98,23 @@ def _with_mps(tmp: Path) -> dict[str, Any]:
            "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
     for folder in env.values():
         os.makedirs(folder, exist_ok=True)
-    started = subprocess.run([control, "-d"], env={**os.environ, **env}, capture_output=True,
-                             text=True, timeout=30)
+    said = tmp / "mps-control.out"
+    with open(said, "w") as f:  # not a pipe: the control daemon it forks would keep it open
+        started = subprocess.run([control, "-d"], env={**os.environ, **env}, stdout=f,
+                                 stderr=f, timeout=30)
     if started.returncode != 0:
-        return {"error": f"nvidia-cuda-mps-control -d failed: {started.stderr[-500:]}"}
+        return {"error": f"nvidia-cuda-mps-control -d failed: {said.read_text()[-500:]}"}
     try:
         out = _fault_cases(tmp, True, env, "salusd-mps")
     finally:
-        subprocess.run([control], input="quit\n", env={**os.environ, **env}, text=True,
-                       capture_output=True, timeout=30)
+        try:
+            subprocess.run([control], input="quit\n", env={**os.environ, **env}, text=True,
+                           capture_output=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            out_quit = "nvidia-cuda-mps-control did not quit within 30 s"
+        else:
+            out_quit = "quit"
+    out["mps_quit"] = out_quit
     try:
         out["mps_server_log_tail"] = (tmp / "mps-log" / "server.log").read_text()[-1500:]
     except OSError:
@@ -116,7 +126,10 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
     del small  # every case is already short
     with tempfile.TemporaryDirectory(prefix="salusd-kit-faults-") as tmp:
         out: dict[str, Any] = {"without_mps": _fault_cases(Path(tmp), cuda, None, "salusd")}
-        out["with_mps"] = _with_mps(Path(tmp)) if cuda else kit.skipped("needs CUDA")
+        try:
+            out["with_mps"] = _with_mps(Path(tmp)) if cuda else kit.skipped("needs CUDA")
+        except Exception as exc:  # noqa: BLE001 - keep the figures without MPS
+            out["with_mps"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     return out
 
 

@@ -2,9 +2,9 @@
 imports salus: `pip install --no-deps -e .` (without build isolation, which would fetch
 setuptools), falling back to a folder of links where that fails; then the wheels under
 `wheels/` (`make gpu-wheels`) of the distributions this Python lacks. Logs to stderr; prints
-one line, the folders to put on PYTHONPATH (colon separated, maybe empty).
+one line, the folders to put on PYTHONPATH (colon separated, maybe empty), made under SITEDIR.
 
-    python bench/gpu/install.py OUTDIR
+    python bench/gpu/install.py SITEDIR
 """
 
 from __future__ import annotations

@@ -48,8 +48,10 @@ def _resumes(daemon: Daemon, address: str, job_id: int, rounds: int, swap: bool)
             time.sleep(0.3)  # the suspension (and swap-out) takes effect at B's next boundary
             t = time.monotonic()
             ctl.resume(str(job_id))
-            time.sleep(0.3)
-            began = _first_call_after(daemon, job_id, t)
+            began = None
+            while began is None and time.monotonic() - t < 5.0:
+                time.sleep(0.05)
+                began = _first_call_after(daemon, job_id, t)
             if began is not None:
                 out.append(began - t)
     return out
