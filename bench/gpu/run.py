@@ -102,7 +102,10 @@ def main() -> None:
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"comma-separated steps to run (default all: {','.join(STEPS)})")
     args = parser.parse_args()
+    # Inherited by every step before it imports torch: no CUDA initialised by the check, and
+    # one intra-op thread per process, as the daemon's executors and the baselines use.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     cpu = args.cpu or not torch.cuda.is_available()
