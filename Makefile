@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench sim clean
+.PHONY: demo test lint bench sim clean gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,22 @@ lint: $(STAMP)
 
 sim: $(STAMP)
 	$(PY) -m salus.scheduler.sim --trace tests/data/tiresias-60job.csv --format tiresias --compare
+
+# Wheels of the runtime deps a GPU machine without network may lack, for linux x86_64 and
+# Python 3.11 / 3.12; bench/gpu/run.sh installs those its Python has not (docs/gpu.md).
+GPU_WHEELS := fastapi starlette uvicorn pydantic pydantic-core annotated-types \
+	typing-inspection typing-extensions anyio sniffio idna h11 click prometheus-client \
+	cloudpickle safetensors fsspec rich markdown-it-py mdurl pygments httpx httpcore certifi \
+	hypothesis sortedcontainers attrs networkx pytest-timeout
+GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 --platform any
+
+gpu-wheels:
+	for v in 3.11 3.12; do \
+		$(PYTHON) -m pip download --quiet --dest wheels --only-binary=:all: \
+			--implementation cp --python-version $$v $(GPU_PLATFORMS) $(GPU_WHEELS) || exit 1; \
+	done
+	ls wheels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -94,6 +94,7 @@ def test_bad_tensors_are_clear_errors() -> None:
         tree_allreduce([torch.zeros(4)] * 3, plan, chunk_bytes=0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs two CUDA devices")
 def test_allreduce_on_cuda_devices() -> None:

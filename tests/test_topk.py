@@ -239,6 +239,7 @@ def test_bad_arguments(call: Callable[[], object], err: type[Exception], match: 
         call()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", METHODS)
 def test_cuda_matches_cpu_contract(method: str) -> None:

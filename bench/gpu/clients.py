@@ -1,0 +1,81 @@
+"""Client processes of the kit's jobs: each prints `ready`, waits for a line on stdin, runs,
+and prints one JSON line (times on the machine's monotonic clock, seconds).
+
+    clients.py train ADDRESS NAME SECONDS WIDTH ROWS   # train through salusd for SECONDS
+    clients.py hold-infer                              # an inference model on cuda:0, no salusd
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jobfns
+import models
+import torch
+
+import salus.adapters.torch as salus
+from salus.demo.jobs import WORKLOADS
+
+torch.set_num_threads(1)
+
+
+def train(address: str, name: str, seconds: float, width: int, rows: int) -> None:
+    """Train until `seconds` have passed after `go`, or until a call fails; reports each call's
+    end time and the first error."""
+    model = models.mlp(width)
+    x, y = models.batch(width, rows)
+    ends: list[float] = []
+    losses: list[float] = []
+    error = None
+    with salus.connect(name=name, iterations=10**6, address=address) as job:
+        step = job.attach(model=model, opt=models.sgd(model)).iteration(jobfns.train)
+        print("ready", flush=True)  # admission may wait for other jobs (fifo): not before go
+        sys.stdin.readline()
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            try:
+                losses.append(step(x, y))
+            except Exception as exc:  # noqa: BLE001 - the failure is what gets reported
+                error = f"{type(exc).__name__}: {exc}"[:500]
+                break
+            ends.append(time.monotonic())
+        job_id = job.id
+    print(json.dumps({"name": name, "job_id": job_id, "calls": len(ends), "start": start,
+                      "ends": ends, "error": error,
+                      "losses_finite": all(math.isfinite(v) for v in losses)}), flush=True)
+
+
+def hold_infer() -> None:
+    """bench/packing.py's inference model (`infer-mlp`) on cuda:0 in this process, the baseline
+    without salusd: runs 20 forward passes, prints its pid, and holds the model until another
+    line comes."""
+    workload = WORKLOADS["infer-mlp"]
+    torch.manual_seed(0)
+    model = workload.build()[0].to("cuda:0")
+    x, _ = workload.batch(torch.Generator().manual_seed(1))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    with torch.inference_mode():
+        for _ in range(20):
+            model(x.to("cuda:0"))
+    torch.cuda.synchronize()
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    sys.stdin.readline()
+
+
+def main() -> None:
+    kind, args = sys.argv[1], sys.argv[2:]
+    if kind == "train":
+        train(args[0], args[1], float(args[2]), int(args[3]), int(args[4]))
+    elif kind == "hold-infer":
+        hold_infer()
+    else:
+        raise SystemExit(f"unknown client kind {kind!r}")
+
+
+if __name__ == "__main__":
+    main()

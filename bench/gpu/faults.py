@@ -1,0 +1,142 @@
+"""Caps and faults: a job whose call allocates past its lane, and a fatal fault in one executor
+(an illegal memory access on CUDA; a segfault on both backends), each beside a job that keeps
+training; on CUDA with and without NVIDIA MPS where `nvidia-cuda-mps-control` exists.
+
+Each case: job A trains without pause in its own client process; job B (this process) makes
+one small call (its lane) and, 1 s later, the bad call; A's calls in the 1.5 s before it and
+after it are counted from A's call end times (the machine's monotonic clock).
+`a_kept_training` is true when A completed calls after B's call returned and saw no error.
+salusd has no MPS support yet: the MPS case starts a control daemon with private pipe and log
+folders and runs salusd under it, so its executors become MPS clients of one server (a fatal
+fault is then expected to reach every client).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jobfns
+import kit
+import models
+
+import salus.adapters.torch as salus
+
+
+def _beside(address: str, cuda: bool, bad: Callable[[Any], Any]) -> dict[str, Any]:
+    """Job A trains while job B calls `bad(remote)` once; what each saw."""
+    width = 1024 if cuda else 64
+    trainer = kit.client("train", address, "a", "4.0", str(width), str(width))
+    kit.wait_ready(trainer)
+    kit.go(trainer)
+    model = models.mlp(width)
+    out: dict[str, Any] = {}
+    with salus.connect(name="b", iterations=10, address=address) as job:
+        remote = job.attach(model=model)
+        remote.function(jobfns.infer)(models.batch(width, 32)[0])  # B's lane: a small call
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        try:
+            out["b_result"] = repr(bad(remote))[:300]
+            out["b_failed"] = False
+        except Exception as exc:  # noqa: BLE001 - the failure is the figure
+            out["b_error"] = f"{type(exc).__name__}: {exc}"[:600]
+            out["b_failed"] = True
+        t1 = time.monotonic()
+        try:
+            out["b_state_after"] = job.info().get("state")
+        except Exception as exc:  # noqa: BLE001 - the job may be gone with its executor
+            out["b_state_after"] = f"unreadable: {type(exc).__name__}"
+    a = kit.result_of(trainer)
+    after = sum(t > t1 for t in a["ends"])
+    out.update({
+        "b_call_s": t1 - t0,
+        "a_calls_1_5s_before": sum(t0 - 1.5 <= t < t0 for t in a["ends"]),
+        "a_calls_after": after,
+        "a_error": a["error"],
+        "a_kept_training": after > 0 and a["error"] is None and a["losses_finite"],
+    })
+    return out
+
+
+def _over_lane(nbytes: int) -> Callable[[Any], Any]:
+    return lambda remote: remote.function(jobfns.allocate)(nbytes)
+
+
+def _fault_cases(tmp: Path, cuda: bool, env: dict[str, str] | None,
+                 name: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with kit.daemon(tmp, cuda=cuda, cpu_memory="512M", env=env, name=name) as d:
+        over = 4 * 2**30 if cuda else 2**30
+        cases: dict[str, Callable[[Any], Any]] = {
+            f"over_lane_{over >> 20}MiB": _over_lane(over),
+            "segfault": lambda remote: remote.function(jobfns.segfault)(),
+        }
+        if cuda:
+            cases["illegal_memory_access"] = lambda r: r.function(jobfns.illegal_access)()
+        for case, bad in cases.items():
+            try:
+                out[case] = _beside(d.address, cuda, bad)
+            except Exception as exc:  # noqa: BLE001 - one case's failure is its figure
+                out[case] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    if not cuda:
+        out["illegal_memory_access"] = kit.skipped("needs CUDA")
+    return out
+
+
+def _with_mps(tmp: Path) -> dict[str, Any]:
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        return kit.skipped("nvidia-cuda-mps-control is not on PATH")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps-pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
+    for folder in env.values():
+        os.makedirs(folder, exist_ok=True)
+    said = tmp / "mps-control.out"
+    with open(said, "w") as f:  # not a pipe: the control daemon it forks would keep it open
+        started = subprocess.run([control, "-d"], env={**os.environ, **env}, stdout=f,
+                                 stderr=f, timeout=30)
+    if started.returncode != 0:
+        return {"error": f"nvidia-cuda-mps-control -d failed: {said.read_text()[-500:]}"}
+    try:
+        out = _fault_cases(tmp, True, env, "salusd-mps")
+    finally:
+        try:
+            subprocess.run([control], input="quit\n", env={**os.environ, **env}, text=True,
+                           capture_output=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            out_quit = "nvidia-cuda-mps-control did not quit within 30 s"
+        else:
+            out_quit = "quit"
+    out["mps_quit"] = out_quit
+    try:
+        out["mps_server_log_tail"] = (tmp / "mps-log" / "server.log").read_text()[-1500:]
+    except OSError:
+        out["mps_server_log_tail"] = None
+    return out
+
+
+def measure(cuda: bool, small: bool) -> dict[str, Any]:
+    del small  # every case is already short
+    with tempfile.TemporaryDirectory(prefix="salusd-kit-faults-") as tmp:
+        out: dict[str, Any] = {"without_mps": _fault_cases(Path(tmp), cuda, None, "salusd")}
+        try:
+            out["with_mps"] = _with_mps(Path(tmp)) if cuda else kit.skipped("needs CUDA")
+        except Exception as exc:  # noqa: BLE001 - keep the figures without MPS
+            out["with_mps"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return out
+
+
+def main() -> None:
+    args = kit.arguments(__doc__.splitlines()[0])
+    kit.emit(measure(kit.on_cuda(args.cpu), args.small))
+
+
+if __name__ == "__main__":
+    main()

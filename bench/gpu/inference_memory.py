@@ -1,0 +1,98 @@
+"""16 inference models through one salusd against 16 separate processes: device memory by NVML
+per process on CUDA, PSS on the CPU (anchor: Salus, 42x fewer GPUs for inference).
+
+bench/packing.py's inference case (its `infer-mlp` model, about 17 MiB of parameters, and its
+process-tree PSS reading). On CUDA, `nvmlDeviceGetComputeRunningProcesses` gives each process's
+device memory (bytes, its CUDA context included): summed over the daemon's process tree while
+the N jobs are open, and over N processes that each hold one model on cuda:0. Today every job
+is its own executor process with its own CUDA context, so the ratio is expected near 1 until
+executors are shared per owner and lane. PSS (host memory) is reported on both backends.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import kit
+
+sys.path.insert(0, str(kit.BENCH))
+import packing  # noqa: E402 - bench/packing.py's /proc readings
+
+from salus.demo.jobs import Launched  # noqa: E402
+
+
+def device_bytes(pids: set[int]) -> tuple[int, list[int]]:
+    """(sum, per-process list) of NVML's used device memory of `pids` on every GPU, bytes."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        used = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in pids and proc.usedGpuMemory is not None:
+                    used.append(int(proc.usedGpuMemory))
+    finally:
+        pynvml.nvmlShutdown()
+    return sum(used), sorted(used, reverse=True)
+
+
+def _direct_cuda(models: int) -> tuple[int, list[int], int]:
+    """N processes holding one model each on cuda:0: (device bytes, per process, PSS)."""
+    procs = [kit.client("hold-infer") for _ in range(models)]
+    try:
+        for p in procs:
+            kit.wait_ready(p)
+        for p in procs:
+            kit.go(p)
+        pids = set()
+        for p in procs:
+            assert p.stdout is not None
+            pids.add(int(json.loads(p.stdout.readline())["pid"]))
+        total, each = device_bytes(pids)
+        pss = packing._group(sorted(pids))[0]
+    finally:
+        for p in procs:
+            kit.go(p)
+            p.wait(timeout=60)
+    return total, each, pss
+
+
+def measure(cuda: bool, small: bool) -> dict[str, Any]:
+    models = 4 if small else 16
+    out: dict[str, Any] = {"models": models, "anchor": "Salus: 42x fewer GPUs for inference "
+                                                      "(7x over MPS)"}
+    with (tempfile.TemporaryDirectory(prefix="salusd-kit-mem-") as tmp,
+          kit.daemon(Path(tmp), cuda=cuda, cpu_memory="2G") as d,
+          Launched(["infer-mlp"] * models, d.address, hold=True)):
+        tree = packing._tree(d.pid)
+        out["daemon_processes"] = len(tree)
+        out["daemon_pss_bytes"] = packing._group(tree)[0]
+        if cuda:
+            out["daemon_device_bytes"], out["daemon_device_bytes_by_process"] = device_bytes(
+                set(tree))
+    if cuda:
+        total, each, pss = _direct_cuda(models)
+        out["processes_device_bytes"], out["processes_device_bytes_by_process"] = total, each
+        out["processes_pss_bytes"] = pss
+        out["processes_over_daemon_device"] = total / max(1, out["daemon_device_bytes"])
+    else:
+        with Launched(["infer-mlp"] * models, "direct", hold=True) as group:
+            out["processes_pss_bytes"] = packing._group([r["pid"] for r in group.results])[0]
+        out["processes_over_daemon_device"] = kit.skipped("CPU run: no device memory; PSS only")
+    out["processes_over_daemon_pss"] = out["processes_pss_bytes"] / out["daemon_pss_bytes"]
+    return out
+
+
+def main() -> None:
+    args = kit.arguments(__doc__.splitlines()[0])
+    kit.emit(measure(kit.on_cuda(args.cpu), args.small))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The functions the kit's jobs run inside salusd's executors (shipped by value): each ends
+with `torch.cuda.synchronize()` on CUDA, because salusd does not synchronise at the end of a
+call yet, so a call's time is GPU time, not kernel-launch time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def device_of(s: Any) -> torch.device:
+    return next(s.model.parameters()).device
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the device's queued kernels (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(s: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One SGD step on mean-squared error; the loss."""
+    s.opt.zero_grad()
+    loss = nn.functional.mse_loss(s.model(x), y)
+    loss.backward()
+    s.opt.step()
+    settle(device_of(s))
+    return float(loss.detach())
+
+
+def infer(s: Any, x: torch.Tensor) -> float:
+    """One forward pass; the output's mean (a scalar, so the reply is small)."""
+    with torch.inference_mode():
+        out = s.model(x).mean()
+    settle(device_of(s))
+    return float(out)
+
+
+def allocate(s: Any, nbytes: int) -> int:
+    """Allocate and touch `nbytes` on the job's device; the bytes allocated."""
+    block = torch.ones(nbytes // 4, dtype=torch.float32, device=device_of(s))
+    settle(block.device)
+    return int(block.numel() * 4)
+
+
+def illegal_access(s: Any) -> str:
+    """Write far out of bounds on the job's CUDA device: a cupy kernel that writes 1 TiB past a
+    small buffer (an illegal-address fault), else torch indexing a tensor out of range with
+    kernel launches blocking (a device-side assert). Both poison this process's CUDA context."""
+    device = device_of(s)
+    try:
+        import cupy
+    except ImportError:
+        x = torch.zeros(16, device=device)
+        x[torch.tensor([1 << 40], device=device)] = 1.0
+        settle(device)
+        return "torch index out of range"
+    kernel = cupy.RawKernel(
+        'extern "C" __global__ void oob(float* p) { p[(1ull << 38) + threadIdx.x] = 1.0f; }',
+        "oob")
+    with cupy.cuda.Device(device.index or 0):
+        buf = cupy.zeros(16, dtype=cupy.float32)
+        kernel((1,), (32,), (buf,))
+        cupy.cuda.runtime.deviceSynchronize()
+    return "cupy kernel wrote out of bounds"
+
+
+def segfault(s: Any) -> None:
+    """Crash this executor with SIGSEGV (a null read), the CPU's analogue of a fatal fault."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def gang_train(s: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One replica's SGD step on its part of the batch, gradients averaged over the gang by
+    `s.comm` (ring all-reduce): equal to one step on the whole batch."""
+    s.opt.zero_grad()
+    loss = nn.functional.mse_loss(s.model(x), y)
+    loss.backward()
+    s.comm.all_reduce_gradients(s.model, algorithm="ring")
+    s.opt.step()
+    settle(device_of(s))
+    return float(loss.detach())

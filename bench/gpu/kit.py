@@ -1,0 +1,143 @@
+"""What every step of the GPU kit shares: its command line, whether it runs on CUDA, a salusd
+daemon as a child process, percentiles, and its one JSON object on stdout.
+
+Each step is a script (`python bench/gpu/STEP.py [--cpu] [--small]`) that prints one JSON
+object as its last stdout line; `run.py` runs them one by one, each under a time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+# `torch.cuda.is_available()` then asks NVML and leaves CUDA uninitialised in this process,
+# which may host a daemon that forks executors.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+BENCH = Path(__file__).resolve().parent.parent
+
+
+def arguments(description: str) -> argparse.Namespace:
+    """`--cpu` (CPU devices even where CUDA exists) and `--small` (the smallest sizes)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cpu", action="store_true", help="CPU devices only")
+    parser.add_argument("--small", action="store_true", help="smallest sizes (CI, --cpu)")
+    return parser.parse_args()
+
+
+def on_cuda(cpu: bool) -> bool:
+    """True when the step measures a CUDA device: not `--cpu` and torch sees one."""
+    if cpu:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def skipped(reason: str) -> dict[str, str]:
+    return {"skipped": reason}
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The step's result as the last line of stdout (NaN becomes null: JSON has no NaN)."""
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    sys.stdout.flush()
+    print(json.dumps(clean(result)), flush=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of `values`, NaN when there are fewer than 2."""
+    if len(values) < 2:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+class Daemon(NamedTuple):
+    address: str  # unix:///path
+    socket: Path
+    pid: int
+
+
+@contextlib.contextmanager
+def daemon(tmp: Path, *, cuda: bool, policy: str = "pack", cpu_devices: int = 1,
+           cpu_memory: str = "1G", env: dict[str, str] | None = None,
+           name: str = "salusd") -> Iterator[Daemon]:
+    """`salusd serve` as a child process for the body: on every CUDA device (`cuda`), else on
+    `cpu_devices` CPU devices of `cpu_memory` each with one thread per executor. Its output
+    goes to `tmp/NAME.log`, shown if it does not start within 90 s."""
+    sock, log = tmp / f"{name}.sock", tmp / f"{name}.log"
+    state = tmp / f"{name}-state"
+    state.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
+           "--state-dir", str(state), "--policy", policy, "--log-level", "warning",
+           "--http", "127.0.0.1:0"]
+    if not cuda:
+        cmd += ["--cpu-devices", str(cpu_devices), "--cpu-memory", cpu_memory,
+                "--cpu-threads", "1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + 90
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"salusd did not start; its log:\n{log.read_text()[-4000:]}")
+            time.sleep(0.05)
+        yield Daemon(f"unix://{sock}", sock, proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def client(*args: str) -> subprocess.Popen[str]:
+    """`python bench/gpu/clients.py ARGS...` (a job's client in its own process), with pipes:
+    it prints `ready`, waits for a line on stdin, runs, prints one JSON line."""
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("clients.py")),
+                             *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen[str]) -> None:
+    """Block until a client said `ready` (RuntimeError when it died first)."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != "ready":
+        raise RuntimeError(f"a client failed to start (exit {proc.poll()}, said {line!r})")
+
+
+def go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def result_of(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str, Any]:
+    """The client's JSON line, once it has ended."""
+    out, _ = proc.communicate(timeout=timeout_s)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"a client failed (exit {proc.returncode}): {out[-2000:]}")
+    parsed: dict[str, Any] = json.loads(lines[-1])
+    return parsed

@@ -1,0 +1,113 @@
+"""Switch latency A->B between two training jobs sharing one device's lane under `fair`, warm
+and after `suspend --swap` / resume (anchor: PipeSwitch's 3.6-6.6 ms start-up).
+
+bench/switch.py's method: an in-process daemon (the real engine, zygote and executors) on one
+device; two clients always have their next call queued, so every boundary is a switch, and
+the executors stamp each call's start and end on the machine's monotonic clock: a warm switch
+is `began(B) - ended(A)`. The jobs' functions end with `torch.cuda.synchronize()` (jobfns), so
+on CUDA `ended` is when the GPU finished, not when the kernels were queued; salusd itself does
+not synchronise. After swap: job B is suspended with its state moved to host memory, then
+resumed; the figure is `began(B's first call) - t(resume)`, which holds the swap-in and the
+wait for A's running call; the same without `--swap` is measured beside it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import kit
+
+sys.path.insert(0, str(kit.BENCH))
+import switch as base  # noqa: E402 - bench/switch.py's event reading
+
+from salus.daemon.control import Control  # noqa: E402
+from salus.daemon.daemon import Daemon, DaemonConfig  # noqa: E402
+from salus.daemon.devices import cpu_devices, cuda_devices  # noqa: E402
+
+
+def _first_call_after(daemon: Daemon, job_id: int, t: float) -> float | None:
+    for e in list(daemon.engine.events.recent):
+        if e.job_id == job_id and e.kind == "end" and (e.detail.get("began") or 0) > t:
+            return float(e.detail["began"])
+    return None
+
+
+def _resumes(daemon: Daemon, address: str, job_id: int, rounds: int, swap: bool) -> list[float]:
+    """Seconds from each resume to the job's first call after it."""
+    out = []
+    with Control(address) as ctl:
+        for _ in range(rounds):
+            ctl.suspend(str(job_id), swap=swap)
+            time.sleep(0.3)  # the suspension (and swap-out) takes effect at B's next boundary
+            t = time.monotonic()
+            ctl.resume(str(job_id))
+            began = None
+            while began is None and time.monotonic() - t < 5.0:
+                time.sleep(0.05)
+                began = _first_call_after(daemon, job_id, t)
+            if began is not None:
+                out.append(began - t)
+    return out
+
+
+def measure(cuda: bool, small: bool) -> dict[str, Any]:
+    width, rows = (1024, 256) if cuda else (64, 32)
+    rounds = 2 if small else 5
+    warm_s = 2.0 if small else 6.0
+    total = warm_s + rounds * 2 * 0.6 + 3.0
+    with tempfile.TemporaryDirectory(prefix="salusd-kit-switch-") as tmp:
+        devices = cuda_devices()[:1] if cuda else cpu_devices(1, 512 * 2**20)
+        config = DaemonConfig(str(Path(tmp) / "s.sock"), devices, "fair")
+        daemon = Daemon(config)
+        daemon.engine.events.recent = deque(maxlen=10**6)  # every call of the run, not 10k
+        daemon.start()
+        loop = threading.Thread(target=daemon.run, daemon=True)
+        loop.start()
+        address = f"unix://{config.socket_path}"
+        procs = [kit.client("train", address, n, str(total), str(width), str(rows))
+                 for n in ("a", "b")]
+        for p in procs:
+            kit.wait_ready(p)
+        for p in procs:
+            kit.go(p)
+        time.sleep(warm_s)
+        warm, same = base._gaps(daemon, {"a", "b"})
+        ids = {e.detail.get("name"): e.job_id for e in list(daemon.engine.events.recent)
+               if e.kind == "open"}
+        swapped = _resumes(daemon, address, ids["b"], rounds, swap=True)
+        resumed = _resumes(daemon, address, ids["b"], rounds, swap=False)
+        results = [kit.result_of(p) for p in procs]
+        daemon.request_stop()
+        loop.join(timeout=60)
+    return {
+        "device": devices[0].name,
+        "unit": "milliseconds",
+        "synchronised": "each call ends with torch.cuda.synchronize() in the job's function; "
+                        "salusd does not synchronise at call end" if cuda else "CPU: synchronous",
+        "warm_switches": len(warm),
+        "warm_switch_p50_ms": statistics.median(warm) * 1e3 if warm else None,
+        "warm_switch_p99_ms": kit.percentile(warm, 99) * 1e3,
+        "same_job_gap_p50_ms": statistics.median(same) * 1e3 if same else None,
+        "after_swap_resume_to_call_ms": [v * 1e3 for v in swapped],
+        "after_resume_no_swap_to_call_ms": [v * 1e3 for v in resumed],
+        "swap_over_no_swap": (statistics.median(swapped) / statistics.median(resumed)
+                              if swapped and resumed else None),
+        "client_errors": [r["error"] for r in results if r["error"]],
+        "anchor": "PipeSwitch start-up 3.6-6.6 ms (total switch 5.4-34.6 ms), V100/T4",
+    }
+
+
+def main() -> None:
+    args = kit.arguments(__doc__.splitlines()[0])
+    kit.emit(measure(kit.on_cuda(args.cpu), args.small))
+
+
+if __name__ == "__main__":
+    main()
