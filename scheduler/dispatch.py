@@ -156,6 +156,9 @@ class Dispatcher:
         self._reserved: dict[LaneKey, int] = {}
         self._reserved_at: dict[int, LaneKey] = {}  # gang -> the lane that picked it
         self._work: dict[int, _Work] = {}
+        #: counts changes of admission (jobs placed, moved, freed): a reader that reconciles
+        #: memory with the lanes need do it only when this moved
+        self.version = 0
 
     # ---- admission --------------------------------------------------------------------------
     def submit(self, job: Job, *, driven: bool = False, open_ended: bool = False) -> Update:
@@ -163,21 +166,26 @@ class Dispatcher:
         to run (the daemon drives a batch job's loop); an `open_ended` one ends when its caller
         says, not at `total_iterations` (which then only informs SRTF)."""
         made = self._sched.submit(job)
+        self.version += 1
         self._work[job.job_id] = _Work(driven, open_ended)
         return Update(tuple(made))
 
     def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> Update:
         """Re-admit with corrected sizes (bytes); ValueError, nothing changed, if never fits."""
-        return Update(tuple(self._sched.requeue(job_id, persistent_bytes, ephemeral_bytes)))
+        made = self._sched.requeue(job_id, persistent_bytes, ephemeral_bytes)
+        self.version += 1
+        return Update(tuple(made))
 
     def suspend(self, job_id: int) -> None:
         if self._sched.jobs[job_id].state != JobState.SUSPENDED:
             self._sched.suspend(job_id)
 
     def resume(self, job_id: int) -> Update:
+        self.version += 1
         return Update(tuple(self._sched.resume(job_id)))
 
     def swap_out(self, job_id: int) -> Update:
+        self.version += 1
         return Update(tuple(self._sched.swap_out(job_id)))
 
     def set_priority(self, job_id: int, priority: float) -> None:
@@ -188,6 +196,7 @@ class Dispatcher:
         assert not self._busy, "the policy changes only when no call runs"
         self._reserved.clear()
         self._reserved_at.clear()
+        self.version += 1
         return Update(tuple(self._sched.set_policy(policy)))
 
     def finish(self, job_id: int, state: JobState = JobState.FINISHED) -> Update:
@@ -199,6 +208,7 @@ class Dispatcher:
         for key in [k for k, j in self._reserved.items() if j == job_id]:
             del self._reserved[key]
         self._reserved_at.pop(job_id, None)
+        self.version += 1
         return Update(tuple(self._sched.finish(job_id, state)))
 
     def withdraw(self, job_id: int) -> None:
@@ -223,6 +233,7 @@ class Dispatcher:
             return self._account(event.job_id, event.iterations, event.seconds, started=True)
         if isinstance(event, RanUnderLease):
             return self._account(event.job_id, event.iterations, event.seconds, started=False)
+        self.version += 1
         self._sched.jobs.pop(event.job_id, None)
         self._work.pop(event.job_id, None)
         self._sched.swapped.discard(event.job_id)
@@ -247,6 +258,8 @@ class Dispatcher:
             job.total_iterations = max(job.total_iterations,
                                        job.done_iterations + iterations + 1)
         made = self._sched.iterations_done(job_id, iterations, seconds, measure=self._measure)
+        if job.done:
+            self.version += 1
         return Update(tuple(made), (job_id,) if job.done else ())
 
     # ---- leases -----------------------------------------------------------------------------

@@ -85,7 +85,9 @@ def measure_first(core: Core, record: JobRecord, what: str) -> None:
 
 def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int) -> None:
     """A call measured `peak` bytes above the job's resident state: a job over its lane
-    is re-admitted with that size (moved to a lane that holds it, or queued)."""
+    is re-admitted with that size (moved to a lane that holds it, or queued), and so is a job
+    alone in a lane sized by its first call's guess that the call needed less of. Both by more
+    than the measurement's noise (on the CPU, `RSS_NOISE_BYTES`)."""
     record.measured_peak = max(record.measured_peak or 0, peak)
     lane = core.dispatch.lane(key)
     job = core.dispatch.job(record.job_id)
@@ -93,8 +95,8 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int) -> None:
         return
     guessed, record.ephemeral_guessed = record.ephemeral_guessed, False
     slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
-    if guessed and lane.residents == (record.job_id,) and aligned(peak) < lane.size:
-        pass  # the lane was the first call's guess: made what the call measured
+    if guessed and lane.residents == (record.job_id,) and aligned(peak) + slack < lane.size:
+        pass  # the lane was the first call's guess, more than the call needs: made its size
     elif peak <= lane.size + slack:
         return
     log.info("job %d measured %d B ephemeral in its %d B lane: re-admitting",

@@ -26,6 +26,7 @@ class Stepper:
         self.core = core
         self.leases = leases
         self._last_memory: object = None
+        self._reconciled = -1  # the dispatcher's version the ledgers last matched
 
     def step(self) -> None:
         core = self.core
@@ -38,7 +39,6 @@ class Stepper:
             for start in core.dispatch.schedule():
                 self._start(start)
         self.leases.refresh()
-        self._memory_event()
 
     def _switch_if_quiet(self) -> None:
         core = self.core
@@ -62,6 +62,25 @@ class Stepper:
         """Reconcile the ledgers with the scheduler's admissions, and tell newly placed
         executors where they run."""
         core = self.core
+        if core.dispatch.version != self._reconciled:
+            self._reconcile()
+        placed, core.placed = core.placed, []
+        for p in placed:
+            core.event("admit", p.job_id, p.device, p.lane_id)
+            record = core.registry.live.get(p.job_id)
+            job = core.dispatch.job(p.job_id)
+            lanes = core.dispatch.gang_lanes(p.job_id)
+            if record is None or job is None or (p.device, p.lane_id) not in lanes:
+                continue  # ended, or placed again since
+            replica = lanes.index((p.device, p.lane_id))
+            core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
+                core.config.torch_devices[p.device], job.persistent_bytes + p.lane_bytes,
+                core.config.compute_slowdowns[p.device]))
+
+    def _reconcile(self) -> None:
+        """Make each device's ledger hold exactly the scheduler's bookings: every placed job's
+        persistent state and every lane."""
+        core = self.core
         for device, ledger in enumerate(core.ledgers):
             wanted: dict[tuple[str, int], int] = {}
             for lane in core.dispatch.lanes(device):
@@ -76,18 +95,8 @@ class Stepper:
             for key, size in wanted.items():
                 if ledger.size(key) is None:
                     ledger.place(key, size)
-        placed, core.placed = core.placed, []
-        for p in placed:
-            core.event("admit", p.job_id, p.device, p.lane_id)
-            record = core.registry.live.get(p.job_id)
-            job = core.dispatch.job(p.job_id)
-            lanes = core.dispatch.gang_lanes(p.job_id)
-            if record is None or job is None or (p.device, p.lane_id) not in lanes:
-                continue  # ended, or placed again since
-            replica = lanes.index((p.device, p.lane_id))
-            core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
-                core.config.torch_devices[p.device], job.persistent_bytes + p.lane_bytes,
-                core.config.compute_slowdowns[p.device]))
+        self._reconciled = core.dispatch.version
+        self._memory_event()
 
     def _start(self, start: Start) -> None:
         """Send the started job's next call (a batch job's next iteration) to its replicas."""

@@ -1,0 +1,63 @@
+"""First-call sizing through the real engine and the shared fake executor: a job admitted with
+a guess gets a lane of what its first call measured, beyond the measurement's noise."""
+
+from __future__ import annotations
+
+from fake_executor import FakeExecutors
+
+from salus.daemon.engine.engine import Engine
+from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.wire.executor_ops import Attached, CallDone, Place, Run
+from salus.daemon.wire.frames import json_frame
+
+MiB = 2**20
+
+
+class NoTimers:
+    def call_later(self, delay_s: float, fn: object) -> None:
+        pass
+
+
+def _measured_job(device: str, persistent: int) -> tuple[Engine, FakeExecutors, JobRecord]:
+    port = FakeExecutors()
+    engine = Engine([1024 * MiB], "pack", port, clock=lambda: 0.0, timers=NoTimers(),
+                    torch_devices=[device], estimate_first=False)
+    port.engine = engine
+    record = engine.open(Owner("u", 1000, 1000), "job", 100, None)
+    engine.attach(record, json_frame({}), lambda f: None)
+    port.answer(record.executor, Attached(persistent, 1, forward=True), json_frame({"ok": True}))
+    engine.call(record, json_frame({}), lambda f: None, counted=True)
+    return engine, port, record
+
+
+def _lane_bytes(engine: Engine, record: JobRecord) -> int:
+    (placed,) = engine.dispatch.placements(record.job_id)
+    return placed.lane_bytes
+
+
+def _answer_call(port: FakeExecutors, record: JobRecord, peak: int) -> None:
+    executor = record.executor
+    while not isinstance(executor.unanswered[0][0], Run):
+        port.answer(executor)  # the placement
+    port.answer(executor, CallDone(True, 0.01, peak, True, 1.0, 1.01, forward=True))
+
+
+def test_on_cuda_the_guess_is_the_state_and_the_lane_becomes_the_measured_peak() -> None:
+    engine, port, record = _measured_job("cuda:0", 64 * MiB)
+    assert _lane_bytes(engine, record) == 64 * MiB  # the guess: the state's size
+    _answer_call(port, record, 3 * MiB)
+    assert _lane_bytes(engine, record) == 3 * MiB
+    places = [m for m in record.executor.sent if isinstance(m, Place)]
+    assert places[-1].budget_bytes == 64 * MiB + 3 * MiB  # told its new budget
+    engine.check_invariants()
+
+
+def test_on_the_cpu_the_guess_is_small_and_noise_does_not_move_the_job() -> None:
+    engine, port, record = _measured_job("cpu", 183 * MiB)
+    assert _lane_bytes(engine, record) == 16 * MiB  # at most the noise allowance
+    _answer_call(port, record, 3 * MiB)  # under the guess by less than the noise
+    assert _lane_bytes(engine, record) == 16 * MiB
+    engine.call(record, json_frame({}), lambda f: None, counted=True)
+    _answer_call(port, record, 40 * MiB)  # over the lane by more than the noise: moved
+    assert _lane_bytes(engine, record) == 40 * MiB
+    engine.check_invariants()
