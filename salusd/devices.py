@@ -238,14 +238,15 @@ def _nvml_spec(nvml: Any, index: int, uuid: str, handle: Any, fraction: float) -
     # usedGpuMemory is None where NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)
     ours = sum(p.usedGpuMemory or 0 for p in processes if p.pid == os.getpid())
     others = [p for p in processes if p.pid != os.getpid()]
+    # NVML's v1 `used` is what processes allocated plus the driver's reserve: both are others'
     return _cuda_spec(index, uuid, name, int(memory.total), int(memory.used) - ours, fraction,
-                      f"{len(others)} other process(es) visible to NVML")
+                      f"the driver and {len(others)} other process(es) visible to NVML")
 
 
 def _cuda_spec(index: int, uuid: str, name: str, total: int, others: int, fraction: float,
                whose: str) -> DeviceSpec:
     budget = int(max(0, total - others) * fraction)
-    log.info("cuda:%d is %s (%s): %s in all, %s used at start by others (%s), budget %s "
+    log.info("cuda:%d is %s (%s): %s in all, %s in use at start by %s, budget %s "
              "(%.2f of the rest)", index, uuid, name, format_size(total), format_size(others),
              whose, format_size(budget), fraction)
     return DeviceSpec(index, "cuda", f"cuda:{index}", name, budget, uuid=uuid, total_bytes=total)
@@ -301,7 +302,7 @@ def parse_probe(stdout: str, fraction: float) -> list[DeviceSpec]:
             raise ValueError(f"count {report['count']} but {len(devices)} devices")
         return [_cuda_spec(i, _gpu_uuid(str(d["uuid"])), str(d["name"]), int(d["total_bytes"]),
                            int(d["total_bytes"]) - int(d["free_bytes"]), fraction,
-                           "with this probe's own context")
+                           "others and this probe's own context")
                 for i, d in enumerate(devices)]
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CudaProbeError(f"the torch.cuda probe printed what it should not "

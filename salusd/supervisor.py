@@ -10,9 +10,9 @@ On a GPU host the zygote, and so every executor, starts with `CUDA_VISIBLE_DEVIC
 daemon's GPUs by UUID in the daemon's order, so the daemon's `cuda:i` is every executor's
 `cuda:i` whatever CUDA's own order, and with `PYTORCH_NVML_BASED_CUDA_CHECK=1`, so that
 `torch.cuda.is_available()` before a fork does not initialise CUDA. Each `place` carries the
-GPU's UUID: an executor whose CUDA has not started narrows `CUDA_VISIBLE_DEVICES` to it and
-addresses it as `cuda:0` (`salusd/executor/visible.py`); torch reads the variable only when CUDA
-starts in the process (pytorch/pytorch#23544, and `torch.cuda.device_count`'s note).
+GPU's UUID, with which an executor whose CUDA has not started can narrow `CUDA_VISIBLE_DEVICES`
+to its own GPU (`salusd/executor/visible.py`; torch reads the variable only when CUDA starts in
+the process: pytorch/pytorch#23544).
 """
 
 from __future__ import annotations
