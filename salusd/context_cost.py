@@ -33,7 +33,7 @@ a = torch.ones(64, 64, device="cuda:0")
 (a @ a).sum().item()
 reserved = torch.cuda.memory_reserved(0)
 pynvml.nvmlInit()
-handle = pynvml.nvmlDeviceGetHandleByUUID(os.environ["CUDA_VISIBLE_DEVICES"])
+handle = pynvml.nvmlDeviceGetHandleByUUID(os.environ["CUDA_VISIBLE_DEVICES"].encode())
 used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
         if p.pid == os.getpid()]
 print(json.dumps({"used": used[0] if used else None, "reserved": reserved}))
