@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -250,3 +251,12 @@ def test_a_cuda_context_measures_between_100_mib_and_2_gib() -> None:
     cost = executor_cost(probed[0])
     assert cost.measured, cost.how
     assert 100 * 2**20 < cost.bytes < 2 * GIB
+
+
+def test_serve_refuses_a_gpu_memory_fraction_outside_zero_to_one(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(tmp_path / "s.sock"),
+         "--state-dir", str(tmp_path / "state"), "--gpu-memory-fraction", "1.5"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--gpu-memory-fraction must be in (0, 1], got 1.5" in done.stderr
