@@ -210,7 +210,8 @@ def nvml_devices(nvml: Any, fraction: float, visible: str | None,
                  order: str | None) -> list[DeviceSpec] | None:
     """CUDA devices through NVML (`nvml`: the pynvml module or a stand-in with its functions),
     by UUID: device i is the i-th GPU that `CUDA_VISIBLE_DEVICES` (`visible`) shows. None when
-    NVML does not start (no driver) or cannot resolve `visible` (see `visible_uuids`)."""
+    NVML does not start (no driver), fails on a GPU, or cannot resolve `visible` (see
+    `visible_uuids`)."""
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
@@ -224,6 +225,9 @@ def nvml_devices(nvml: Any, fraction: float, visible: str | None,
             return None
         return [_nvml_spec(nvml, i, uuid, handles[uuids.index(uuid)], fraction)
                 for i, uuid in enumerate(chosen)]
+    except nvml.NVMLError as exc:
+        log.warning("NVML could not describe the GPUs (%s): asking torch.cuda instead", exc)
+        return None
     finally:
         nvml.nvmlShutdown()
 

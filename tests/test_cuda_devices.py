@@ -133,6 +133,17 @@ def test_without_a_driver_nvml_finds_nothing_and_no_device_node_means_no_probe()
         assert cuda_devices(nvml=nvml) == []
 
 
+def test_an_nvml_error_on_a_gpu_leaves_the_answer_to_torch_cuda() -> None:
+    nvml = _two_gpus()
+
+    def lost(handle: int) -> SimpleNamespace:
+        raise NVMLError("GPU is lost")
+
+    nvml.nvmlDeviceGetMemoryInfo = lost
+    assert nvml_devices(nvml, 0.9, None, None) is None
+    assert nvml.calls == ["init", "shutdown"]
+
+
 def test_a_fraction_outside_zero_to_one_is_refused() -> None:
     with pytest.raises(ValueError, match="gpu-memory-fraction"):
         cuda_devices(1.5, nvml=_two_gpus())
