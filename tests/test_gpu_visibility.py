@@ -4,11 +4,15 @@ executors start with them in their environment exactly as on a GPU host."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
+from salus.daemon.devices import probe_cuda_devices
 from salus.daemon.executor.visible import BoundToAnotherGpu, device_for
 from salus.daemon.loop import Link, Loop
 from salus.daemon.supervisor import ExecutorHandle, Supervisor, executor_environment
@@ -98,3 +102,30 @@ def test_an_executor_whose_cuda_started_cannot_move_to_another_gpu() -> None:
     with pytest.raises(BoundToAnotherGpu, match=f"started on {A}; a job placed on {B} needs a "
                                                 "new executor"):
         device_for("cuda:1", B, cuda_started=True, environ={"CUDA_VISIBLE_DEVICES": A})
+
+
+NARROWED = """
+import os, sys, torch
+from salus.daemon.executor.visible import device_for
+torch.cuda.is_available()  # as an executor loading a job's state before its place may
+device = device_for(sys.argv[1], sys.argv[2], cuda_started=torch.cuda.is_initialized(),
+                    environ=os.environ)
+torch.ones(1, device=device)
+print(device, torch.cuda.device_count(), torch.cuda.get_device_properties(0).uuid)
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"), reason="needs a CUDA device")
+def test_a_narrowed_executor_sees_only_its_gpu_as_cuda_0() -> None:
+    gpus = probe_cuda_devices()
+    if not gpus:
+        pytest.skip("needs a CUDA device")
+    last = gpus[-1]
+    assert last.uuid is not None
+    env = executor_environment(os.environ, [g.uuid or "" for g in gpus])
+    done = subprocess.run([sys.executable, "-c", NARROWED, last.torch_device, last.uuid],
+                          env=env, capture_output=True, text=True, timeout=300, check=True)
+    device, count, uuid = done.stdout.split()
+    assert (device, count) == ("cuda:0", "1")
+    assert last.uuid.endswith(uuid)
