@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "as Sky Computing's experiments did, or give one factor per CPU device, "
                        "e.g. 1,1.8; a device's executors sleep (factor - 1) x the CPU time of "
                        "each call")
+    serve.add_argument("--gpu-memory-fraction", metavar="F", type=float, default=None,
+                       help="each GPU's budget: this fraction of its memory that other "
+                       "processes leave free at start (default 0.9)")
     serve.add_argument("--cpu-threads", metavar="N", type=int, default=None,
                        help="intra-op threads per torch op on CPU devices (default: half the "
                        "cores per CPU device, at least 1: lanes run in parallel and share them)")
@@ -220,6 +223,7 @@ def serve(args: argparse.Namespace) -> int:
     from salus.daemon.cluster import parse_cluster
     from salus.daemon.daemon import Daemon, DaemonConfig
     from salus.daemon.devices import (
+        SAFETY_FRACTION,
         cpu_threads_default,
         discover,
         format_size,
@@ -231,7 +235,9 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         memory = parse_size(args.cpu_memory) if args.cpu_memory else None
-        devices = discover(args.cpu_devices, memory)
+        devices = discover(args.cpu_devices, memory,
+                           gpu_fraction=SAFETY_FRACTION if args.gpu_memory_fraction is None
+                           else args.gpu_memory_fraction)
         if args.cpu_device_slowdown is not None:
             devices = with_cpu_slowdown(devices, args.cpu_device_slowdown)
         http = parse_listen(args.http)

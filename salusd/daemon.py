@@ -87,7 +87,8 @@ class Daemon:
         self.loop = Loop(time.monotonic)
         estimate_first = first_call_estimated(config.first_call, config.devices)
         self.supervisor = Supervisor(self.loop, standby=config.standby_executors,
-                                     threads=config.threads, estimate_first=estimate_first)
+                                     threads=config.threads, estimate_first=estimate_first,
+                                     gpu_uuids=[d.uuid for d in config.devices if d.uuid])
         self.store: Store | None = None
         checkpoints = data_cache = None
         if config.state_dir is not None:

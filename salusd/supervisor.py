@@ -5,6 +5,14 @@ An executor's death is known from two sources that arrive in either order: its s
 (end of stream) and the zygote reports its wait status. The job is failed once both are in, or
 `lost_after_s` seconds after the socket closed, with the reason a person can act on
 (`executor (pid 4242) died: signal 11 (SIGSEGV) while running job 7 in lane 0.3`).
+
+On a GPU host the zygote, and so every executor, starts with `CUDA_VISIBLE_DEVICES` set to the
+daemon's GPUs by UUID in the daemon's order, so the daemon's `cuda:i` is every executor's
+`cuda:i` whatever CUDA's own order, and with `PYTORCH_NVML_BASED_CUDA_CHECK=1`, so that
+`torch.cuda.is_available()` before a fork does not initialise CUDA. Each `place` carries the
+GPU's UUID, with which an executor whose CUDA has not started can narrow `CUDA_VISIBLE_DEVICES`
+to its own GPU (`salusd/executor/visible.py`; torch reads the variable only when CUDA starts in
+the process: pytorch/pytorch#23544).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +66,15 @@ def describe_status(status: int) -> str:
     return f"exit status {code}"
 
 
+def executor_environment(base: Mapping[str, str], gpu_uuids: Sequence[str]) -> dict[str, str]:
+    """The zygote's (so every executor's) environment: `base` with CUDA pinned to the daemon's
+    GPUs (`gpu_uuids`, in the daemon's device order; none on a CPU host)."""
+    env = {**base, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    if gpu_uuids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
+    return env
+
+
 def identity(owner: Owner) -> dict[str, Any]:
     """Who an owner's executor runs as: the owner's uid, gid and groups when the daemon is root,
     else the daemon's own user (it accepts jobs only from itself and root)."""
@@ -80,8 +97,9 @@ class Supervisor:
 
     def __init__(self, loop: Loop, *, standby: int = 2, lost_after_s: float = 2.0,
                  retire_after_s: float = 10.0, threads: int = 1,
-                 estimate_first: bool = True) -> None:
+                 estimate_first: bool = True, gpu_uuids: Sequence[str] = ()) -> None:
         self.loop = loop
+        self.gpu_uuids = tuple(gpu_uuids)  # the daemon's cuda:i is gpu_uuids[i]
         self.standby_size = standby
         self.lost_after_s = lost_after_s
         self.retire_after_s = retire_after_s
@@ -107,7 +125,8 @@ class Supervisor:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._zygote = subprocess.Popen(
             [sys.executable, "-m", "salus.daemon.executor.zygote", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            env=executor_environment(os.environ, self.gpu_uuids))
         theirs.close()
         self.zygote_ready = False
         self._zygote_link = self.loop.add(Link(ours, self._zygote_frame, self._zygote_closed))
@@ -186,9 +205,18 @@ class Supervisor:
 
     def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
         assert isinstance(executor, ExecutorHandle)
-        self.loop.send(executor.link, json_frame(meta))
+        self.loop.send(executor.link, json_frame(self._with_uuid(meta)))
         if frame is not None:
             self.loop.send(executor.link, frame)
+
+    def _with_uuid(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """A `place` on a GPU with that GPU's UUID added (the engine names devices by index)."""
+        device = meta.get("device")
+        if meta.get("op") != "place" or not isinstance(device, str) or not (
+                device.startswith("cuda:") and device[5:].isdigit()):
+            return meta
+        index = int(device[5:])
+        return {**meta, "uuid": self.gpu_uuids[index]} if index < len(self.gpu_uuids) else meta
 
     def kill(self, executor: object) -> None:
         assert isinstance(executor, ExecutorHandle)

@@ -4,12 +4,15 @@ executor, and its REST API and metrics, without loading any of torch.
 Importing any module of torch loads torch's compiled core (`torch/_C`, `libtorch*`), which
 then shows in the process's memory map (/proc/PID/maps). The job's executor, which runs torch,
 is checked the same way, so that the check is seen to find torch where it is loaded. The
-daemon is started with CPU devices: on a GPU host without nvidia-ml-py it would probe CUDA
-with torch (`salusd/devices.py`, `cuda_devices`)."""
+daemon is started with CPU devices; finding devices is checked on its own, down the path a GPU
+host without nvidia-ml-py takes (a `torch.cuda` probe in a subprocess)."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -32,6 +35,24 @@ def torch_files_mapped(pid: int) -> set[str]:
         fields = [line.split(maxsplit=5) for line in f]
     paths = {f[5].strip() for f in fields if len(f) == 6}  # the sixth field: the file, if any
     return {p for p in paths if p.startswith(TORCH_DIR) or "libtorch" in Path(p).name}
+
+
+FIND_DEVICES = """
+import json, os, sys
+from salus.daemon import devices
+exists = os.path.exists
+os.path.exists = lambda p: p == "/dev/nvidiactl" or exists(p)  # as on a GPU host
+probed = devices.probe_cuda_devices()
+found = devices.discover()
+print(json.dumps([len(probed), [d.kind for d in found], "torch" in sys.modules]))
+"""
+
+
+def test_finding_devices_never_imports_torch() -> None:
+    done = subprocess.run([sys.executable, "-c", FIND_DEVICES], capture_output=True, text=True,
+                          timeout=300, check=True)
+    gpus = torch.cuda.device_count()
+    assert json.loads(done.stdout) == [gpus, ["cuda"] * gpus or ["cpu"], False]
 
 
 def test_the_daemon_process_never_loads_torch(tmp_path: Path) -> None:

@@ -92,7 +92,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Estimate, maybe(st.booleans())),
     st.builds(Run, st.booleans(), maybe(st.booleans())),
     st.builds(Lease, st.booleans()),
-    st.builds(Place, texts, ints, floats),
+    st.builds(Place, texts, ints, floats, maybe(texts)),
     st.builds(Load, texts, texts, st.booleans(), maybe(st.builds(PipelineOptions, texts, ints)),
               maybe(st.builds(CachePlace, texts, ints)), maybe(texts), maybe(gangs)),
     st.builds(Restore, maybe(texts), maybe(gangs)),
@@ -164,6 +164,9 @@ def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
         "cache": None, "dir": None}
     assert encode(Place("cpu:1", 5 << 20, 2.0)) == {
         "op": "place", "device": "cpu:1", "budget_bytes": 5 << 20, "slowdown": 2.0}
+    assert encode(Place("cuda:1", 5 << 20, 1.0, "GPU-5e7a")) == {
+        "op": "place", "device": "cuda:1", "budget_bytes": 5 << 20, "slowdown": 1.0,
+        "uuid": "GPU-5e7a"}
     assert encode(CallDone(False, 0.0, None, False, None, None, empty=True)) == {
         "ok": False, "empty": True, "seconds": 0.0, "peak": None, "counted": False,
         "forward": False}

@@ -253,8 +253,9 @@ def _lease(d: Wire) -> Lease:
 
 def _place(d: Wire) -> Place:
     w = "'place'"
-    _only(d, w, _keys("op", "device", "budget_bytes", "slowdown"))
-    return Place(_str(d, w, "device"), _int(d, w, "budget_bytes"), _float(d, w, "slowdown"))
+    _only(d, w, _keys("op", "device", "budget_bytes", "slowdown", "uuid"))
+    return Place(_str(d, w, "device"), _int(d, w, "budget_bytes"), _float(d, w, "slowdown"),
+                 _maybe_str(d, w, "uuid"))
 
 
 def _load(d: Wire) -> Load:

@@ -144,7 +144,7 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Step: lambda m: {"op": "step"},
     Lease: lambda m: {"op": "lease", "granted": m.granted},
     Place: lambda m: {"op": "place", "device": m.device, "budget_bytes": m.budget_bytes,
-                      "slowdown": m.slowdown},
+                      "slowdown": m.slowdown, **({} if m.uuid is None else {"uuid": m.uuid})},
     Load: lambda m: _maybe_gang({
         "op": "load", "path": m.path, "function": m.function, "restore": m.restore,
         "pipeline": None if m.pipeline is None else {"placement": m.pipeline.placement,

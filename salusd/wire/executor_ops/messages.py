@@ -136,12 +136,15 @@ class Lease:
 @dataclass(frozen=True, slots=True)
 class Place:
     """Run on torch `device` within `budget_bytes` (persistent bytes plus the lane; enforced
-    on CUDA), slowed by the device's simulated `slowdown` factor (1.0: none)."""
+    on CUDA), slowed by the device's simulated `slowdown` factor (1.0: none). On a GPU, `uuid`
+    names it as NVML and `CUDA_VISIBLE_DEVICES` do ("GPU-…", filled in by the supervisor); None
+    leaves the key out."""
 
     op: ClassVar[str] = "place"
     device: str
     budget_bytes: int
     slowdown: float
+    uuid: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,131 @@
+"""Each executor sees the daemon's GPUs by UUID (`salusd/supervisor.py`) and, once placed, only
+its own (`salusd/executor/visible.py`). On the CPU the UUIDs are made up: the zygote and the
+executors start with them in their environment exactly as on a GPU host."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from salus.daemon.devices import probe_cuda_devices
+from salus.daemon.executor.visible import BoundToAnotherGpu, device_for
+from salus.daemon.loop import Link, Loop
+from salus.daemon.supervisor import ExecutorHandle, Supervisor, executor_environment
+from salus.daemon.wire.executor_ops import Lease, Place, decode_request, encode
+from salus.daemon.wire.frames import FrameReader
+
+A, B = "GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000"
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_the_executors_environment_lists_the_daemons_gpus_in_its_order() -> None:
+    env = executor_environment({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1,0"}, [B, A])
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": f"{B},{A}",
+                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    assert executor_environment({"PATH": "/bin"}, []) == {
+        "PATH": "/bin", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
+def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object]) -> dict[str, object]:
+    """What an executor receives when the engine sends it `meta` through `supervisor`."""
+    ours, theirs = socket.socketpair()
+    link = loop.add(Link(ours, lambda *_: None, lambda *_: None))
+    handle = ExecutorHandle(1, link)
+    supervisor.send(handle, meta, None)
+    loop.run_once(0.0)
+    reader = FrameReader(theirs)
+    frames: list[object] = []
+    deadline = time.monotonic() + 5
+    while not frames and time.monotonic() < deadline:
+        got, _ = reader.read(0.1)
+        frames += [f.json() for f in got]
+    loop.close(link, "done")
+    theirs.close()
+    (message,) = frames
+    assert isinstance(message, dict)
+    return message
+
+
+def test_a_place_on_a_gpu_carries_that_gpus_uuid() -> None:
+    loop = Loop(time.monotonic)
+    supervisor = Supervisor(loop, gpu_uuids=[A, B])
+    got = _sent(supervisor, loop, encode(Place("cuda:1", 5 << 20, 1.0)))
+    assert decode_request(got) == Place("cuda:1", 5 << 20, 1.0, B)
+    cpu = Supervisor(loop)
+    assert _sent(cpu, loop, encode(Place("cpu:0", 5 << 20, 1.0))) == encode(
+        Place("cpu:0", 5 << 20, 1.0))
+    assert _sent(supervisor, loop, encode(Lease(True))) == encode(Lease(True))
+
+
+@pytest.mark.slow
+def test_the_zygote_and_its_executors_start_with_the_gpus_by_uuid() -> None:
+    loop = Loop(time.monotonic)
+    supervisor = Supervisor(loop, standby=1, gpu_uuids=[B, A])
+    supervisor.start()
+    try:
+        supervisor.wait_ready()
+        deadline = time.monotonic() + 30
+        while supervisor._standby[0].pid is None and time.monotonic() < deadline:
+            loop.run_once(0.1)
+        assert supervisor._zygote is not None
+        for pid in (supervisor._zygote.pid, supervisor._standby[0].pid):
+            assert pid is not None
+            env = _environ(pid)
+            assert env["CUDA_VISIBLE_DEVICES"] == f"{B},{A}"
+            assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    finally:
+        supervisor.stop()
+
+
+def test_an_executor_narrows_to_its_gpu_before_cuda_starts() -> None:
+    environ = {"CUDA_VISIBLE_DEVICES": f"{A},{B}"}
+    assert device_for("cuda:1", B, cuda_started=False, environ=environ) == "cuda:0"
+    assert environ["CUDA_VISIBLE_DEVICES"] == B
+    assert device_for("cuda:1", B, cuda_started=True, environ=environ) == "cuda:0"
+    assert device_for("cpu:0", None, cuda_started=False, environ=environ) == "cpu:0"
+    assert environ["CUDA_VISIBLE_DEVICES"] == B
+
+
+def test_an_executor_whose_cuda_started_cannot_move_to_another_gpu() -> None:
+    wide = {"CUDA_VISIBLE_DEVICES": f"{A},{B}"}
+    assert device_for("cuda:1", B, cuda_started=True, environ=wide) == "cuda:1"  # not narrowed
+    with pytest.raises(BoundToAnotherGpu, match=f"started on {A}; a job placed on {B} needs a "
+                                                "new executor"):
+        device_for("cuda:1", B, cuda_started=True, environ={"CUDA_VISIBLE_DEVICES": A})
+
+
+NARROWED = """
+import os, sys, torch
+from salus.daemon.executor.visible import device_for
+torch.cuda.is_available()  # as an executor loading a job's state before its place may
+device = device_for(sys.argv[1], sys.argv[2], cuda_started=torch.cuda.is_initialized(),
+                    environ=os.environ)
+torch.ones(1, device=device)
+print(device, torch.cuda.device_count(), torch.cuda.get_device_properties(0).uuid)
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"), reason="needs a CUDA device")
+def test_a_narrowed_executor_sees_only_its_gpu_as_cuda_0() -> None:
+    gpus = probe_cuda_devices()
+    if not gpus:
+        pytest.skip("needs a CUDA device")
+    last = gpus[-1]
+    assert last.uuid is not None
+    env = executor_environment(os.environ, [g.uuid or "" for g in gpus])
+    done = subprocess.run([sys.executable, "-c", NARROWED, last.torch_device, last.uuid],
+                          env=env, capture_output=True, text=True, timeout=300, check=True)
+    device, count, uuid = done.stdout.split()
+    assert (device, count) == ("cuda:0", "1")
+    assert last.uuid.endswith(uuid)
