@@ -224,7 +224,7 @@ def test_nothing_to_load(tmp_path: Path) -> None:
     assert latest_iteration(tmp_path) is None
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_tensors_are_saved_from_the_host_and_recorded(tmp_path: Path) -> None:
     model = nn.Linear(4, 2).cuda()
