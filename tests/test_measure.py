@@ -220,6 +220,7 @@ def test_estimate_follows_foreach_optimizer_kernels() -> None:
     assert (estimates[1] > estimates[0]) == (measured[1] > measured[0])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_estimate_tracks_the_measured_peak_of_a_cuda_iteration() -> None:
     torch.manual_seed(0)
