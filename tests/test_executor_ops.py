@@ -108,7 +108,8 @@ def step_replies(draw: st.DrawFn) -> StepDone:
     return StepDone(ok, draw(floats), draw(maybe(ints)), draw(st.booleans()), draw(floats),
                     draw(floats), draw(ints), draw(maybe(floats)) if ok else None,
                     draw(maybe(floats | texts)), draw(maybe(texts)), draw(maybe(texts)),
-                    draw(maybe(counters)), draw(maybe(counters)), draw(st.booleans()))
+                    draw(maybe(counters)), draw(maybe(counters)), draw(st.booleans()),
+                    draw(st.booleans()))
 
 
 replies: st.SearchStrategy[Reply] = st.one_of(
@@ -121,10 +122,10 @@ replies: st.SearchStrategy[Reply] = st.one_of(
     st.builds(Checkpointed, ints, ints, floats, texts, floats, st.booleans()),
     st.builds(CallDone, st.booleans(), floats, maybe(ints), st.booleans(), maybe(floats),
               maybe(floats), maybe(texts), maybe(counters), maybe(counters), st.booleans(),
-              st.booleans()),
+              st.booleans(), st.booleans()),
     step_replies(),
     st.builds(Ready, st.booleans(), maybe(estimates)),
-    st.builds(Ran, ints, ints, ints, floats, maybe(ints), floats, floats),
+    st.builds(Ran, ints, ints, ints, floats, maybe(ints), floats, floats, st.booleans()),
 )
 
 
@@ -171,6 +172,9 @@ def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
         "ok": False, "empty": True, "seconds": 0.0, "peak": None, "counted": False,
         "forward": False}
     assert encode(Failed(None, forward=True)) == {"ok": False, "forward": True}
+    assert "oom" not in encode(CallDone(False, 0.0, 5, True, 1.0, 2.0, "boom"))
+    assert "oom" not in encode(StepDone(False, 0.1, 5, True, 1.0, 2.0, 3, message="boom"))
+    assert "oom" not in encode(Ran(1, 1, 1, 0.1, 5, 1.0, 2.0))
     assert encode(Ready(True, EstimateFailed("no"))) == {
         "op": "ready", "unsolicited": True, "counted": True,
         "estimate": {"ok": False, "reason": "no"}, "forward": False}
@@ -204,7 +208,26 @@ SAMPLES: list[Message] = [
     StepDone(False, 0.01, None, True, 1.0, 1.01, 3, message="boom", traceback="tb"),
     Ready(True, Estimated(4096, "fake-tensor")),
     Ran(3, 2, 1, 0.02, 4096, 1.0, 1.05),
+    CallDone(False, 0.01, 1 << 30, True, 1.0, 1.01, "OutOfMemoryError: CUDA out of memory",
+             oom=True),
+    StepDone(False, 0.01, 1 << 30, True, 1.0, 1.01, 3, message="oom", oom=True),
+    Ran(3, 2, 1, 0.02, 1 << 30, 1.0, 1.05, oom=True),
 ]
+
+
+def test_an_out_of_memory_failure_carries_its_flag_and_peak() -> None:
+    """`oom` is on the wire only when true; a false one is not a form the executor sends."""
+    call = encode(CallDone(False, 0.01, 1 << 30, True, 1.0, 1.01, "oom", oom=True))
+    assert call["oom"] is True and call["peak"] == 1 << 30
+    step = encode(StepDone(False, 0.01, 1 << 30, True, 1.0, 1.01, 3, message="oom", oom=True))
+    assert step["oom"] is True
+    ran = encode(Ran(2, 2, 1, 0.02, 1 << 30, 1.0, 1.05, oom=True))
+    assert ran["oom"] is True
+    for wire in (call, step, ran):
+        decoded = decode_reply(wire)
+        assert isinstance(decoded, CallDone | StepDone | Ran) and decoded.oom
+        with pytest.raises(ValueError, match="field 'oom' must be true"):
+            decode_reply({**wire, "oom": False})
 
 
 def _decode(wire: dict[str, Any], msg: Message) -> Message:

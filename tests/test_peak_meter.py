@@ -8,7 +8,6 @@ import mmap
 import os
 
 import pytest
-import torch
 
 from salus.daemon.executor.peak import PeakMeter
 
@@ -24,7 +23,7 @@ def _touch(nbytes: int) -> None:
 
 def _peaks(meter: PeakMeter) -> tuple[int, int]:
     """(peak of a call touching 96 MiB, peak of the next call touching nothing)."""
-    meter.set_baseline(torch.device("cpu"))
+    meter.set_baseline()
     meter.start()
     _touch(96 * MIB)
     big = meter.peak()
@@ -73,7 +72,7 @@ def test_pages_of_files_are_not_the_calls_memory(tmp_path) -> None:
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(32 * MIB))
     meter = PeakMeter()
-    meter.set_baseline(torch.device("cpu"))
+    meter.set_baseline()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
         meter.start()
         checksum = sum(view[i] for i in range(0, len(view), 4096))  # touch every page

@@ -277,6 +277,8 @@ class Executor:
             done, reply = run_call(self.runtime, self.queue.popleft(), forward=False)
             self._answer_client(reply)
             self._note_ran(done)
+            if done.oom:  # the daemon acts on it (moves or queues the job) without waiting
+                self._report_ran()
             self._refuse_busy_at_head()
         if self.queue and not self.lease and not self.asked:
             self.asked = True
@@ -323,7 +325,8 @@ def serve(sock: socket.socket) -> int:
 
 class _RanSoFar:
     """Leased calls since the last `Ran` report: calls, iterations, failures, the iterations'
-    seconds, the largest peak (bytes), the first call's start and the last one's end."""
+    seconds, the largest peak (bytes), the first call's start and the last one's end, and
+    whether one ran out of device memory."""
 
     def __init__(self, since: float, began: float | None) -> None:
         self.since = since  # when the first of them was noted (time.monotonic)
@@ -331,6 +334,7 @@ class _RanSoFar:
         self.seconds = 0.0
         self.peak: int | None = None
         self.began = self.ended = began if began is not None else 0.0
+        self.oom = False
 
     def add(self, done: CallDone) -> None:
         self.calls += 1
@@ -341,10 +345,11 @@ class _RanSoFar:
             self.peak = max(self.peak or 0, done.peak)
         if done.ended is not None:
             self.ended = done.ended
+        self.oom = self.oom or done.oom
 
     def report(self) -> Ran:
         return Ran(self.calls, self.iterations, self.failed, self.seconds, self.peak,
-                   self.began, self.ended)
+                   self.began, self.ended, self.oom)
 
 
 def _send(channel: Channel, reply: Reply, forward: Any) -> None:
@@ -373,7 +378,7 @@ def run_call(runtime: JobRuntime, request: Any, forward: bool) -> tuple[CallDone
     cache, comm = runtime.service_counters()
     message = None if ok else str(reply.get("message", ""))[:2000]
     return CallDone(ok, seconds, peak, counted, began, ended, message, cache, comm,
-                    forward=forward), reply
+                    forward=forward, oom=runtime.last_oom is not None), reply
 
 
 def estimate_call(runtime: JobRuntime, request: Any) -> Estimated | EstimateFailed:

@@ -5,8 +5,9 @@ hold, one gradient per requires-grad parameter that has none yet, and the optimi
 each optimizer's first ``step()`` will create (predicted by stepping a fake copy). Before a job's
 first call is admitted, `estimate_call_peak` runs the user's function on fake copies of the
 state and arguments (``FakeTensorMode``: shapes, dtypes and devices but no data, no real
-compute) under a `StorageTracker`; real calls' peaks are measured by `peak.PeakMeter`. The
-zygote calls `warm_up` once, so that forked executors find this machinery initialised.
+compute) under a `StorageTracker`; real calls' peaks are measured by `peak.PeakMeter` (on a
+CUDA device by `cuda_call.CudaCall`). The zygote calls `warm_up` once, so that forked executors
+find this machinery initialised.
 
 What the tracker sees: every tensor storage created by an operator while it is active, at the
 dispatcher level, with its exact byte size. It does not see allocator rounding (the CUDA caching

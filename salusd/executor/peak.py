@@ -1,4 +1,4 @@
-"""Cheap per-call memory peaks of an executor process (bytes).
+"""Cheap per-call memory peaks of an executor process on a CPU device (bytes).
 
 One executor holds one job, so its process memory is the job's: on the CPU the peak resident
 set during a call (its high-water mark, reset before the call through `/proc/self/clear_refs`)
@@ -10,16 +10,14 @@ the two agree and keeps to /proc where they do not. Pages of files count in the 
 too: a forked executor's first step faults in about 15 MiB of libtorch's code (measured), which
 is not the job's memory. So whenever a call's peak is higher than any seen before, the meter
 reads how much file-backed memory (`RssFile`) grew and moves it into the baseline; calls at an
-already seen peak cost no /proc read. On CUDA the caching allocator's peak
-(`torch.cuda.max_memory_allocated`, reset before the call) is used instead.
+already seen peak cost no /proc read. On a CUDA device the caching allocator's reserved peak
+is used instead (`cuda_call.py`).
 """
 
 from __future__ import annotations
 
 import os
 import resource
-
-import torch
 
 
 class _ProcStatus:
@@ -40,7 +38,6 @@ class PeakMeter:
     """Measures each call's peak above a baseline taken with the job's state in place."""
 
     def __init__(self) -> None:
-        self.device: torch.device = torch.device("cpu")
         self.baseline = 0
         self._file = 0  # file-backed resident bytes counted in the baseline
         self._seen = 0  # the highest peak checked for file pages since the baseline
@@ -59,26 +56,18 @@ class PeakMeter:
         hwm = self._status.kib(b"VmHWM:")
         return abs(_maxrss_kib() - hwm) <= 1024
 
-    def set_baseline(self, device: torch.device) -> None:
-        """Call once the state is in place on `device` (and again after it moves)."""
-        self.device = device
-        if device.type == "cuda":
-            self.baseline = torch.cuda.memory_allocated(device)
-        else:
-            self.baseline = self._status.kib(b"VmRSS:") * 1024
-            self._file = self._status.kib(b"RssFile:") * 1024
-            self._seen = 0
+    def set_baseline(self) -> None:
+        """Call once the state is in place (and again after it moves)."""
+        self.baseline = self._status.kib(b"VmRSS:") * 1024
+        self._file = self._status.kib(b"RssFile:") * 1024
+        self._seen = 0
 
     def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self._clear >= 0:
+        if self._clear >= 0:
             os.write(self._clear, b"5")
 
     def peak(self) -> int | None:
         """Bytes above the baseline at the call's peak; None where it cannot be measured."""
-        if self.device.type == "cuda":
-            return max(0, torch.cuda.max_memory_allocated(self.device) - self.baseline)
         if self._clear < 0:
             return None
         kib = _maxrss_kib() if self._rusage else self._status.kib(b"VmHWM:")

@@ -7,7 +7,9 @@ call only: the state stays as the exception left it, as in a loop that caught it
 
 Random numbers: the executor is the job's own process, so torch's generator is the job's own.
 A call that carries the client's generator state sets it first; a reply carries the job's state
-back whenever the call drew from it, so the client and the job share one stream.
+back whenever the call drew from it, so the client and the job share one stream. On a CUDA
+device the job's CUDA generator state is kept with the job and set around each call
+(`cuda_call.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.utils._pytree import tree_map
 
 from salus.daemon.executor import checkpoint, context, gang
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
+from salus.daemon.executor.cuda_call import CudaCall
 from salus.daemon.executor.measure import (
     EstimationError,
     estimate_call_peak,
@@ -36,6 +39,7 @@ from salus.daemon.executor.measure import (
     state_bytes,
 )
 from salus.daemon.executor.peak import PeakMeter
+from salus.daemon.executor.state_move import move_state
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.slowdown import ComputeSlowdown
 from salus.daemon.wire import compact
@@ -102,8 +106,11 @@ class JobRuntime:
         self.functions: dict[int, Callable[..., Any]] = {}
         self.kinds: dict[int, str] = {}  # function id -> "iteration" or "function"
         self.device = torch.device("cpu")
-        self.meter = PeakMeter()
+        self.meter = PeakMeter()  # peaks on a CPU device
+        self.cuda: CudaCall | None = None  # the calls' CUDA side, while on a CUDA device
+        self.cuda_rng: torch.Tensor | None = None  # the job's CUDA generator between calls
         self.last_span = (0.0, 0.0)
+        self.last_oom: int | None = None  # the last call's peak when it ran out of memory
         self._held = 0
         self._settled = False
         self.iterations = 0  # counted calls run: a checkpoint's iteration
@@ -164,6 +171,7 @@ class JobRuntime:
         the call drew before it failed, as a loop that caught the exception would go on)."""
         start = time.perf_counter()
         before: torch.Tensor | None = None
+        self.last_oom = None
         try:
             fn, args, kwargs = self._decode_call(request)
             if self.gang is not None:  # this replica's part of the client's arguments
@@ -176,7 +184,7 @@ class JobRuntime:
             after = torch.get_rng_state()
             if before is not None and not torch.equal(before, after):
                 reply["rng"] = after
-            return reply, time.perf_counter() - start, None
+            return reply, time.perf_counter() - start, self.last_oom
         after = torch.get_rng_state()
         rng = None if torch.equal(before, after) else after
         return result_message(request, result, rng), time.perf_counter() - start, peak
@@ -185,14 +193,27 @@ class JobRuntime:
                 slowed: bool = True) -> tuple[Any, int | None]:
         """`fn(s, *args, **kwargs)` on the job's device, with its peak measured, and slowed by
         the device's simulated slowdown unless `slowed` is False (a pipeline step slows each
-        of its computations itself)."""
-        args, kwargs = _to_device((args, kwargs), self.device)
-        self.meter.start()
-        began = time.monotonic()
-        with self.slowdown if slowed else contextlib.nullcontext():
-            result = fn(self.state, *args, **kwargs)
+        of its computations itself). On a CUDA device it ends when the GPU finished; when it
+        runs out of device memory, `last_oom` is the peak it reached."""
+        cuda = self.cuda
+        if cuda is None:
+            self.meter.start()
+        else:
+            cuda.begin(self.cuda_rng)
+        try:
+            args, kwargs = _to_device((args, kwargs), self.device)
+            began = time.monotonic()
+            with self.slowdown if slowed else contextlib.nullcontext():
+                result = fn(self.state, *args, **kwargs)
+            if cuda is not None:
+                self.cuda_rng = cuda.finish()
+        except BaseException as exc:
+            if cuda is not None:
+                rng, self.last_oom = cuda.failed(exc)
+                self.cuda_rng = self.cuda_rng if rng is None else rng
+            raise
         self.last_span = (began, time.monotonic())
-        return result, self._settle(self.meter.peak())
+        return result, self._settle(self.meter.peak() if cuda is None else cuda.peak())
 
     # ---- batch jobs and checkpoints -----------------------------------------------------------
     def load(self, request: Load) -> Loaded:
@@ -236,8 +257,9 @@ class JobRuntime:
         if self.comm is not None and payload.get("comm"):
             self.comm.restore_state(payload["comm"])  # sharded optimizer state, residuals
         torch.set_rng_state(payload["rng"]["cpu"])
-        if torch.cuda.is_available() and payload["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+        cuda_rng = payload["rng"].get("cuda")
+        if isinstance(cuda_rng, torch.Tensor):
+            self.cuda_rng = cuda_rng
         self.iterations = int(payload["iterations"])
         return Loaded(state_bytes(self._objects().values()), self.iterations)
 
@@ -247,9 +269,7 @@ class JobRuntime:
             "objects": self._objects(),
             "functions": ({} if self.batch is not None else
                           {fid: (self.kinds[fid], fn) for fid, fn in self.functions.items()}),
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized()
-                    else []},
+            "rng": {"cpu": torch.get_rng_state(), "cuda": self.cuda_rng},
             "iterations": self.iterations,
             "cursor": self.cursor.state() if self.cursor is not None else None,
             "comm": self.comm.checkpoint_state() if self.comm is not None else None,
@@ -271,6 +291,7 @@ class JobRuntime:
         trace: str | None = None
         cache: dict[str, Any] | None = None
         comm: dict[str, Any] | None = None
+        self.last_oom = None
         try:
             batch = self.cursor.next()
             if self.gang is not None and not self.batch.pipelined and not getattr(
@@ -286,11 +307,12 @@ class JobRuntime:
                 value = self.batch.evaluate(self.state)
                 evaluation = scalar(value) if scalar(value) is not None else str(value)[:200]
         except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the job
-            ok, peak, message, trace = False, None, error_text(exc), call_error(exc)["traceback"]
+            ok, peak, message = False, self.last_oom, error_text(exc)
+            trace = call_error(exc)["traceback"]
         began, ended = self.last_span
         return StepDone(ok, time.perf_counter() - start, peak, is_iteration(None, self.kinds),
                         began, ended, self.iterations, loss, evaluation, message, trace, cache,
-                        comm)
+                        comm, oom=self.last_oom is not None)
 
     def _join(self, place: GangPlace | None) -> gang.GangSpec | None:
         """Join the gang's process group once, for a replica told its `place` (None: no
@@ -316,7 +338,7 @@ class JobRuntime:
         self.names = list(objects)
         if self.comm is not None:
             self.state.comm = self.comm
-        self.meter.set_baseline(self.device)
+        self._baseline()
         self._held = held_bytes(objects.values())
         self._settled = False
 
@@ -326,9 +348,19 @@ class JobRuntime:
         if self._settled or peak is None:
             return peak
         self._settled = True
-        grown = max(0, held_bytes(self._objects().values()) - self._held)
-        self.meter.baseline += grown
+        if self.cuda is not None:
+            grown = self.cuda.persist()
+        else:
+            grown = max(0, held_bytes(self._objects().values()) - self._held)
+            self.meter.baseline += grown
         return max(0, peak - grown)
+
+    def _baseline(self) -> None:
+        """Take the peak's baseline, with the state in place on its device."""
+        if self.cuda is not None:
+            self.cuda.hold()
+        else:
+            self.meter.set_baseline()
 
     def pull(self, request: dict[str, Any]) -> Any:
         names = request.get("names") or self.names
@@ -347,39 +379,36 @@ class JobRuntime:
         return {"ok": True, "result": Pickled(out, "the job's state")}
 
     def place(self, device: str, budget_bytes: int, slowdown: float = 1.0) -> None:
-        """Move the state to `device` and, on CUDA, cap this process's allocations at
+        """Move the state to `device` and, on CUDA, cap this process's reserved memory at
         `budget_bytes` (the job's persistent bytes plus its lane); the job's calls are slowed
         by the device's simulated `slowdown` factor from now on."""
         target = torch.device(device)
         self.budget_bytes, self.slowdown.factor = budget_bytes, slowdown
+        cuda = None
         if target.type == "cuda":
+            if target.index is None:
+                target = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(target)
             total = torch.cuda.get_device_properties(target).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), target)
+            cuda = CudaCall(target, min(budget_bytes, total))
         if target != self.device:
             self._move(target)
-        self.meter.set_baseline(target)
+        self.cuda = cuda
+        self._baseline()
 
     def swap_out(self) -> None:
         """Move the state to host memory (a no-op for a CPU device, whose budget the daemon
-        has already released)."""
+        has already released); from a CUDA device through pinned buffers (`transfer.py`)."""
         if self.device.type != "cpu":
             self._move(torch.device("cpu"))
+            self.cuda = None
             torch.cuda.empty_cache()
 
     # ---- internals --------------------------------------------------------------------------
     def _move(self, device: torch.device) -> None:
-        for name in self.names:
-            obj = getattr(self.state, name)
-            if isinstance(obj, nn.Module):
-                obj.to(device)
-            elif isinstance(obj, torch.Tensor):
-                setattr(self.state, name, obj.to(device))
-            elif isinstance(obj, torch.optim.Optimizer):
-                for entry in obj.state.values():
-                    for key, value in entry.items():
-                        if isinstance(value, torch.Tensor) and key != "step":
-                            entry[key] = value.to(device)
+        """Every tensor of the job's objects to `device`, in place (`state_move.py`)."""
+        move_state(self._objects().values(), device)
         self.device = device
 
     def _decode_call(self, request: Any) -> tuple[Callable[..., Any], tuple[Any, ...],

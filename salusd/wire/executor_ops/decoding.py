@@ -321,10 +321,17 @@ def _decode_estimate(d: Wire, what: str, keys: frozenset[str]) -> Estimated | Es
 
 _ESTIMATE_KEYS = _keys("ok", "bytes", "method", "reason")
 _CALL_DONE_KEYS = _keys("ok", "seconds", "peak", "counted", "began", "ended", "message",
-                        "cache", "comm", "empty", "forward")
+                        "cache", "comm", "empty", "forward", "oom")
 _STEP_DONE_KEYS = _keys("ok", "seconds", "peak", "counted", "began", "ended", "iteration",
                         "loss", "evaluation", "message", "traceback", "cache", "comm",
-                        "forward")
+                        "forward", "oom")
+
+
+def _oom(d: Wire, what: str) -> bool:
+    """The `oom` flag: true, or left out (False)."""
+    if "oom" in d:
+        _true(d, what, "oom")
+    return "oom" in d
 
 
 def _call_done_reply(d: Wire) -> CallDone:
@@ -336,7 +343,7 @@ def _call_done_reply(d: Wire) -> CallDone:
                     _bool(d, w, "counted"), _maybe_float(d, w, "began"),
                     _maybe_float(d, w, "ended"), _maybe_str(d, w, "message"),
                     _maybe_dict(d, w, "cache"), _maybe_dict(d, w, "comm"), "empty" in d,
-                    _bool(d, w, "forward"))
+                    _bool(d, w, "forward"), _oom(d, w))
 
 
 def _step_done_reply(d: Wire) -> StepDone:
@@ -357,7 +364,7 @@ def _step_done_reply(d: Wire) -> StepDone:
                     _bool(d, w, "counted"), _float(d, w, "began"), _float(d, w, "ended"),
                     _int(d, w, "iteration"), loss, evaluation, _maybe_str(d, w, "message"),
                     _maybe_str(d, w, "traceback"), _maybe_dict(d, w, "cache"),
-                    _maybe_dict(d, w, "comm"), _bool(d, w, "forward"))
+                    _maybe_dict(d, w, "comm"), _bool(d, w, "forward"), _oom(d, w))
 
 
 def _ready_reply(d: Wire) -> Ready:
@@ -378,11 +385,11 @@ def _ready_reply(d: Wire) -> Ready:
 def _ran_reply(d: Wire) -> Ran:
     w = "'ran'"
     _only(d, w, _keys("op", "unsolicited", "calls", "iterations", "failed", "seconds", "peak",
-                      "began", "ended", "forward"))
+                      "began", "ended", "forward", "oom"))
     _false(d, w, "forward")
     return Ran(_int(d, w, "calls"), _int(d, w, "iterations"), _int(d, w, "failed"),
                _float(d, w, "seconds"), _int_or_none(d, w, "peak"), _float(d, w, "began"),
-               _float(d, w, "ended"))
+               _float(d, w, "ended"), _oom(d, w))
 
 
 def _plain_reply(d: Wire, w: str, keys: frozenset[str]) -> bool:

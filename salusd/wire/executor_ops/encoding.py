@@ -98,6 +98,8 @@ def _call_done(m: CallDone) -> Wire:
         out["comm"] = m.comm
     if m.message is not None:
         out["message"] = m.message
+    if m.oom:
+        out["oom"] = True
     out["counted"] = m.counted
     out["forward"] = m.forward
     return out
@@ -118,8 +120,20 @@ def _step_done(m: StepDone) -> Wire:
         out["comm"] = m.comm
     if m.evaluation is not None:
         out["evaluation"] = m.evaluation
+    if m.oom:
+        out["oom"] = True
     out.update(seconds=m.seconds, began=m.began, ended=m.ended, iteration=m.iteration,
                counted=m.counted, forward=m.forward)
+    return out
+
+
+def _ran(m: Ran) -> Wire:
+    out: Wire = {"op": "ran", "unsolicited": True, "calls": m.calls, "iterations": m.iterations,
+                 "failed": m.failed, "seconds": m.seconds, "peak": m.peak, "began": m.began,
+                 "ended": m.ended}
+    if m.oom:
+        out["oom"] = True
+    out["forward"] = False
     return out
 
 
@@ -171,7 +185,5 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     CallDone: _call_done,
     StepDone: _step_done,
     Ready: _ready,
-    Ran: lambda m: {"op": "ran", "unsolicited": True, "calls": m.calls,
-                    "iterations": m.iterations, "failed": m.failed, "seconds": m.seconds,
-                    "peak": m.peak, "began": m.began, "ended": m.ended, "forward": False},
+    Ran: _ran,
 }

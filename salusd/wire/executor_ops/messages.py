@@ -285,7 +285,8 @@ class CallDone:
     (None: not measured), whether it was an iteration (`counted`), when the function `began`
     and `ended`; `message` when it failed; the job's data cache and `s.comm` counters where it
     uses them. `empty`: the call had already run under a lease, and nothing ran now (`began`
-    and `ended` are None)."""
+    and `ended` are None). `oom`: the call failed out of device memory; `peak` is then what it
+    reached, at least its cap (it needs more), left out of the wire when False."""
 
     ok: bool
     seconds: float
@@ -298,13 +299,15 @@ class CallDone:
     comm: dict[str, Any] | None = None
     empty: bool = False
     forward: bool = False
+    oom: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class StepDone:
     """A batch job's `Step` returned: as `CallDone`, with the job's `iteration` count after it,
     its `loss` (None when not one number; only when `ok`), its `evaluation` (every N
-    iterations, a number or text) and, when its code raised, the `message` and `traceback`."""
+    iterations, a number or text) and, when its code raised, the `message` and `traceback`;
+    `oom` as in `CallDone`."""
 
     ok: bool
     seconds: float
@@ -320,6 +323,7 @@ class StepDone:
     cache: dict[str, Any] | None = None
     comm: dict[str, Any] | None = None
     forward: bool = False
+    oom: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +339,8 @@ class Ready:
 class Ran:
     """Unsolicited: `calls` ran under the lease (`iterations` of them iterations, `failed`
     failed), the iterations taking `seconds` in all, the largest `peak` (bytes; None: none
-    measured); the first `began` and the last `ended`."""
+    measured); the first `began` and the last `ended`; `oom`: one of them failed out of device
+    memory (`peak` is then at least its cap; left out of the wire when False)."""
 
     calls: int
     iterations: int
@@ -344,6 +349,7 @@ class Ran:
     peak: int | None
     began: float
     ended: float
+    oom: bool = False
 
 
 Reply = (Ack | Failed | Estimated | EstimateFailed | Attached | Loaded | Checkpointed | CallDone

@@ -1,0 +1,84 @@
+"""What a call on a CUDA device adds around the job's function: its generator, its end, its peak.
+
+- **Random state.** The job's CUDA generator state is set on its device before the call and
+  read back after it, so jobs that share a process keep their own dropout streams.
+- **GPU time.** Kernel launches are asynchronous: the call ends with a synchronisation of the
+  job's device, so its `ended`, its seconds and the lane's next call measure and follow the GPU
+  work, not the launches.
+- **Peaks in reserved bytes.** `set_per_process_memory_fraction` caps the caching allocator's
+  reserved segments, not the bytes of live tensors, so a call's peak is
+  `torch.cuda.max_memory_reserved` (reset at its start) less the reserved bytes the job's state
+  holds (taken with the cache emptied, so that only the state's segments count).
+- **Out of memory.** A `torch.cuda.OutOfMemoryError` reports the peak the call had reached, at
+  least the cap it hit, and frees the cached blocks it left behind.
+
+The executor holds one only while the job is on a CUDA device; on the CPU nothing of this runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class CudaCall:
+    """The CUDA side of the job's calls on `device` (a CUDA device with its index), where the
+    process may reserve `cap_bytes` (its `set_per_process_memory_fraction`)."""
+
+    def __init__(self, device: torch.device, cap_bytes: int) -> None:
+        self.device = device
+        self.cap_bytes = cap_bytes
+        self.baseline = 0  # reserved bytes the job's state holds
+
+    def hold(self) -> None:
+        """Take the baseline: call once the state is in place (and again after it moves)."""
+        torch.cuda.empty_cache()
+        self.baseline = torch.cuda.memory_reserved(self.device)
+
+    def persist(self) -> int:
+        """The state grew during the first call (gradients, optimizer state): move the
+        reserved bytes it now holds into the baseline; returns them (bytes)."""
+        before = self.baseline
+        self.hold()
+        self.baseline = max(before, self.baseline)
+        return self.baseline - before
+
+    def begin(self, rng: torch.Tensor | None) -> None:
+        """Before the call: the job's generator state `rng` (None: the device's as it is),
+        and the peak's starting point."""
+        if rng is not None:
+            torch.cuda.set_rng_state(rng, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def finish(self) -> torch.Tensor:
+        """After the call returned: wait for its kernels; returns the job's generator state."""
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.get_rng_state(self.device)
+
+    def peak(self) -> int:
+        """The call's peak above the state (bytes reserved)."""
+        return max(0, torch.cuda.max_memory_reserved(self.device) - self.baseline)
+
+    def failed(self, exc: BaseException) -> tuple[torch.Tensor | None, int | None]:
+        """After the call raised `exc`: (the job's generator state, None where it cannot be
+        read; where `exc` is an out-of-memory error, the peak above the state (see
+        `oom_peak`), else None)."""
+        rng = None
+        # A CUDA error that ended the call can fail these too; the call's own error is reported.
+        with contextlib.suppress(RuntimeError):
+            torch.cuda.synchronize(self.device)
+            rng = torch.cuda.get_rng_state(self.device)
+        if not isinstance(exc, torch.cuda.OutOfMemoryError):
+            return rng, None
+        reached = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return rng, oom_peak(reached, self.cap_bytes, self.baseline)
+
+
+def oom_peak(reached: int, cap_bytes: int, baseline: int) -> int:
+    """The peak (bytes above `baseline`) to report for a call that ran out of memory after
+    reserving `reached` bytes under a cap of `cap_bytes`: at least the cap, since the call
+    needed more than the process could reserve (where others filled the device first, the
+    cap overstates it; the call still needs more than `reached`)."""
+    return max(0, max(reached, cap_bytes) - baseline)
