@@ -61,3 +61,21 @@ def test_on_the_cpu_the_guess_is_small_and_noise_does_not_move_the_job() -> None
     _answer_call(port, record, 40 * MiB)  # over the lane by more than the noise: moved
     assert _lane_bytes(engine, record) == 40 * MiB
     engine.check_invariants()
+
+
+def test_a_call_out_of_device_memory_re_admits_its_job_with_twice_its_lane() -> None:
+    engine, port, record = _measured_job("cuda:0", 64 * MiB)
+    _answer_call(port, record, 8 * MiB)  # the first call sizes the lane: 8 MiB
+    assert _lane_bytes(engine, record) == 8 * MiB
+    engine.call(record, json_frame({}), lambda f: None, counted=True)
+    executor = record.executor
+    while not isinstance(executor.unanswered[0][0], Run):
+        port.answer(executor)
+    # The cap was hit: the peak is a lower bound (the lane), and the call failed.
+    port.answer(executor, CallDone(False, 0.01, 8 * MiB, True, None, None, "OutOfMemoryError",
+                                   oom=True, forward=True))
+    assert record.live, record.reason
+    assert _lane_bytes(engine, record) == 16 * MiB
+    job = engine.dispatch.job(record.job_id)
+    assert job is not None and job.done_iterations == 1  # the failed call is no iteration
+    engine.check_invariants()

@@ -83,11 +83,14 @@ def measure_first(core: Core, record: JobRecord, what: str) -> None:
     estimated(core, record, {"ok": False, "reason": reason})
 
 
-def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int) -> None:
+def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
+               oom: bool = False) -> None:
     """A call measured `peak` bytes above the job's resident state: a job over its lane
     is re-admitted with that size (moved to a lane that holds it, or queued), and so is a job
     alone in a lane sized by its first call's guess that the call needed less of. Both by more
-    than the measurement's noise (on the CPU, `RSS_NOISE_BYTES`)."""
+    than the measurement's noise (on the CPU, `RSS_NOISE_BYTES`). A call that ran out of device
+    memory (`oom`) measured only a lower bound: the job is re-admitted with twice its lane, or
+    its peak if more."""
     record.measured_peak = max(record.measured_peak or 0, peak)
     lane = core.dispatch.lane(key)
     job = core.dispatch.job(record.job_id)
@@ -95,7 +98,9 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int) -> None:
         return
     guessed, record.ephemeral_guessed = record.ephemeral_guessed, False
     slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
-    if guessed and lane.residents == (record.job_id,) and aligned(peak) + slack < lane.size:
+    if oom:
+        peak = max(peak, 2 * lane.size)
+    elif guessed and lane.residents == (record.job_id,) and aligned(peak) + slack < lane.size:
         pass  # the lane was the first call's guess, more than the call needs: made its size
     elif peak <= lane.size + slack:
         return

@@ -91,6 +91,9 @@ class Replies:
             self._loaded(record, meta)
         elif sent.kind == "checkpoint":
             checkpoints.written(core, record, meta)
+        elif sent.kind == "place" and not ok and record.live:
+            core.end(record, "failed", f"job {record.job_id} could not be placed: "
+                     f"{str(meta.get('message', 'no reason given'))[:2000]}")
 
     def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
         """`ready`: a direct call waits in the executor for its turn; `ran`: calls ran under
@@ -138,7 +141,7 @@ class Replies:
         seconds = float(meta.get("seconds", 0.0))
         # The executor says what it ran: the call asked for may have run under a lease
         # meanwhile, and the next queued call (maybe of the other kind) in its place.
-        counted = 0 if meta.get("empty") else int(bool(meta.get("counted")))
+        counted = 0 if meta.get("empty") or meta.get("oom") else int(bool(meta.get("counted")))
         if not meta.get("empty"):
             record.calls_done += 1
             record.calls_failed += 0 if meta.get("ok") else 1
@@ -168,7 +171,7 @@ class Replies:
                 checkpoints.maybe(self.core, record)
         peak = meta.get("peak")
         if isinstance(peak, int):
-            admission.check_peak(self.core, record, lane, peak)
+            admission.check_peak(self.core, record, lane, peak, oom=bool(meta.get("oom")))
 
     def _loaded(self, record: JobRecord, meta: dict[str, Any]) -> None:
         """A batch job's entrypoint, or a restored job's checkpoint, was loaded."""

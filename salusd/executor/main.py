@@ -27,6 +27,7 @@ import torch
 
 from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
+from salus.daemon.executor.visible import device_for
 from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
 from salus.daemon.wire.executor_ops import (
@@ -418,8 +419,10 @@ def handle(runtime: JobRuntime, message: Request, request: Any) -> tuple[Reply, 
                 return runtime.restore(where, gang), None
             case Checkpoint(dir=where, job=job):
                 return runtime.checkpoint(where, job), None
-            case Place(device=device, budget_bytes=budget, slowdown=slowdown):
-                runtime.place(device, budget, check_factor(slowdown))
+            case Place(device=device, budget_bytes=budget, slowdown=slowdown, uuid=uuid):
+                seen = device_for(device, uuid, cuda_started=torch.cuda.is_initialized(),
+                                  environ=os.environ)
+                runtime.place(seen, budget, check_factor(slowdown))
                 return Ack(), None
             case SwapOut():
                 runtime.swap_out()

@@ -20,7 +20,7 @@ import dataclasses
 import time
 import traceback
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from salus.daemon.executor.measure import (
     state_bytes,
 )
 from salus.daemon.executor.peak import PeakMeter
+from salus.daemon.executor.results import error_text, is_iteration, result_message
 from salus.daemon.executor.state_move import move_state
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.slowdown import ComputeSlowdown
@@ -435,54 +436,10 @@ class JobRuntime:
         return fn
 
 
-def is_iteration(request: Any, kinds: Mapping[int, str]) -> bool:
-    """Whether running `request` is one of the job's iterations (what the scheduler accounts,
-    the daemon counts and a checkpoint's iteration is), given the kinds of the job's defined
-    functions by id: a batch job's step (`request` None) always; a client's call when it names
-    a function defined as "iteration" (`@remote.iteration`); never an inline function
-    (`remote.call`). The one place this is decided: the executor's replies carry it to the
-    daemon (`counted`)."""
-    if request is None:
-        return True
-    fid = (request.aux & FUNCTION_MASK if type(request) is compact.Message
-           else request.get("fid") if isinstance(request, dict) else None)
-    return type(fid) is int and kinds.get(fid) == "iteration"
-
-
 def _set_rng(request: dict[str, Any]) -> None:
     rng = request.get("rng")
     if isinstance(rng, torch.Tensor):
         torch.set_rng_state(rng)
-
-
-def result_message(request: Any, result: Any, rng: torch.Tensor | None) -> Any:
-    """The reply to a call: compact when the result is a tensor, a float, None or a tuple of
-    tensors and the call came compact; else JSON with the result pickled."""
-    if type(request) is compact.Message:
-        kind, tensors, value = _compact_result(result)
-        if kind is not None:
-            aux = kind
-            if rng is not None:
-                aux |= compact.AUX_RNG
-                tensors = (*tensors, rng)
-            return compact.Message(compact.OP_RESULT, tensors=tensors, aux=aux, value=value)
-    reply: dict[str, Any] = {"ok": True, "result": Pickled(result, "the call's result")}
-    if rng is not None:
-        reply["rng"] = rng
-    return reply
-
-
-def _compact_result(result: Any) -> tuple[int | None, tuple[torch.Tensor, ...], float]:
-    if isinstance(result, torch.Tensor) and type(result) is torch.Tensor:
-        return compact.KIND_TENSOR, (result,), 0.0
-    if result is None:
-        return compact.KIND_NONE, (), 0.0
-    if type(result) is float or type(result) is int:
-        return compact.KIND_FLOAT, (), float(result)
-    if type(result) is tuple and len(result) < compact.MAX_TENSORS and all(
-            type(t) is torch.Tensor for t in result):
-        return compact.KIND_TUPLE, result, 0.0
-    return None, (), 0.0
 
 
 def call_error(exc: BaseException) -> dict[str, Any]:
@@ -507,9 +464,5 @@ def call_error(exc: BaseException) -> dict[str, Any]:
     return reply
 
 
-def error_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
-
-
 __all__ = ["EstimationError", "JobRuntime", "State", "call_error", "error_text", "is_iteration",
-           "to_host"]
+           "result_message", "to_host"]
