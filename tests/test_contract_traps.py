@@ -1,8 +1,9 @@
 """Ports written the obvious way either work or fail loudly, against the real `salusd serve`
-process: pull brings back train/eval modes and non-persistent buffers, a module with layers in a
-plain list is refused, an attached object changed on the client is refused at the next call,
-closing without pull warns, LBFGS trains, and info counts calls run under a lease. Expected
-values come from the same steps run directly, with the daemon's thread count (1)."""
+process: pull brings back train/eval modes and non-persistent buffers, a module with layers in
+a plain list is refused, an attached object changed on the client is refused before a pull
+overwrites it, closing without pull warns, LBFGS trains, and info counts calls run under a
+lease. Expected values come from the same steps run directly, with the daemon's thread count
+(1)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def test_layers_in_a_plain_list_are_refused_at_attach_naming_them(address: str) 
         assert job.remote is None
 
 
-def test_a_module_run_in_train_mode_on_the_client_is_refused_at_the_next_call(
+def test_a_module_run_in_train_mode_on_the_client_is_refused_at_the_next_pull(
         address: str) -> None:
     torch.manual_seed(0)
     model = Counted()
@@ -128,10 +129,10 @@ def test_a_module_run_in_train_mode_on_the_client_is_refused_at_the_next_call(
         step(batches[1])
         remote.pull()
         model(batches[1])  # train mode (as the job has it): batch norm's statistics move
+        step(batches[2])
         with pytest.raises(RuntimeError, match=r"'model'.*train mode.*s\.model\(x\)"):
-            step(batches[2])
-        step(batches[2])  # told once: the script may go on
-        remote.pull()
+            remote.pull()
+        remote.pull()  # told once: the script may go on
 
 
 def test_an_lr_scheduler_stepped_on_the_client_is_refused_at_the_next_call(

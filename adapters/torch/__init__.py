@@ -26,10 +26,11 @@ Sugar over the same contract: `job.train_step(model, optimizer, loss_fn)` return
 
 - **The job's copies**: after `attach` the job holds its own copies of the objects; change
   them in the job, not here. `attach` refuses a module with modules or parameters in a plain
-  list or dict (use `nn.ModuleList`); an attached scheduler stepped here, an optimizer given
-  another learning rate here, or a module run here in train mode makes the next call or pull
-  raise with what to do; `close()` warns when calls changed the state since the last pull
-  (`close(pull=True)` pulls first, `close(pull=False)` discards).
+  list or dict (use `nn.ModuleList`); an attached scheduler stepped here or an optimizer
+  given another learning rate here makes the next call or pull raise with what to do, and a
+  module changed here (run in train mode) the next pull; `close()` warns when calls changed
+  the state since the last pull (`close(pull=True)` pulls first, `close(pull=False)`
+  discards).
 - **Errors** of the job's own code fail that call only: the client gets the exception (its
   type and message, with the job's traceback lines as a note) and the job keeps its state.
 - **Random numbers**: the job continues the client's torch generator and hands it back, so

@@ -1,8 +1,8 @@
 """The checks that keep a port written the obvious way from going silently wrong: a module that
-keeps layers where `state_dict()` cannot see them is refused at attach, and an attached object
-changed on the client (an LR scheduler stepped, an optimizer given another learning rate, a
-module run in train mode) is refused at the next call or pull, since salusd holds its own copy
-of each."""
+keeps layers where `state_dict()` cannot see them is refused at attach; an attached LR
+scheduler stepped or optimizer given another learning rate on the client is refused at the next
+call or pull, and a module changed on the client (run in train mode, stepped) at the next pull,
+since salusd holds its own copy of each and the pull would overwrite the client's."""
 
 from __future__ import annotations
 
@@ -58,40 +58,50 @@ def _contents(value: Any, depth: int = 0) -> Iterator[Any]:
 class ClientChanges:
     """The attached objects as the job last had them: optimizers by their learning rates, LR
     schedulers by `last_epoch`, modules by the version counters of their buffers (a forward
-    in train mode bumps batch norm's `num_batches_tracked`) and parameters. A change on the
-    client is one the job never sees, and the next `pull()` would overwrite it."""
+    in train mode bumps batch norm's `num_batches_tracked`) and parameters (summed). A change
+    on the client is one the job never sees, and the next `pull()` would overwrite it."""
 
     def __init__(self, objects: dict[str, Any]) -> None:
         # Schedulers first: a scheduler's step also changes its optimizer's learning rates.
         self.objects = {name: obj for kind in (LRScheduler, torch.optim.Optimizer, nn.Module)
                         for name, obj in objects.items() if isinstance(obj, kind)}
-        self.marks = {name: _mark(obj) for name, obj in self.objects.items()}
+        # A module's tensors, listed once: walking its tree at every call costs more than
+        # reading their counters.
+        self.tensors: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.marks: dict[str, tuple[float, ...]] = {}
+        self.resync(list(self.objects))
 
-    def check(self, parameters: bool = False) -> None:
+    def check(self, modules: bool = False) -> None:
         """Raise RuntimeError for the first object changed on the client (once: every object
-        is marked as it is now, so a caller that catches the error can go on). Module
-        parameters are compared only with `parameters` (at a pull: summing hundreds of
-        counters costs tens of microseconds, too much for every call)."""
+        is marked as it is now, so a caller that catches the error can go on). Modules are
+        compared only with `modules` (at a pull, which would overwrite them): reading the
+        version counters of a model's tensors costs tens of microseconds, too much for every
+        call."""
         for name, obj in self.objects.items():
-            mark, now = self.marks[name], _mark(obj)
-            if now[:1] != mark[:1] or parameters and now != mark:
+            if isinstance(obj, nn.Module) and not modules:
+                continue
+            mark, now = self.marks[name], self._mark(name)
+            if now != mark:
                 self.resync(list(self.objects))
                 raise RuntimeError(_changed(name, obj, mark, now))
 
     def resync(self, names: list[str]) -> None:
         """The client's objects `names` were just loaded with the job's state."""
         for name in names:
-            if name in self.objects:
-                self.marks[name] = _mark(self.objects[name])
+            obj = self.objects.get(name)
+            if isinstance(obj, nn.Module):
+                self.tensors[name] = (list(obj.buffers()), list(obj.parameters()))
+            if obj is not None:
+                self.marks[name] = self._mark(name)
 
-
-def _mark(obj: Any) -> tuple[float, ...]:
-    if isinstance(obj, torch.optim.Optimizer):
-        return (*(float(group["lr"]) for group in obj.param_groups),)
-    if isinstance(obj, nn.Module):
-        return (sum(b._version for b in obj.buffers()),
-                sum(p._version for p in obj.parameters()))
-    return (float(obj.last_epoch),)
+    def _mark(self, name: str) -> tuple[float, ...]:
+        obj = self.objects[name]
+        if isinstance(obj, torch.optim.Optimizer):
+            return tuple([float(group["lr"]) for group in obj.param_groups])
+        if isinstance(obj, nn.Module):
+            buffers, weights = self.tensors[name]
+            return (float(sum(t._version for t in buffers) + sum(t._version for t in weights)),)
+        return (float(obj.last_epoch),)
 
 
 def _changed(name: str, obj: Any, before: tuple[float, ...], now: tuple[float, ...]) -> str:

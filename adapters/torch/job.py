@@ -79,10 +79,10 @@ class Job(Connection):
 
         From now on the job has its own copies. A module that keeps modules or parameters
         where `state_dict()` cannot see them (a plain list: use `nn.ModuleList`) is refused
-        here, since `pull()` could not bring them back. An attached object changed on the client
-        afterwards (an LR scheduler stepped, an optimizer given another learning rate, a
-        module run in train mode, which moves batch norm's statistics) makes the next call or
-        pull raise, naming it: make the change in the job, e.g.
+        here, since `pull()` could not bring them back. An attached LR scheduler stepped on the
+        client afterwards, or an optimizer given another learning rate, makes the next call or
+        pull raise, naming it; a module changed here (run in train mode, which moves batch
+        norm's statistics) the next pull. Make such changes in the job, e.g.
         `remote.call(lambda s: s.sched.step())`."""
         if self.remote is not None:
             raise RuntimeError(f"job {self.name!r} already has its state in salusd; open "
@@ -118,10 +118,11 @@ class Job(Connection):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The job's model parameters and buffers now, as CPU tensors (the attached object
-        called `model`)."""
+        called `model`); taking them counts as a pull for `close`'s warning."""
         if self.remote is None:
             raise RuntimeError(f"job {self.name!r} has no state in salusd yet")
         state: dict[str, torch.Tensor] = self.remote.fetch("model")["model"]
+        self.remote.changed = False
         return state
 
     def info(self) -> dict[str, Any]:

@@ -79,7 +79,7 @@ class Remote:
         leaves out); returns what was fetched (plain objects cannot be updated in place: take
         them from the returned dict). Raises RuntimeError, copying nothing, when an attached
         object was changed on the client since attach or the last pull (see `Job.attach`)."""
-        self._changes.check(parameters=True)
+        self._changes.check(modules=True)
         job = self.job
         fetched, modules = job._request(
             {"op": "pull", "job": job._require_id(), "names": list(names) or None},
@@ -150,12 +150,13 @@ def _load_modes(module: torch.nn.Module, name: str, extra: dict[str, Any]) -> No
     with torch.no_grad():
         for key, value in extra["buffers"].items():
             mine = buffers.get(key)
-            if mine is not None and mine.shape == value.shape and mine.dtype == value.dtype:
+            owner, _, leaf = key.rpartition(".")
+            if mine is None:  # registered in the job after attach
+                module.get_submodule(owner).register_buffer(leaf, value, persistent=False)
+            elif mine.shape == value.shape and mine.dtype == value.dtype:
                 mine.copy_(value)
             else:  # the job replaced it (another shape): so does the client
-                owner, _, leaf = key.rpartition(".")
-                setattr(module.get_submodule(owner), leaf, value.to(
-                    mine.device if mine is not None else value.device))
+                setattr(module.get_submodule(owner), leaf, value.to(mine.device))
 
 
 class RemoteFunction:
