@@ -65,8 +65,7 @@ class ClientChanges:
         # Schedulers first: a scheduler's step also changes its optimizer's learning rates.
         self.objects = {name: obj for kind in (LRScheduler, torch.optim.Optimizer, nn.Module)
                         for name, obj in objects.items() if isinstance(obj, kind)}
-        # A module's tensors, listed once: walking its tree at every call costs more than
-        # reading their counters.
+        # A module's tensors, listed at attach and at each pull (its tree is not walked again).
         self.tensors: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.marks: dict[str, tuple[float, ...]] = {}
         self.resync(list(self.objects))
