@@ -18,25 +18,29 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modu
 
 def check_registered(objects: dict[str, Any]) -> None:
     """Raise TypeError naming the first attribute of an attached module that holds modules or
-    parameters in a plain list, tuple, set or dict (or a tensor that requires grad and is
-    neither a parameter nor a buffer): `state_dict()` leaves them out, so `pull()` could not
-    bring back what the job did to them."""
+    parameters, not registered anywhere in it, in a plain list, tuple, set or dict (or a
+    tensor that requires grad and is neither a parameter nor a buffer): `state_dict()` leaves
+    them out, so `pull()` could not bring back what the job did to them."""
     for name, obj in objects.items():
         if not isinstance(obj, nn.Module):
             continue
+        # Registered ones held in a plain list too (an LSTM's _flat_weights) are fine.
+        registered = {id(t) for t in (*obj.modules(), *obj.parameters(), *obj.buffers())}
         for prefix, module in obj.named_modules(prefix=name):
             for attr, value in vars(module).items():
                 if attr in _MODULE_INTERNALS:
                     continue
                 where = f"{prefix}.{attr}"
-                if isinstance(value, torch.Tensor) and value.requires_grad:
+                if (isinstance(value, torch.Tensor) and value.requires_grad
+                        and id(value) not in registered):
                     raise TypeError(
                         f"{where} is a tensor that requires grad but is neither a parameter "
                         "nor a buffer, so state_dict() leaves it out and pull() could not "
                         "bring back what the job does to it: make it an nn.Parameter (or "
                         "register_buffer it)")
                 if isinstance(value, list | tuple | set | dict) and any(
-                        isinstance(v, nn.Module | nn.Parameter) for v in _contents(value)):
+                        isinstance(v, nn.Module | nn.Parameter) and id(v) not in registered
+                        for v in _contents(value)):
                     container = ("nn.ModuleDict / nn.ParameterDict" if isinstance(value, dict)
                                  else "nn.ModuleList / nn.ParameterList")
                     raise TypeError(
