@@ -20,6 +20,8 @@ from torch import nn
 
 import salus.adapters.torch as salus
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
