@@ -75,5 +75,6 @@ def test_an_ended_job_leaves_no_child(tmp_path: Path) -> None:
             remote = job.attach(model=nn.Linear(2, 2))
             sleepers = remote.call(fork_sleepers)
             assert all(alive(p) for p in sleepers)
+            job.close(pull=False)
         assert wait_gone(sleepers, 5.0) == []
         assert proc.poll() is None
