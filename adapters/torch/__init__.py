@@ -19,10 +19,18 @@
                 loss = train(data, target)
             remote.call(lambda s: s.sched.step())
         remote.pull()                      # daemon state -> model, opt, sched (load_state_dict)
+                                           # and the modules' train/eval modes
 
 Sugar over the same contract: `job.train_step(model, optimizer, loss_fn)` returns
 `step(*inputs, target) -> float`, and `job.inference(model)` returns `infer(*inputs) -> output`.
 
+- **The job's copies**: after `attach` the job holds its own copies of the objects; change
+  them in the job, not here. `attach` refuses a module with modules or parameters in a plain
+  list or dict (use `nn.ModuleList`); an attached scheduler stepped here or an optimizer
+  given another learning rate here makes the next call or pull raise with what to do, and a
+  module changed here (run in train mode) the next pull; `close()` warns when calls changed
+  the state since the last pull (`close(pull=True)` pulls first, `close(pull=False)`
+  discards).
 - **Errors** of the job's own code fail that call only: the client gets the exception (its
   type and message, with the job's traceback lines as a note) and the job keeps its state.
 - **Random numbers**: the job continues the client's torch generator and hands it back, so
@@ -55,7 +63,8 @@ socket. Imports only torch, cloudpickle and the wire package of salusd.
 
 The package: `job` (`connect`, `Job`), `remote` (`Remote`, `RemoteFunction`, gang arguments),
 `sugar` (`train_step`, `inference`), `transport` (requests, replies in order, reconnecting),
-`replies` (results and errors), `pickling` (what travels by value).
+`replies` (results and errors), `pickling` (what travels by value), `contract` (the checks
+that refuse what `pull` could not bring back, and changes made on the client).
 """
 
 from salus.adapters.torch.job import Job, connect

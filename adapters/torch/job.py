@@ -4,6 +4,8 @@ objects, and `close()` ends it."""
 from __future__ import annotations
 
 import os
+import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from salus.adapters.torch import sugar
+from salus.adapters.torch.contract import check_registered
 from salus.adapters.torch.pickling import pickled, unpicklable
 from salus.adapters.torch.remote import Remote
 from salus.adapters.torch.transport import Connection, connect_retrying
@@ -20,6 +23,8 @@ from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.errors import DaemonUnavailable
 from salus.daemon.wire.frames import VERSION
 from salus.daemon.wire.replicas import MAX_REPLICAS
+
+INFO_WAIT_S = 2.0  # how long info() waits for the daemon to account calls run under a lease
 
 
 def connect(name: str, iterations: int, *, address: str | None = None,
@@ -70,12 +75,21 @@ class Job(Connection):
 
     def attach(self, **objects: Any) -> Remote:
         """Ship the named objects to the job in the daemon, with their current state; returns
-        the `Remote` handle to define and call functions over them."""
+        the `Remote` handle to define and call functions over them.
+
+        From now on the job has its own copies. A module that keeps modules or parameters
+        where `state_dict()` cannot see them (a plain list: use `nn.ModuleList`) is refused
+        here, since `pull()` could not bring them back. An attached LR scheduler stepped on the
+        client afterwards, or an optimizer given another learning rate, makes the next call or
+        pull raise, naming it; a module changed here (run in train mode, which moves batch
+        norm's statistics) the next pull. Make such changes in the job, e.g.
+        `remote.call(lambda s: s.sched.step())`."""
         if self.remote is not None:
             raise RuntimeError(f"job {self.name!r} already has its state in salusd; open "
                                "another job with salus.connect() for other objects")
         if not objects:
             raise ValueError("attach needs at least one named object, e.g. attach(model=model)")
+        check_registered(objects)
         payload = pickled(objects)
         try:
             future = self._request({"op": "attach", "job": self._require_id(),
@@ -104,17 +118,49 @@ class Job(Connection):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The job's model parameters and buffers now, as CPU tensors (the attached object
-        called `model`)."""
+        called `model`); taking them counts as a pull for `close`'s warning."""
         if self.remote is None:
             raise RuntimeError(f"job {self.name!r} has no state in salusd yet")
         state: dict[str, torch.Tensor] = self.remote.fetch("model")["model"]
+        self.remote.changed = False
         return state
 
     def info(self) -> dict[str, Any]:
-        """The daemon's view of the job: state, progress, placement, memory, threads."""
-        result: dict[str, Any] = self._request({"op": "info",
-                                                "job": self._require_id()}).result()
-        return result
+        """The daemon's view of the job: state, progress, placement, memory, threads. It
+        counts every call answered so far: the executor reports calls run under a lease a
+        moment later (in batches), and this waits for that report (at most INFO_WAIT_S)."""
+        deadline = time.monotonic() + INFO_WAIT_S
+        while True:
+            result: dict[str, Any] = self._request({"op": "info",
+                                                    "job": self._require_id()}).result()
+            if (int(result.get("calls_done") or 0) >= self._calls_answered
+                    or result.get("state") in ("finished", "cancelled", "failed")
+                    or time.monotonic() > deadline):
+                return result
+            time.sleep(0.005)
+
+    def close(self, *, pull: bool | None = None) -> None:
+        """Finish the job in the daemon and close the connection (idempotent). The job's state
+        ends with it: `pull=True` pulls it into the attached objects first; `pull=False`
+        discards it; by default (None) a `UserWarning` says so when calls may have changed it
+        since the last `remote.pull()` (functions with `changes_state = False` do not count)."""
+        self._finish(pull)
+
+    def _finish(self, pull: bool | None) -> None:
+        """`close`, called by `close` or `__exit__` (the warning names their caller's line)."""
+        remote = self.remote
+        try:
+            if remote is not None and not self._closed and self._line.broken is None:
+                if pull:
+                    remote.pull()
+                elif pull is None and remote.changed:
+                    warnings.warn(
+                        f"closing job {self.name!r} discards the state its calls changed since "
+                        "the last pull(): the attached objects here do not have it. Call "
+                        "remote.pull() before closing (or close(pull=True)), or "
+                        "close(pull=False) to discard it", UserWarning, stacklevel=3)
+        finally:
+            super().close()
 
     def ping(self) -> dict[str, Any]:
         result: dict[str, Any] = self._request({"op": "ping"}).result()
@@ -123,8 +169,9 @@ class Job(Connection):
     def __enter__(self) -> Job:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Leaving on an exception: that is what the user sees, not a warning about the state.
+        self._finish(False if exc_type is not None else None)
 
     def __repr__(self) -> str:
         return f"Job(name={self.name!r}, id={self.id!r}, path={self.path!r})"

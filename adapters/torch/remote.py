@@ -9,10 +9,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from salus.adapters.torch.contract import ClientChanges
 from salus.adapters.torch.pickling import pickled
 from salus.adapters.torch.replies import pickled_result
 from salus.adapters.torch.transport import Future
 from salus.daemon.wire import compact
+from salus.daemon.wire.codec import PickledPayload
+from salus.daemon.wire.errors import CallFailed
 from salus.daemon.wire.replicas import PerReplica, Whole
 
 if TYPE_CHECKING:
@@ -38,6 +41,8 @@ class Remote:
         self.job = job
         self.objects = dict(objects)
         self._next_fid = 0
+        self.changed = False  # a call may have changed the job's state since the last pull
+        self._changes = ClientChanges(self.objects)
 
     def iteration(self, fn: F) -> RemoteFunction:
         """Decorator: `fn(s, *args, **kwargs)` runs in the daemon, one scheduled iteration per
@@ -51,6 +56,8 @@ class Remote:
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(s, *args, **kwargs)` once in the daemon (not counted as an iteration)."""
         job = self.job
+        self._changes.check()
+        self.changed = True
         return job._request({"op": "call", "job": job._require_id(),
                              "fn": pickled(fn, "function"),
                              "args": pickled((args, kwargs), "call arguments"),
@@ -67,9 +74,16 @@ class Remote:
 
     def pull(self, *names: str) -> dict[str, Any]:
         """Copy the daemon-side state into the client's objects (`load_state_dict` for modules,
-        optimizers, schedulers and scalers, `copy_` for tensors); returns what was fetched
-        (plain objects cannot be updated in place: take them from the returned dict)."""
-        fetched = self.fetch(*names)
+        optimizers, schedulers and scalers, `copy_` for tensors; for modules also each
+        submodule's train/eval mode and the non-persistent buffers, which `state_dict()`
+        leaves out); returns what was fetched (plain objects cannot be updated in place: take
+        them from the returned dict). Raises RuntimeError, copying nothing, when an attached
+        object was changed on the client since attach or the last pull (see `Job.attach`)."""
+        self._changes.check(modules=True)
+        job = self.job
+        fetched, modules = job._request(
+            {"op": "pull", "job": job._require_id(), "names": list(names) or None},
+            _pulled).result()
         for name, value in fetched.items():
             obj = self.objects[name]
             if isinstance(obj, torch.Tensor):
@@ -77,6 +91,11 @@ class Remote:
                     obj.copy_(value)
             elif callable(getattr(obj, "load_state_dict", None)):
                 obj.load_state_dict(value)
+            if isinstance(obj, torch.nn.Module) and name in modules:
+                _load_modes(obj, name, modules[name])
+        self._changes.resync(list(fetched))
+        if set(fetched) == set(self.objects):
+            self.changed = False
         return fetched
 
     def _define(self, fn: Callable[..., Any], kind: str) -> RemoteFunction:
@@ -90,6 +109,9 @@ class Remote:
         return RemoteFunction(self, fid, fn)
 
     def _decode_result(self, reply: Any) -> Any:
+        if type(reply) is compact.Message or isinstance(reply, dict) and (
+                reply.get("ok") is True or reply.get("code") == CallFailed.code):
+            self.job._calls_answered += 1  # the daemon counts it too (`calls_done`)
         if type(reply) is compact.Message:
             tensors = reply.tensors
             if reply.aux & compact.AUX_RNG:
@@ -109,12 +131,43 @@ class Remote:
         return pickled_result(reply)
 
 
+def _pulled(reply: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pull's reply: the objects' state and what `state_dict()` leaves out of modules."""
+    fetched: dict[str, Any] = pickled_result(reply)
+    extra = reply.get("modules") if isinstance(reply, dict) else None
+    return fetched, extra.load("modules") if isinstance(extra, PickledPayload) else {}
+
+
+def _load_modes(module: torch.nn.Module, name: str, extra: dict[str, Any]) -> None:
+    """Set the submodules' train/eval flags and non-persistent buffers as the job has them."""
+    modules = list(module.modules())
+    if len(modules) != len(extra["training"]):
+        raise RuntimeError(f"{name!r} has {len(modules)} submodules here and "
+                           f"{len(extra['training'])} in the job: pull() cannot match them")
+    for sub, training in zip(modules, extra["training"], strict=True):
+        sub.training = training
+    buffers = dict(module.named_buffers())
+    with torch.no_grad():
+        for key, value in extra["buffers"].items():
+            mine = buffers.get(key)
+            owner, _, leaf = key.rpartition(".")
+            if mine is None:  # registered in the job after attach
+                module.get_submodule(owner).register_buffer(leaf, value, persistent=False)
+            elif mine.shape == value.shape and mine.dtype == value.dtype:
+                mine.copy_(value)
+            else:  # the job replaced it (another shape): so does the client
+                setattr(module.get_submodule(owner), leaf, value.to(mine.device))
+
+
 class RemoteFunction:
-    """A function of the job, defined in the daemon: call it like the function itself."""
+    """A function of the job, defined in the daemon: call it like the function itself.
+    `changes_state` (True unless set otherwise): whether its calls may change the job's state,
+    so that closing without `pull()` warns (see `Job.close`)."""
 
     def __init__(self, remote: Remote, fid: int, fn: Callable[..., Any]) -> None:
         self.remote = remote
         self.fid = fid
+        self.changes_state = True
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "function")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -126,6 +179,8 @@ class RemoteFunction:
         """Send the call and return at once; `.result()` waits for it."""
         remote = self.remote
         job = remote.job
+        remote._changes.check()
+        remote.changed = remote.changed or self.changes_state
         rng = job._rng_to_send()
         if (job._compact and not kwargs and len(args) < compact.MAX_TENSORS
                 and all(type(a) is torch.Tensor for a in args)):

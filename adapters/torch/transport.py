@@ -92,6 +92,7 @@ class Connection:
         self.id: str | None = None
         self._closed = False
         self._rng_synced: torch.Tensor | None = None
+        self._calls_answered = 0  # calls the job ran and answered (ok or failed in its code)
 
     def close(self) -> None:
         """Finish the job in the daemon and close the connection (idempotent)."""

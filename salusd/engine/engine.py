@@ -283,10 +283,12 @@ class Engine:
                 core.outbox.send(record, Sent("estimate"), Estimate(), frame.duplicate())
         self._step()
 
-    def close(self, record: JobRecord) -> None:
-        """The client is done: the job finishes once its running call (if any) has returned."""
+    def close(self, record: JobRecord, reason: str | None = None) -> None:
+        """The client is done (`reason`: why, where it did not close the job itself): the job
+        finishes once its running call (if any) has returned."""
         if record.live and not self.core.stopping:  # at shutdown it stays, to be restored
-            self.core.end(record, "finished", f"job {record.job_id} was closed by its client")
+            self.core.end(record, "finished",
+                          reason or f"job {record.job_id} was closed by its client")
             self._step()
 
     def cancel(self, record: JobRecord) -> None:

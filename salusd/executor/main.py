@@ -28,6 +28,7 @@ import torch
 from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
 from salus.daemon.executor.visible import device_for
+from salus.daemon.executor.zygote import die_with_parent, reap_orphans
 from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
 from salus.daemon.wire.executor_ops import (
@@ -120,7 +121,8 @@ class Executor:
     alone in its lane, and takes it back (`lease` false) before anything else may run there.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, zygote: int | None = None) -> None:
+        self.zygote = zygote  # the parent to die with (None: not forked by the zygote)
         self.daemon = Channel(sock)
         self.data: Channel | None = None
         self.selector = selectors.DefaultSelector()
@@ -142,6 +144,8 @@ class Executor:
         if not isinstance(hello, Become):
             raise ValueError(f"the executor's first message must be 'become', not {hello.op!r}")
         become(hello)
+        if self.zygote is not None:  # a change of uid cleared the parent-death signal
+            die_with_parent(signal.SIGKILL, self.zygote)
         # Where the daemon measures first calls, the first `ready` carries no estimate.
         self.estimated = not hello.estimate
         while True:
@@ -319,9 +323,10 @@ class Executor:
         self.asked = False
 
 
-def serve(sock: socket.socket) -> int:
-    """The executor's loop until the daemon says `exit` or goes away; returns the exit code."""
-    return Executor(sock).serve()
+def serve(sock: socket.socket, zygote: int | None = None) -> int:
+    """The executor's loop until the daemon says `exit` or goes away; returns the exit code.
+    `zygote`: the pid of the zygote that forked it, to die with."""
+    return Executor(sock, zygote).serve()
 
 
 class _RanSoFar:
@@ -434,17 +439,22 @@ def handle(runtime: JobRuntime, message: Request, request: Any) -> tuple[Reply, 
     return Failed(f"unknown executor op {message.op!r}"), None
 
 
-def child_main(fd: int) -> None:
-    """Entry point in a freshly forked executor: keep only the channel `fd` and stdio."""
+def child_main(fd: int, zygote: int) -> None:
+    """Entry point in an executor just forked by the zygote (pid `zygote`): keep only the
+    channel `fd` and stdio; lead a process group of its own, die with the zygote, and keep
+    the job's orphaned descendants as its children (the zygote kills them when it ends)."""
     os.closerange(3, fd)
     os.closerange(fd + 1, 65536)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setpgid(0, 0)
+    die_with_parent(signal.SIGKILL, zygote)
+    reap_orphans()
     sock = socket.socket(fileno=fd)
     code = 1
     try:
-        code = serve(sock)
+        code = serve(sock, zygote)
     except BaseException:
         log.exception("executor failed")
     finally:

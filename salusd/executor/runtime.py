@@ -335,6 +335,10 @@ class JobRuntime:
         return {name: getattr(self.state, name) for name in self.names}
 
     def _hold(self, objects: dict[str, Any]) -> None:
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.LBFGS):  # its pickled form drops what __init__ set
+                obj._params = obj.param_groups[0]["params"]
+                obj._numel_cache = None
         self.state = State(**objects)
         self.names = list(objects)
         if self.comm is not None:
@@ -364,11 +368,15 @@ class JobRuntime:
             self.meter.set_baseline()
 
     def pull(self, request: dict[str, Any]) -> Any:
+        """The named objects' state (`result`: a `state_dict()` where they have one) and, for
+        modules, what their state_dict leaves out (`modules`: each submodule's train/eval
+        flag in `modules()` order and the non-persistent buffers by name)."""
         names = request.get("names") or self.names
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise KeyError(f"the job has no objects named {unknown}; it has {self.names}")
         out = {}
+        modules = {}
         for name in names:
             obj = getattr(self.state, name)
             if isinstance(obj, torch.Tensor):
@@ -377,7 +385,13 @@ class JobRuntime:
                 out[name] = to_host(obj.state_dict())
             else:
                 out[name] = obj
-        return {"ok": True, "result": Pickled(out, "the job's state")}
+            if isinstance(obj, nn.Module):
+                kept = out[name]
+                modules[name] = {"training": [m.training for m in obj.modules()],
+                                 "buffers": {k: to_host(b) for k, b in obj.named_buffers()
+                                             if k not in kept}}
+        return {"ok": True, "result": Pickled(out, "the job's state"),
+                "modules": Pickled(modules, "the job's modules' modes")}
 
     def place(self, device: str, budget_bytes: int, slowdown: float = 1.0) -> None:
         """Move the state to `device` and, on CUDA, cap this process's reserved memory at

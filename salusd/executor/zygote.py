@@ -9,10 +9,19 @@ and the torch pages the children share copy-on-write keep many executors cheap i
 
 The zygote runs as the daemon's user and never runs job code; its children drop privileges
 before they receive any (`main.become`). It starts no threads before forking.
+
+Nothing outlives the daemon or a job: the zygote gets SIGTERM when the daemon dies (Linux
+`PR_SET_PDEATHSIG`) and then kills every executor's process group; each executor leads its own
+process group, gets SIGKILL when the zygote dies, and is a child subreaper
+(`PR_SET_CHILD_SUBREAPER`), so its orphaned descendants stay in its tree. When an executor
+exits, the zygote kills its process group and every other process left reparented to the
+zygote (itself a subreaper): what a job forked dies with the job.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import selectors
@@ -23,6 +32,65 @@ import sys
 from salus.daemon.wire.frames import FrameReader, RawFrame, json_frame
 
 log = logging.getLogger("salusd.zygote")
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_executors: set[int] = set()  # pids of the executors forked and not yet reaped
+
+
+def _prctl(option: int, value: int) -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}, {value})")
+
+
+def die_with_parent(sig: int, parent: int) -> None:
+    """Have the kernel send `sig` to this process when its parent (pid `parent`) exits; exit
+    at once if it already has. Changing uid or gid clears this: set it again after."""
+    _prctl(_PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def reap_orphans() -> None:
+    """Make this process a child subreaper: descendants orphaned below it become its
+    children, not init's."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _children(pid: int) -> list[int]:
+    """The children of process `pid` (from /proc, Linux 3.5+)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+    return []
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants as they are now."""
+    found: list[int] = []
+    stack = [pid]
+    while stack and len(found) < 100_000:
+        found.append(stack.pop())
+        stack.extend(_children(found[-1]))
+    return found
+
+
+def _kill_leftovers(executor: int | None) -> None:
+    """Kill what an ended executor left (`executor` None: kill every executor and what it
+    started): its process group, and every process reparented to the zygote, with their
+    descendants."""
+    groups = _executors if executor is None else {executor}
+    roots = [p for p in _children(os.getpid()) if executor is None or p not in _executors]
+    doomed = [p for root in roots for p in _tree(root)]  # found before any is killed
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _daemon_died(*_: object) -> None:
+    _kill_leftovers(None)
+    os._exit(1)
 
 
 def _send(sock: socket.socket, message: dict[str, object]) -> None:
@@ -36,12 +104,14 @@ def _fork(sock: socket.socket, frame: RawFrame) -> None:
         _send(sock, {"op": "forked", "token": token, "pid": -1})
         return
     fd, frame.fd = frame.fd, None
+    zygote = os.getpid()
     pid = os.fork()
     if pid == 0:
         from salus.daemon.executor.main import child_main
 
         sock.close()
-        child_main(fd)
+        child_main(fd, zygote)
+    _executors.add(pid)
     os.close(fd)
     _send(sock, {"op": "forked", "token": token, "pid": pid})
 
@@ -54,11 +124,17 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"op": "exited", "pid": pid, "status": status})
+        if pid in _executors:
+            _executors.discard(pid)
+            _kill_leftovers(pid)
+            _send(sock, {"op": "exited", "pid": pid, "status": status})
 
 
-def serve(fd: int) -> int:
-    """Serve fork requests on socket `fd` until the daemon closes it."""
+def serve(fd: int, daemon: int) -> int:
+    """Serve fork requests on socket `fd` until the daemon (pid `daemon`) closes it or dies."""
+    signal.signal(signal.SIGTERM, _daemon_died)
+    die_with_parent(signal.SIGTERM, daemon)
+    reap_orphans()
     import torch  # noqa: F401 - imported here once, shared by every executor
 
     from salus.daemon.executor import main  # noqa: F401 - the executors' code, preloaded
@@ -103,4 +179,4 @@ def _send_blocking(sock: socket.socket, message: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1])))
+    sys.exit(serve(int(sys.argv[1]), os.getppid()))

@@ -120,12 +120,14 @@ class Handlers:
                              f"{sorted([*self._ops, *_FORWARDED])}")
         answer(ok_frame(fn(client, request)))
 
-    def client_gone(self, client: Client) -> None:
-        """The connection closed: its jobs end as if their client had closed them."""
+    def client_gone(self, client: Client, why: str) -> None:
+        """The connection closed (`why`) with jobs its client never closed: they end, with a
+        reason saying the client went away (its process died or dropped the connection)."""
         for job_id in sorted(client.jobs):
             record = self.engine.registry.live.get(job_id)
             if record is not None:
-                self.engine.close(record)
+                self.engine.close(record, f"job {job_id}'s client (pid {client.pid}) went away "
+                                          f"without closing it ({why})")
         client.jobs.clear()
 
     # ---- forwarded to the job's executor -----------------------------------------------------

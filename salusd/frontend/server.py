@@ -167,7 +167,7 @@ class SocketServer:
         if client.jobs:
             log.info("client pid %d of %s went away (%s): closing its jobs %s", client.pid,
                      client.owner.name, reason, sorted(client.jobs))
-        self.handlers.client_gone(client)
+        self.handlers.client_gone(client, reason)
 
     def _frame(self, link: Link, frame: RawFrame) -> None:
         client = self.clients.get(id(link))

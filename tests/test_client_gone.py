@@ -1,0 +1,66 @@
+"""A job whose client process dies ends saying so, not as if its client had closed it: the
+real `salusd serve` process and a client process killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from daemon_proc import salusd
+from torch import nn
+
+import salus.adapters.torch as salus
+from salus.daemon.control import Control
+
+pytestmark = pytest.mark.slow
+
+CLIENT = textwrap.dedent("""
+    import sys, time
+    from torch import nn
+    import salus.adapters.torch as salus
+
+    job = salus.connect(name="killed", iterations=1, address=sys.argv[1])
+    job.attach(model=nn.Linear(2, 2))
+    print(job.id, flush=True)
+    time.sleep(300)
+""")
+
+
+def ended(control: Control, job_id: str, within_s: float = 5.0) -> dict[str, object]:
+    """The job's info once it has ended (waits up to `within_s` seconds)."""
+    deadline = time.monotonic() + within_s
+    info = control.info(job_id)
+    while info["state"] not in ("finished", "cancelled", "failed") and (
+            time.monotonic() < deadline):
+        time.sleep(0.05)
+        info = control.info(job_id)
+    return info
+
+
+def test_a_killed_clients_job_ends_saying_its_client_went_away(tmp_path: Path) -> None:
+    with salusd(tmp_path) as (_, address):
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, address], text=True,
+                                  stdout=subprocess.PIPE)
+        try:
+            assert client.stdout is not None
+            job_id = client.stdout.readline().strip()
+            assert job_id, "the client did not open its job"
+            os.kill(client.pid, signal.SIGKILL)
+        finally:
+            client.kill()
+            client.wait()
+        with salus.connect(name="closed", iterations=1, address=address) as job:
+            job.attach(model=nn.Linear(2, 2))
+        with Control(address) as control:
+            killed = ended(control, job_id)
+            closed = ended(control, str(job.id))
+        assert f"client (pid {client.pid}) went away without closing it" in str(killed["reason"])
+        assert "closed by its client" in str(closed["reason"])
+        log = (tmp_path / "salusd.log").read_text()
+        assert f"job {job_id}'s client (pid {client.pid}) went away" in log
