@@ -20,7 +20,7 @@ from salus.daemon.state.job_output import MAX_FILE_BYTES
 pytestmark = pytest.mark.slow
 
 CLIENT = textwrap.dedent("""
-    import sys, warnings
+    import os, sys, warnings
     import torch
     import salus.adapters.torch as salus
 
@@ -30,6 +30,11 @@ CLIENT = textwrap.dedent("""
         for i in range(3):
             print(f"job line {i}")
         warnings.warn("job warning")
+        pid = os.fork()
+        if pid == 0:  # a child the job forks writes to the file only, never into the channel
+            print("child line")
+            os._exit(0)
+        os.waitpid(pid, 0)
         return s.model(x).sum()
 
     def flood(s):
@@ -79,6 +84,7 @@ def test_an_interactive_jobs_lines_reach_its_client_before_the_result_and_salusd
         logged = _logs(address, job_id)
     assert logged.startswith("job line 0\njob line 1\njob line 2\n"), logged
     assert "UserWarning: job warning" in logged
+    assert logged.endswith("child line\n"), logged
     daemon_log = (tmp_path / "salusd.log").read_text()
     assert "job line" not in daemon_log and "job warning" not in daemon_log
 

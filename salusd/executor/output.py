@@ -45,6 +45,12 @@ class OutputSink:
         with self.lock:
             self.channel = None
 
+    def forked(self) -> None:
+        """In a process the job forked (a DataLoader worker): the channel's frames are the
+        executor's alone, and a lock another thread held at the fork would never be released."""
+        self.lock = threading.RLock()
+        self.channel = None
+
     def line(self, stream: str, text: str) -> None:
         """One line of `stream` ("stdout" or "stderr"), or what is left of one on flush."""
         with self.lock:
@@ -129,6 +135,7 @@ def install(path: str | None) -> OutputSink:
     handler.setLevel(logging.WARNING)
     logging.getLogger("salusd").addHandler(handler)
     sink = OutputSink(path, fallback)
+    os.register_at_fork(after_in_child=sink.forked)
     sys.stdout = JobStream("stdout", sink)
     sys.stderr = JobStream("stderr", sink)
     return sink
