@@ -152,6 +152,11 @@ def test_every_reply_survives_the_wire(msg: Reply) -> None:
 
 def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
     """Written out by hand from the daemon's and the executor's code before the types."""
+    assert encode(Become(7, 8, (9,), "u", "/h", None, 1, 3, True)) == {
+        "op": "become", "uid": 7, "gid": 8, "groups": [9], "user": "u", "home": "/h",
+        "cwd": None, "threads": 1, "job": 3, "estimate": True}  # no output file: no "log"
+    assert encode(Become(7, 8, (), "u", "/h", None, 1, 3, True, "/s/3/output.log"))["log"] == (
+        "/s/3/output.log")
     assert encode(Run(True, True)) == {"op": "run", "counted": True, "frame": True}
     assert encode(Run(False)) == {"op": "run", "counted": False}  # a gang's call
     assert encode(Estimate(False)) == {"op": "estimate", "frame": False}
@@ -168,11 +173,6 @@ def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
         "ok": False, "empty": True, "seconds": 0.0, "peak": None, "counted": False,
         "forward": False}
     assert encode(Failed(None, forward=True)) == {"ok": False, "forward": True}
-    assert encode(Become(7, 8, (9,), "u", "/h", None, 1, 3, True)) == {
-        "op": "become", "uid": 7, "gid": 8, "groups": [9], "user": "u", "home": "/h",
-        "cwd": None, "threads": 1, "job": 3, "estimate": True}  # no output file: no "log"
-    assert encode(Become(7, 8, (), "u", "/h", None, 1, 3, True, "/s/3/output.log"))["log"] == (
-        "/s/3/output.log")
     assert encode(Ready(True, EstimateFailed("no"))) == {
         "op": "ready", "unsolicited": True, "counted": True,
         "estimate": {"ok": False, "reason": "no"}, "forward": False}
