@@ -129,5 +129,15 @@ def test_a_batch_jobs_lines_are_served_by_rest(tmp_path: Path) -> None:
         end = client.get(f"/v1/jobs/{jid}/log", params={"offset": len(expected)})
         assert end.text == "" and end.headers["X-Salus-Next-Offset"] == str(len(expected))
         assert client.get(f"/v1/jobs/{jid + 100}/log").status_code == 404
+        # The owner controls the directory: a link or a FIFO in the file's place is refused,
+        # not followed or waited on by the (root) daemon.
+        path = tmp_path / "state" / "checkpoints" / str(jid) / "output.log"
+        (tmp_path / "secret").write_text("not the job's\n")
+        path.unlink()
+        path.symlink_to(tmp_path / "secret")
+        refused = client.get(f"/v1/jobs/{jid}/log")
+        assert refused.status_code == 409 and "not the job's" not in refused.text
+        path.unlink()
+        os.mkfifo(path)
+        assert client.get(f"/v1/jobs/{jid}/log").status_code == 409
     assert "batch iteration" not in (tmp_path / "salusd.log").read_text()
-    assert os.path.exists(tmp_path / "state" / "checkpoints" / str(jid) / "output.log")

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.engine.report import job_info, snapshot
-from salus.daemon.state.job_output import output_path, read_output
+from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.wire.errors import BadRequest, NotOwner, ShuttingDown
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
@@ -210,7 +210,11 @@ class Handlers:
         if record.checkpoint_dir is None:
             raise BadRequest(f"job {record.job_id} has no output file: salusd keeps them in "
                              "its state dir, and runs without one")
-        data, offset = read_output(output_path(record.checkpoint_dir), offset)
+        try:
+            data, offset = read_output(output_path(record.checkpoint_dir), offset,
+                                       writer_uid(record.owner.uid))
+        except PermissionError as exc:
+            raise BadRequest(str(exc)) from None
         return {"text": data.decode("utf-8", "replace"), "offset": offset,
                 "ended": not record.live}
 

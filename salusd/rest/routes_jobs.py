@@ -24,7 +24,7 @@ from salus.daemon.rest.models import (
     Suspend,
 )
 from salus.daemon.rest.views import job_out, row_out
-from salus.daemon.state.job_output import output_path, read_output
+from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.wire.errors import BadRequest, Conflict, UnknownJob
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
@@ -71,20 +71,25 @@ async def get_log(job_id: int = JobId,
     again at 0)."""
     policy = ctx.engine.core.config.checkpoints
 
-    def where() -> str | None:
-        return ctx.find(job_id, who).checkpoint_dir
+    def where() -> tuple[str | None, int]:
+        record = ctx.find(job_id, who)
+        return record.checkpoint_dir, record.owner.uid
     try:
-        folder = await ctx.bridge.run(where)
+        folder, uid = await ctx.bridge.run(where)
     except UnknownJob:
         row = await run_in_threadpool(ctx.store.get_job, job_id)
         if row is None or policy is None:
             raise
         check_owner(job_id, row.uid, row.owner, who)
-        folder = os.path.join(policy.root, str(job_id))
+        folder, uid = os.path.join(policy.root, str(job_id)), row.uid
     if folder is None:
         raise Conflict(f"job {job_id} has no output file: salusd keeps them in its state dir, "
                        "and runs without one")
-    data, next_offset = await run_in_threadpool(read_output, output_path(folder), offset)
+    try:
+        data, next_offset = await run_in_threadpool(read_output, output_path(folder), offset,
+                                                    writer_uid(uid))
+    except PermissionError as exc:
+        raise Conflict(str(exc)) from None
     return PlainTextResponse(data.decode("utf-8", "replace"),
                              headers={"X-Salus-Next-Offset": str(next_offset)})
 
