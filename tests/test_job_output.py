@@ -82,6 +82,7 @@ def test_an_interactive_jobs_lines_reach_its_client_before_the_result_and_salusd
         assert out == "job line 0\njob line 1\njob line 2\nafter call\n"
         assert "UserWarning: job warning" in err
         logged = _logs(address, job_id)
+        assert _logs(address, job_id, "-f") == logged  # the job ended: -f stops at the end
     assert logged.startswith("job line 0\njob line 1\njob line 2\n"), logged
     assert "UserWarning: job warning" in logged
     assert logged.endswith("child line\n"), logged
