@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from salus.daemon import cli_logs
+
 EPILOG = """\
 examples:
   salusd serve                                   # CPU devices (or every GPU), default socket
@@ -19,6 +21,7 @@ examples:
   salusd top                                     # the same, live
   salusd submit train.py:make_job --iterations 1000   # a batch job from --job-root
   salusd suspend 3 --swap                        # job 3 leaves the device until `salusd resume 3`
+  salusd logs 3 -f                               # what job 3 prints, until it ends
   salusd token add alice                         # a token for unix user alice's jobs
 
 Training scripts connect with:
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="checkpoint each job every N iterations, or every DURATION of the "
                        "job's own run time with a unit: 90s, 10m (default 10m)")
     _control_commands(sub)
+    cli_logs.add_parser(sub)
     return parser
 
 
@@ -198,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return serve(args)
+    if args.command == "logs":
+        return cli_logs.run(args)
     if args.command == "token" and args.action in ("add", "revoke") and not args.name:
         parser.error(f"token {args.action} needs the token's name")
     from salus.daemon.cli_rest import run

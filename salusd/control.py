@@ -1,5 +1,6 @@
 """A control client for operators: the daemon's status, and suspend / resume / cancel /
-priority of jobs the caller owns (root: any job), over the same unix socket as the data plane.
+priority / output of jobs the caller owns (root: any job), over the same unix socket as the
+data plane.
 
     from salus.daemon.control import Control
     with Control() as ctl:              # SALUS_ADDRESS or the default socket
@@ -54,6 +55,12 @@ class Control:
 
     def priority(self, job_id: str, priority: float) -> None:
         self._call("priority", job=str(job_id), priority=priority)
+
+    def logs(self, job_id: str, offset: int | None = None) -> dict[str, Any]:
+        """At most 64 KiB of what the job printed from byte `offset` of its output file (None:
+        its last 64 KiB): {"text", "offset" (to go on from), "ended" (the job ended)}."""
+        result: dict[str, Any] = self._call("logs", job=str(job_id), offset=offset)
+        return result
 
     def close(self) -> None:
         self._reader.close()

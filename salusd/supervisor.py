@@ -33,6 +33,7 @@ from typing import Any
 
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.loop import Link, Loop
+from salus.daemon.state.job_output import output_path
 from salus.daemon.wire.executor_ops import Become, Exit, encode
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 
@@ -192,13 +193,15 @@ class Supervisor:
         return ex
 
     # ---- the engine's ExecutorPort -----------------------------------------------------------
-    def acquire(self, record: JobRecord, cwd: str | None) -> ExecutorHandle:
+    def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
         ex = self._standby.popleft() if self._standby else self._fork()
         ex.record = record
         who = identity(record.owner)
+        log = (None if record.checkpoint_dir is None
+               else output_path(record.checkpoint_dir, replica))
         self.loop.send(ex.link, json_frame(encode(Become(
             who["uid"], who["gid"], tuple(who["groups"]), who["user"], who["home"], cwd,
-            self.threads, record.job_id, self.estimate_first))))
+            self.threads, record.job_id, self.estimate_first, log))))
         while len(self._standby) < self.standby_size and not self._stopping:
             self._standby.append(self._fork())
         return ex

@@ -126,7 +126,7 @@ class FakeExecutors:
         self.on_send: Callable[[FakeExecutor, Request], None] | None = None
 
     # ---- ExecutorPort -------------------------------------------------------------------------
-    def acquire(self, record: JobRecord, cwd: str | None) -> FakeExecutor:
+    def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> FakeExecutor:
         executor = FakeExecutor(record)
         self.executors.append(executor)
         return executor

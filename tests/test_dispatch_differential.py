@@ -49,8 +49,8 @@ class Driver(FakeExecutors):
         self.seq = itertools.count()
         self.on_send = self._queue_reply
 
-    def acquire(self, record: JobRecord, cwd: str | None) -> FakeExecutor:
-        executor = super().acquire(record, cwd)
+    def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> FakeExecutor:
+        executor = super().acquire(record, cwd, replica)
         executor.persistent_bytes, executor.ephemeral_bytes = self.sizes[record.job_id]
         executor.seconds = self.iter_s[record.job_id]
         return executor

@@ -85,7 +85,7 @@ estimates = (st.builds(Estimated, ints, texts, st.just(False))
 
 requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Become, ints, ints, st.lists(ints, max_size=4).map(tuple), texts, texts,
-              maybe(texts), ints, ints, st.booleans()),
+              maybe(texts), ints, ints, st.booleans(), maybe(texts)),
     st.builds(Attach, maybe(gangs)),
     st.just(Define()), st.just(Pull()), st.just(DirectChannel()), st.just(Step()),
     st.just(SwapOut()),
@@ -153,6 +153,11 @@ def test_every_reply_survives_the_wire(msg: Reply) -> None:
 
 def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
     """Written out by hand from the daemon's and the executor's code before the types."""
+    assert encode(Become(7, 8, (9,), "u", "/h", None, 1, 3, True)) == {
+        "op": "become", "uid": 7, "gid": 8, "groups": [9], "user": "u", "home": "/h",
+        "cwd": None, "threads": 1, "job": 3, "estimate": True}  # no output file: no "log"
+    assert encode(Become(7, 8, (), "u", "/h", None, 1, 3, True, "/s/3/output.log"))["log"] == (
+        "/s/3/output.log")
     assert encode(Run(True, True)) == {"op": "run", "counted": True, "frame": True}
     assert encode(Run(False)) == {"op": "run", "counted": False}  # a gang's call
     assert encode(Estimate(False)) == {"op": "estimate", "frame": False}
@@ -196,6 +201,7 @@ def test_which_requests_carry_the_clients_frame() -> None:
 # ---- malformed dicts ----------------------------------------------------------------------------
 SAMPLES: list[Message] = [
     Become(1000, 1000, (1000, 27), "ada", "/home/ada", "/tmp", 1, 7, True),
+    Become(1000, 1000, (), "ada", "/home/ada", None, 1, 7, False, "/state/7/output.log"),
     Attach(GangPlace(0, 2, local=2, store="h:29500", key="salus/ada/j", loopback=True)),
     Estimate(False), Run(True, True), Lease(True), Place("cpu:0", 1 << 20, 1.0),
     Load("/j.py", "make", True, PipelineOptions("even", 2), CachePlace("/c", 1 << 30), "/d",

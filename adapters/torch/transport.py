@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -46,6 +47,17 @@ class _Line:
         self.channel = channel
         self.pending: deque[Future] = deque()
         self.broken: BaseException | None = None
+
+
+def _printed(frame: Any) -> bool:
+    """Print `frame` if it is a line the job printed (the executor sends them on the direct
+    line as they are written, before the call's result), as the job wrote it."""
+    if not (isinstance(frame, dict) and frame.get("op") == "output"):
+        return False
+    stream = sys.stderr if frame.get("stream") == "stderr" else sys.stdout
+    stream.write(str(frame.get("text", "")))
+    stream.flush()
+    return True
 
 
 class Future:
@@ -184,6 +196,8 @@ class Connection:
                     # Interrupted mid-reply: the stream is out of step with the requests.
                     self._break(line, ConnectionError("interrupted while reading a reply"))
                     raise
+                if line is not self._line and _printed(reply):
+                    continue
                 line.pending.popleft()
                 head._resolve(reply)
 

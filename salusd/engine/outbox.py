@@ -44,7 +44,8 @@ class Outbox:
 
     def acquire(self, record: JobRecord, count: int) -> None:
         """`count` executors for the job (its replicas), known from now on."""
-        record.replicas = [self.port.acquire(record, record.cwd) for _ in range(count)]
+        record.replicas = [self.port.acquire(record, record.cwd, replica=r)
+                           for r in range(count)]
         for executor in record.replicas:
             self._sent[id(executor)] = deque()
             self._by_executor[id(executor)] = record

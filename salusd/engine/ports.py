@@ -13,8 +13,8 @@ from salus.daemon.wire.frames import RawFrame
 class ExecutorPort(Protocol):
     """What the engine needs of the executor supervisor."""
 
-    def acquire(self, record: JobRecord, cwd: str | None) -> object:
-        """An executor process for `record`, running as its owner."""
+    def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> object:
+        """An executor process for replica `replica` of `record`, running as its owner."""
         ...
 
     def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:

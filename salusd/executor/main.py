@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from salus.daemon.executor import output
 from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
 from salus.daemon.executor.visible import device_for
@@ -135,6 +136,7 @@ class Executor:
         self.ran: _RanSoFar | None = None  # leased calls not yet reported to the daemon
         self.spin_s = spin_window_s()  # poll this long after a message before blocking
         self.active_at = 0.0
+        self.output: output.OutputSink | None = None  # the job's stdout and stderr
 
     def serve(self) -> int:
         try:
@@ -146,6 +148,7 @@ class Executor:
         become(hello)
         if self.zygote is not None:  # a change of uid cleared the parent-death signal
             die_with_parent(signal.SIGKILL, self.zygote)
+        self.output = output.install(hello.log)
         # Where the daemon measures first calls, the first `ready` carries no estimate.
         self.estimated = not hello.estimate
         while True:
@@ -239,6 +242,8 @@ class Executor:
         sock = socket.socket(fileno=fd)
         self.data = Channel(sock)
         self.selector.register(sock, selectors.EVENT_READ, "data")
+        if self.output is not None:
+            self.output.attach(self.data)
         self._reply(Ack(forward=True), {"ok": True, "result": None})
 
     def _reply(self, reply: Reply, forward: Any) -> None:
@@ -264,6 +269,8 @@ class Executor:
 
     def _close_channel(self) -> None:
         if self.data is not None:
+            if self.output is not None:
+                self.output.detach()
             self.selector.unregister(self.data.sock)
             self.data.close()
             self.data = None
@@ -309,11 +316,22 @@ class Executor:
         if self.data is None:
             return
         try:
-            self.data.send(reply)
-        except TypeError as exc:
-            self.data.send(_unsendable(exc))
+            with self._sending():
+                try:
+                    self.data.send(reply)
+                except TypeError as exc:
+                    self.data.send(_unsendable(exc))
         except OSError:
             self._close_channel()
+
+    def _sending(self) -> contextlib.AbstractContextManager[object]:
+        """Hold the job output's lock while a reply goes out on the channel, after what the
+        job printed so far (a line printed on another thread never splits a reply)."""
+        if self.output is None:
+            return contextlib.nullcontext()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return self.output.lock
 
     def _refuse_queued(self, code: str, message: str) -> None:
         error = {"ok": False, "code": code, "message": message}

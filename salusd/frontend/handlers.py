@@ -26,6 +26,12 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     suspend    job, swap?                              daemon        None
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
+    logs       job, offset?                            daemon        {"text", "offset", "ended"}:
+                                                                     at most 64 KiB of the job's
+                                                                     output file from byte
+                                                                     `offset` (default: its last
+                                                                     64 KiB), the offset to go on
+                                                                     from, whether the job ended
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.engine.report import job_info, snapshot
+from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.wire.errors import BadRequest, NotOwner, ShuttingDown
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
@@ -87,7 +94,7 @@ class Handlers:
         self._ops: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
             "ping": self._ping, "open": self._open, "info": self._info, "close": self._close,
             "status": self._status, "suspend": self._suspend, "resume": self._resume,
-            "cancel": self._cancel, "priority": self._priority,
+            "cancel": self._cancel, "priority": self._priority, "logs": self._logs,
         }
 
     def handle(self, client: Client, frame: RawFrame, answer: Answer) -> None:
@@ -196,6 +203,22 @@ class Handlers:
             own = {r.job_id for r in self.engine.registry if r.owner.uid == uid}
             snap["jobs"] = [j for j in snap["jobs"] if j["job_id"] in own]
         return snap
+
+    def _logs(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+        record = self._record(client, request)
+        offset = request.get("offset")
+        if offset is not None and (type(offset) is not int or offset < 0):
+            raise BadRequest("'logs' field 'offset' must be a byte offset (an int >= 0)")
+        if record.checkpoint_dir is None:
+            raise BadRequest(f"job {record.job_id} has no output file: salusd keeps them in "
+                             "its state dir, and runs without one")
+        try:
+            data, offset = read_output(output_path(record.checkpoint_dir), offset,
+                                       writer_uid(record.owner.uid))
+        except PermissionError as exc:
+            raise BadRequest(str(exc)) from None
+        return {"text": data.decode("utf-8", "replace"), "offset": offset,
+                "ended": not record.live}
 
     def _suspend(self, client: Client, request: dict[str, Any]) -> None:
         swap = request.get("swap", False)

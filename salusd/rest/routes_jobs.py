@@ -1,4 +1,5 @@
-"""`/v1/jobs`: list, inspect, submit batch jobs, suspend, resume, cancel, priority, checkpoint."""
+"""`/v1/jobs`: list, inspect, submit batch jobs, suspend, resume, cancel, priority, checkpoint,
+and a job's output."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import PlainTextResponse
 
 from salus.daemon.rest.auth import Principal, principal
 from salus.daemon.rest.context import Context, check_owner, context
@@ -22,6 +24,7 @@ from salus.daemon.rest.models import (
     Suspend,
 )
 from salus.daemon.rest.views import job_out, row_out
+from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.wire.errors import BadRequest, Conflict, UnknownJob
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
@@ -54,6 +57,41 @@ async def get_job(job_id: int = JobId, who: Principal = Depends(principal),
             raise
         check_owner(job_id, row.uid, row.owner, who)
         return row_out(row)
+
+
+@router.get("/{job_id}/log", response_class=PlainTextResponse,
+            summary="What a job printed (its stdout and stderr)")
+async def get_log(job_id: int = JobId,
+                  offset: int | None = Query(None, ge=0, description="byte offset in the job's "
+                                             "output file (default: its last 64 KiB)"),
+                  who: Principal = Depends(principal),
+                  ctx: Context = Depends(context)) -> PlainTextResponse:
+    """At most 64 KiB of the job's output file from `offset`; the offset to ask from next is
+    in the header `X-Salus-Next-Offset` (an offset past the end of a rotated file starts
+    again at 0)."""
+    policy = ctx.engine.core.config.checkpoints
+
+    def where() -> tuple[str | None, int]:
+        record = ctx.find(job_id, who)
+        return record.checkpoint_dir, record.owner.uid
+    try:
+        folder, uid = await ctx.bridge.run(where)
+    except UnknownJob:
+        row = await run_in_threadpool(ctx.store.get_job, job_id)
+        if row is None or policy is None:
+            raise
+        check_owner(job_id, row.uid, row.owner, who)
+        folder, uid = os.path.join(policy.root, str(job_id)), row.uid
+    if folder is None:
+        raise Conflict(f"job {job_id} has no output file: salusd keeps them in its state dir, "
+                       "and runs without one")
+    try:
+        data, next_offset = await run_in_threadpool(read_output, output_path(folder), offset,
+                                                    writer_uid(uid))
+    except PermissionError as exc:
+        raise Conflict(str(exc)) from None
+    return PlainTextResponse(data.decode("utf-8", "replace"),
+                             headers={"X-Salus-Next-Offset": str(next_offset)})
 
 
 @router.post("", response_model=JobOut, status_code=201, summary="Submit a batch job")

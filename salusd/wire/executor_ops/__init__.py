@@ -9,8 +9,9 @@ frame: the executor unpickles it.
 Daemon → executor, in the order a job meets them:
 
 - `Become` (from the supervisor, first): who the executor becomes. As root it drops to the
-  owner's uid, gid and groups before it receives any job bytes, then changes into `cwd` and sets
-  the job's intra-op thread count.
+  owner's uid, gid and groups before it receives any job bytes, then changes into `cwd`, sets
+  the job's intra-op thread count, and sends what the job prints to the file `log` (when given)
+  and its client's direct channel (`salusd/executor/output.py`).
 - `Attach` (unpickle the named objects, report their exact bytes), `Define` (a function),
   `Estimate` (fake-tensor peak of the first call), `DirectChannel` (the client's end of its
   direct channel), `Load` (a batch job's entrypoint) or `Restore` (a job's checkpoint after a

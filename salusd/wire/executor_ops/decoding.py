@@ -210,13 +210,13 @@ def _keys(*names: str) -> frozenset[str]:
 def _become(d: Wire) -> Become:
     w = "'become'"
     _only(d, w, _keys("op", "uid", "gid", "groups", "user", "home", "cwd", "threads", "job",
-                      "estimate"))
+                      "estimate", "log"))
     groups = d.get("groups", _MISSING)
     if type(groups) is not list or not all(type(g) is int for g in groups):
         raise _bad(w, "groups", "a list of ints", groups)
     return Become(_int(d, w, "uid"), _int(d, w, "gid"), tuple(groups), _str(d, w, "user"),
                   _str(d, w, "home"), _str_or_none(d, w, "cwd"), _int(d, w, "threads"),
-                  _int(d, w, "job"), _bool(d, w, "estimate"))
+                  _int(d, w, "job"), _bool(d, w, "estimate"), _maybe_str(d, w, "log"))
 
 
 def _attach(d: Wire) -> Attach:

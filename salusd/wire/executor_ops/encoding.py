@@ -148,7 +148,8 @@ def _ready(m: Ready) -> Wire:
 _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Become: lambda m: {"op": "become", "uid": m.uid, "gid": m.gid, "groups": list(m.groups),
                        "user": m.user, "home": m.home, "cwd": m.cwd, "threads": m.threads,
-                       "job": m.job, "estimate": m.estimate},
+                       "job": m.job, "estimate": m.estimate,
+                       **({} if m.log is None else {"log": m.log})},
     Attach: lambda m: {"op": "attach", "gang": None if m.gang is None else _gang(m.gang)},
     Define: lambda m: {"op": "define"},
     Pull: lambda m: {"op": "pull"},

@@ -49,8 +49,9 @@ class CachePlace:
 @dataclass(frozen=True, slots=True)
 class Become:
     """Who the executor runs as (uid, gid, groups, user name, home), the directory it starts
-    in, its intra-op `threads`, its `job` id, and whether it estimates a job's first direct
-    call before asking to run it (`estimate`)."""
+    in, its intra-op `threads`, its `job` id, whether it estimates a job's first direct
+    call before asking to run it (`estimate`), and the file what the job prints goes to
+    (`log`; None: none, left out of the wire form)."""
 
     op: ClassVar[str] = "become"
     uid: int
@@ -62,6 +63,7 @@ class Become:
     threads: int
     job: int
     estimate: bool
+    log: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

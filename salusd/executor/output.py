@@ -1,0 +1,141 @@
+"""What a job prints: the executor's `sys.stdout` and `sys.stderr` once it is the job's owner.
+
+Each complete line (and what is left on `flush`) goes to the job's output file when the daemon
+gave one (`Become.log`; bounded, see `salusd/state/job_output.py`) and, while the job's client
+has a direct channel open, to the client at once as `{"op": "output", "stream", "text"}`: the
+job's function runs on the executor's main thread, so a line printed during a call reaches the
+client before the call's result. Python's `warnings` write to `sys.stderr` and come along.
+Without a file and a channel, lines go where they went before: the daemon's log.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+import threading
+from typing import TextIO
+
+from salus.daemon.state.job_output import MAX_FILE_BYTES
+from salus.daemon.wire.channel import Channel
+
+MAX_LINE_CHARS = 64 << 10  # a longer line is cut here and marked
+CUT_MARK = " [salusd: line cut at 65536 characters]\n"
+
+
+class OutputSink:
+    """Where the lines of both streams go: the job's output file and the client's channel.
+    `lock` also guards the executor's own sends on that channel, so that a line printed on
+    another thread never lands inside a reply."""
+
+    def __init__(self, path: str | None, fallback: dict[str, TextIO]) -> None:
+        self.lock = threading.RLock()
+        self.path = path
+        self.channel: Channel | None = None
+        self._fallback = fallback
+        self._fd: int | None = None
+        self._size = 0
+
+    def attach(self, channel: Channel) -> None:
+        with self.lock:
+            self.channel = channel
+
+    def detach(self) -> None:
+        with self.lock:
+            self.channel = None
+
+    def forked(self) -> None:
+        """In a process the job forked (a DataLoader worker): the channel's frames are the
+        executor's alone, and a lock another thread held at the fork would never be released."""
+        self.lock = threading.RLock()
+        self.channel = None
+
+    def line(self, stream: str, text: str) -> None:
+        """One line of `stream` ("stdout" or "stderr"), or what is left of one on flush."""
+        with self.lock:
+            if self.path is not None:
+                self._to_file(text.encode("utf-8", "replace"))
+            if self.channel is not None:
+                try:
+                    self.channel.send({"op": "output", "stream": stream, "text": text})
+                except OSError:
+                    self.channel = None  # the client went away; the executor notices on recv
+            if self.path is None and self.channel is None:
+                self._fallback[stream].write(text)
+                self._fallback[stream].flush()
+
+    def _to_file(self, data: bytes) -> None:
+        assert self.path is not None
+        try:
+            if self._fd is not None and self._size and self._size + len(data) > MAX_FILE_BYTES:
+                os.close(self._fd)
+                self._fd = None
+                os.replace(self.path, self.path + ".1")
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                                   0o600)
+                self._size = os.fstat(self._fd).st_size
+            self._size += os.write(self._fd, data)
+        except OSError as exc:  # a full or gone disk costs the job its log, not its run
+            self.path = None
+            self._fallback["stderr"].write(f"salusd: job output file unusable: {exc}\n")
+
+
+class JobStream(io.TextIOBase):
+    """One of the job's text streams: buffers a partial line and hands complete ones to the
+    sink (longer than MAX_LINE_CHARS: cut, marked, the rest of that line dropped)."""
+
+    encoding = "utf-8"  # libraries that print ask for it
+
+    def __init__(self, name: str, sink: OutputSink) -> None:
+        super().__init__()
+        self.name = name
+        self.sink = sink
+        self._partial = ""
+        self._cut = False  # dropping the rest of a line already cut
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+        with self.sink.lock:
+            rest = s
+            while rest:
+                head, newline, rest = rest.partition("\n")
+                if self._cut:
+                    self._cut = not newline
+                    continue
+                self._partial += head
+                if len(self._partial) > MAX_LINE_CHARS:
+                    self.sink.line(self.name, self._partial[:MAX_LINE_CHARS] + CUT_MARK)
+                    self._partial, self._cut = "", not newline
+                elif newline:
+                    self.sink.line(self.name, self._partial + newline)
+                    self._partial = ""
+        return len(s)
+
+    def flush(self) -> None:
+        with self.sink.lock:
+            if self._partial:
+                text, self._partial = self._partial, ""
+                self.sink.line(self.name, text)
+
+    def isatty(self) -> bool:
+        return False
+
+
+def install(path: str | None) -> OutputSink:
+    """Make the job's output go to `path` (None: no file) and, once attached, its client's
+    channel; the executor's own log records keep going to the daemon's log."""
+    fallback: dict[str, TextIO] = {"stdout": sys.stdout, "stderr": sys.stderr}
+    handler = logging.StreamHandler(fallback["stderr"])
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("salusd").addHandler(handler)
+    sink = OutputSink(path, fallback)
+    os.register_at_fork(after_in_child=sink.forked)
+    sys.stdout = JobStream("stdout", sink)
+    sys.stderr = JobStream("stderr", sink)
+    return sink

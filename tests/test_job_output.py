@@ -1,0 +1,144 @@
+"""What a job prints reaches its owner, not the daemon's log: the real `salusd serve` process,
+an interactive job's client that sees the job's lines before its call returns, `salusd logs`,
+a batch job's `GET /v1/jobs/{id}/log`, and the output file's rotation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from client_proc import finish
+from daemon_proc import job_root, salusd
+from rest_client import connect, job, wait_for
+
+from salus.daemon.state.job_output import MAX_FILE_BYTES
+
+pytestmark = pytest.mark.slow
+
+CLIENT = textwrap.dedent("""
+    import os, sys, warnings
+    import torch
+    import salus.adapters.torch as salus
+
+    lines = int(sys.argv[1])
+
+    def chatty(s, x):
+        for i in range(3):
+            print(f"job line {i}")
+        warnings.warn("job warning")
+        pid = os.fork()
+        if pid == 0:  # a child the job forks writes to the file only, never into the channel
+            print("child line")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        return s.model(x).sum()
+
+    def flood(s):
+        for i in range(lines):
+            print(f"flood {i:07d} " + "x" * 1000)
+
+    with salus.connect(name="printer", iterations=1) as job:
+        print("job", job.id, flush=True)
+        remote = job.attach(model=torch.nn.Linear(2, 1))
+        remote.iteration(chatty)(torch.ones(1, 2))
+        print("after call", flush=True)
+        if lines:
+            remote.function(flood)()
+            print("after flood", flush=True)
+""")
+
+
+def _client(tmp: Path, address: str, flood_lines: int = 0) -> tuple[str, str, str]:
+    """Run the client script; (its job id, its stdout, its stderr)."""
+    script = tmp / "client.py"
+    script.write_text(CLIENT)
+    env = {"SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen([sys.executable, str(script), str(flood_lines)], env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    out, err = finish(proc, timeout_s=120)
+    assert proc.returncode == 0, (first, out, err)
+    assert first.startswith("job "), first
+    return first.split()[1], out, err
+
+
+def _logs(address: str, job_id: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "logs", job_id,
+                           "--socket", address.removeprefix("unix://"), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_an_interactive_jobs_lines_reach_its_client_before_the_result_and_salusd_logs(
+        tmp_path: Path) -> None:
+    with salusd(tmp_path, devices=1) as (_, address):
+        job_id, out, err = _client(tmp_path, address)
+        assert out == "job line 0\njob line 1\njob line 2\nafter call\n"
+        assert "UserWarning: job warning" in err
+        logged = _logs(address, job_id)
+        assert _logs(address, job_id, "-f") == logged  # the job ended: -f stops at the end
+    assert logged.startswith("job line 0\njob line 1\njob line 2\n"), logged
+    assert "UserWarning: job warning" in logged
+    assert logged.endswith("child line\n"), logged
+    daemon_log = (tmp_path / "salusd.log").read_text()
+    assert "job line" not in daemon_log and "job warning" not in daemon_log
+
+
+def test_a_job_printing_6_mib_keeps_a_bounded_file_with_the_latest_lines(
+        tmp_path: Path) -> None:
+    lines = 6 * 1024  # about 1 KiB each
+    with salusd(tmp_path, devices=1) as (_, address):
+        job_id, out, _ = _client(tmp_path, address, flood_lines=lines)
+        assert out.count("\nflood ") == lines and out.endswith("after flood\n")
+        tail = _logs(address, job_id, "--tail", "5000")
+    folder = tmp_path / "state" / "checkpoints" / job_id
+    current, previous = folder / "output.log", folder / "output.log.1"
+    assert current.stat().st_size <= MAX_FILE_BYTES
+    assert previous.stat().st_size <= MAX_FILE_BYTES
+    kept = previous.read_text() + current.read_text()
+    assert kept.endswith(f"flood {lines - 1:07d} " + "x" * 1000 + "\n")
+    numbers = [int(line.split()[1]) for line in kept.splitlines() if line.startswith("flood")]
+    assert numbers == list(range(lines))  # 6 MiB fit in the two files: no line lost
+    assert current.read_text().startswith("flood ") and current.stat().st_size < 3 << 20
+    assert tail.endswith(f"flood {lines - 1:07d} " + "x" * 1000 + "\n")
+    assert 4000 < len(tail) <= 5000
+
+
+def test_a_batch_jobs_lines_are_served_by_rest(tmp_path: Path) -> None:
+    root = job_root(tmp_path, "printing.py")
+    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(root), devices=1):
+        client = connect(tmp_path / "state")
+        reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 5,
+                                              "entrypoint": "printing.py:make_job"})
+        assert reply.status_code == 201, reply.text
+        jid = reply.json()["id"]
+        wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
+        got = client.get(f"/v1/jobs/{jid}/log")
+        assert got.status_code == 200, got.text
+        assert got.headers["content-type"].startswith("text/plain")
+        expected = "".join(f"batch iteration {i}\n" for i in range(5))
+        assert got.text == expected
+        assert int(got.headers["X-Salus-Next-Offset"]) == len(expected)
+        rest = client.get(f"/v1/jobs/{jid}/log", params={"offset": 7})
+        assert rest.text == expected[7:]
+        end = client.get(f"/v1/jobs/{jid}/log", params={"offset": len(expected)})
+        assert end.text == "" and end.headers["X-Salus-Next-Offset"] == str(len(expected))
+        assert client.get(f"/v1/jobs/{jid + 100}/log").status_code == 404
+        # The owner controls the directory: a link or a FIFO in the file's place is refused,
+        # not followed or waited on by the (root) daemon.
+        path = tmp_path / "state" / "checkpoints" / str(jid) / "output.log"
+        (tmp_path / "secret").write_text("not the job's\n")
+        path.unlink()
+        path.symlink_to(tmp_path / "secret")
+        refused = client.get(f"/v1/jobs/{jid}/log")
+        assert refused.status_code == 409 and "not the job's" not in refused.text
+        path.unlink()
+        os.mkfifo(path)
+        assert client.get(f"/v1/jobs/{jid}/log").status_code == 409
+    assert "batch iteration" not in (tmp_path / "salusd.log").read_text()
