@@ -236,3 +236,20 @@ def test_info_counts_the_calls_run_under_a_lease(address: str) -> None:
         info = job.info()
         job.close(pull=False)
     assert (info["iterations_done"], info["calls_done"], info["calls_failed"]) == (12, 13, 1)
+
+
+def test_running_past_the_declared_iterations_warns_once(address: str) -> None:
+    model = nn.Linear(4, 2)
+    xs = data(4)
+    with salus.connect(name="overrun", iterations=2, address=address) as job:
+        step = job.attach(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1)
+                          ).iteration(sgd_step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step(xs[0])
+            step(xs[1])  # the declared two: no warning
+        with pytest.warns(UserWarning, match=r"ran past the 2 iterations it declared") as seen:
+            step(xs[2])
+            step(xs[3])
+        assert len([w for w in seen if "ran past" in str(w.message)]) == 1
+        job.close(pull=False)

@@ -30,7 +30,9 @@ INFO_WAIT_S = 2.0  # how long info() waits for the daemon to account calls run u
 def connect(name: str, iterations: int, *, address: str | None = None,
             timeout_s: float | None = 10.0, devices: int = 1) -> Job:
     """Open a job called `name` that plans `iterations` iterations in salusd; with `devices`
-    N > 1, a data-parallel gang of N replicas (see the module docstring).
+    N > 1, a data-parallel gang of N replicas (see the module docstring). The job ends when it
+    is closed; `iterations` is what the scheduler plans with (SRTF ranks by it), and running
+    past it warns once.
 
     `timeout_s` (seconds) bounds connecting and opening; calls themselves wait as long as the
     daemon's scheduler makes them. While salusd restarts, connecting is retried for about 20 s
@@ -68,6 +70,7 @@ class Job(Connection):
         self.iterations = iterations
         self.devices = devices  # replicas: > 1 for a data-parallel gang
         self.resumed_from = 0  # > 0: salusd restored this job at that iteration (see connect)
+        self.iterations_sent = 0  # calls of `@remote.iteration` functions sent
         self.owner: str | None = None
         self.threads: int | None = None
         self.remote: Remote | None = None

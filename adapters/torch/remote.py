@@ -4,6 +4,7 @@ mark a gang job's arguments."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -106,7 +107,7 @@ class Remote:
         self._next_fid += 1
         job._request({"op": "define", "job": job._require_id(), "fid": fid, "kind": kind,
                       "fn": pickled(fn, f"function {getattr(fn, '__name__', fn)!r}")}).result()
-        return RemoteFunction(self, fid, fn)
+        return RemoteFunction(self, fid, fn, kind)
 
     def _decode_result(self, reply: Any) -> Any:
         if type(reply) is compact.Message or isinstance(reply, dict) and (
@@ -164,9 +165,11 @@ class RemoteFunction:
     `changes_state` (True unless set otherwise): whether its calls may change the job's state,
     so that closing without `pull()` warns (see `Job.close`)."""
 
-    def __init__(self, remote: Remote, fid: int, fn: Callable[..., Any]) -> None:
+    def __init__(self, remote: Remote, fid: int, fn: Callable[..., Any],
+                 kind: str = "function") -> None:
         self.remote = remote
         self.fid = fid
+        self.kind = kind
         self.changes_state = True
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "function")
@@ -181,6 +184,8 @@ class RemoteFunction:
         job = remote.job
         remote._changes.check()
         remote.changed = remote.changed or self.changes_state
+        if self.kind == "iteration":
+            _count_iteration(job)
         rng = job._rng_to_send()
         if (job._compact and not kwargs and len(args) < compact.MAX_TENSORS
                 and all(type(a) is torch.Tensor for a in args)):
@@ -194,3 +199,13 @@ class RemoteFunction:
             message = {"op": "call", "job": job._require_id(), "fid": self.fid,
                        "args": pickled((args, kwargs), "call arguments"), "rng": rng}
         return job._request(message, remote._decode_result, direct=True)
+
+
+def _count_iteration(job: Any) -> None:
+    """Count an iteration sent; warn once when the job runs past the iterations it declared,
+    which SRTF schedules it by (the daemon goes on: an interactive job ends when it closes)."""
+    job.iterations_sent += 1
+    if job.resumed_from + job.iterations_sent == job.iterations + 1:
+        warnings.warn(f"salus job {job.name!r} ran past the {job.iterations} iterations it "
+                      "declared: the scheduler plans with that count (SRTF ranks jobs by it); "
+                      "declare the real count in salus.connect(iterations=...)", stacklevel=3)
