@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from salus.daemon.executor import checkpoint, context, gang
+from salus.daemon.executor import checkpoint, context, gang, unpickled
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
 from salus.daemon.executor.cuda_call import CudaCall
 from salus.daemon.executor.measure import (
@@ -335,10 +335,7 @@ class JobRuntime:
         return {name: getattr(self.state, name) for name in self.names}
 
     def _hold(self, objects: dict[str, Any]) -> None:
-        for obj in objects.values():
-            if isinstance(obj, torch.optim.LBFGS):  # its pickled form drops what __init__ set
-                obj._params = obj.param_groups[0]["params"]
-                obj._numel_cache = None
+        unpickled.rebuild(objects.values())
         self.state = State(**objects)
         self.names = list(objects)
         if self.comm is not None:
