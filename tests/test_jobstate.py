@@ -52,6 +52,8 @@ def test_a_live_jobs_state_from_its_record_and_its_scheduler_view() -> None:
     assert live_state(record, None) == "open"
     assert live_state(record, _view(JobState.PENDING)) == "pending"
     assert live_state(record, _view(JobState.RUNNING)) == "running"
+    # ran its iterations, its final checkpoint not yet on disk: not finished yet
+    assert live_state(record, _view(JobState.FINISHED)) == "finishing"
     record.held = True  # suspended before it was ever submitted: still suspended
     assert live_state(record, None) == "suspended"
     record.held, record.awaiting_client = False, True  # restored, its client not back yet

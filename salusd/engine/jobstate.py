@@ -10,6 +10,8 @@ it. Both speak one vocabulary:
 - admitted / running: in a lane (`live_state` tells apart a job whose call runs now; the event
   stream does not, and says running for both);
 - suspended: held by an operator or, restored after a restart, waiting for its client;
+- finishing: a batch job that ran its iterations, while its final checkpoint is written (it is
+  reported finished once that is on disk, so a reader of "finished" finds its final state);
 - finished, cancelled, failed: ended, with a reason.
 """
 
@@ -32,6 +34,8 @@ def live_state(record: JobRecord, job: JobView | None) -> str:
         return record.end_state or "ended"
     if record.held or record.awaiting_client:
         return "suspended"
+    if job is not None and job.done:
+        return "finishing"
     if job is not None:
         return job.state.value
     return "open"
