@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,6 +47,13 @@ def on_cuda(cpu: bool) -> bool:
 
 def skipped(reason: str) -> dict[str, str]:
     return {"skipped": reason}
+
+
+def step_main(measure: Callable[[bool, bool], dict[str, Any]], doc: str | None) -> None:
+    """A step run on its own (`python bench/gpu/STEP.py [--cpu] [--small]`): `measure(cuda,
+    small)` emitted as its JSON line."""
+    args = arguments((doc or "").splitlines()[0])
+    emit(measure(on_cuda(args.cpu), args.small))
 
 
 def emit(result: dict[str, Any]) -> None:

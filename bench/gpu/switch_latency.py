@@ -104,10 +104,5 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    args = kit.arguments(__doc__.splitlines()[0])
-    kit.emit(measure(kit.on_cuda(args.cpu), args.small))
-
-
 if __name__ == "__main__":
-    main()
+    kit.step_main(measure, __doc__)
