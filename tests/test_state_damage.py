@@ -178,3 +178,18 @@ def test_a_full_state_disk_is_a_clear_error_on_rest_and_the_socket(tmp_path: Pat
             assert proc.poll() is None
     finally:
         ctx.__exit__(None, None, None)
+
+
+def test_a_gang_killed_while_checkpointing_goes_on_from_the_checkpoint_all_replicas_hold(
+        tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    for replica, iterations in ((0, (4, 8, 12)), (1, (4, 8))):  # replica 1 killed writing 12
+        for iteration in iterations:
+            checkpoint.save(job / f"replica{replica}", iteration,
+                            {"objects": {"w": torch.full((2,), float(iteration))}}, keep=3)
+    assert checkpoint_files.gang_iteration(job, 2) == 8
+    loaded = checkpoint.load_latest(job / "replica0", at=8)
+    assert loaded is not None and loaded.iteration == 8
+    assert torch.equal(loaded.payload["objects"]["w"], torch.full((2,), 8.0))
+    assert checkpoint.load_latest(job / "replica0", at=99) is None
+    assert checkpoint_files.gang_iteration(tmp_path / "none", 2) is None

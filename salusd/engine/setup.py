@@ -4,6 +4,7 @@ entrypoint (`load`) or a restored job's checkpoint (`restore`)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
@@ -12,6 +13,7 @@ from salus.daemon.engine.core import Core
 from salus.daemon.engine.pipeline_spec import check_pipeline
 from salus.daemon.engine.registry import Answer, JobRecord, Owner, spec_nodes
 from salus.daemon.engine.rendezvous import check_nodes, gang_places
+from salus.daemon.state.checkpoint_files import gang_iteration
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import (
     Attach,
@@ -55,6 +57,8 @@ def load(core: Core, record: JobRecord, restore: bool,
                              answer=answer, frame=frame)
         return
     gangs: list[GangPlace | None] = list(places) if places else [None]
+    at = (gang_iteration(Path(record.checkpoint_dir), record.gang)
+          if restore and record.gang > 1 and record.checkpoint_dir is not None else None)
     msgs: list[Request]
     if record.kind == "batch":
         pipeline = record.spec.get("pipeline")
@@ -62,9 +66,9 @@ def load(core: Core, record: JobRecord, restore: bool,
             str(pipeline["placement"]), int(pipeline["microbatches"]))
         cache = _cache_for(core, record.owner)
         msgs = [Load(record.spec["path"], record.spec["function"], restore, options, cache,
-                     replica_dir(record, r), gangs[r]) for r in range(record.gang)]
+                     replica_dir(record, r), gangs[r], at) for r in range(record.gang)]
     else:
-        msgs = [Restore(replica_dir(record, r), gangs[r]) for r in range(record.gang)]
+        msgs = [Restore(replica_dir(record, r), gangs[r], at) for r in range(record.gang)]
     core.outbox.send_all(record, "load", msgs)
 
 

@@ -220,11 +220,13 @@ def save(root: Path, iteration: int, payload: dict[str, Any], *, extra: dict[str
     return SavedCheckpoint(final, iteration, size, time.perf_counter() - start)
 
 
-def load_latest(root: Path) -> LoadedCheckpoint | None:
-    """The newest complete checkpoint under `root`, or None when there is none. Incomplete
-    directories are skipped; an error unpickling a complete one propagates (falling back to an
-    older one would silently lose progress)."""
+def load_latest(root: Path, at: int | None = None) -> LoadedCheckpoint | None:
+    """The newest complete checkpoint under `root` (of iteration `at` when given), or None
+    when there is none. Incomplete directories are skipped; an error unpickling a complete one
+    propagates (falling back to an older one would silently lose progress)."""
     for path, manifest in complete(Path(root)):
+        if at is not None and manifest["iteration"] != at:
+            continue
         tensors = safetensors.torch.load_file(path / TENSORS_FILE)
         with open(path / OBJECTS_FILE, "rb") as f:
             payload = _TensorUnpickler(f, tensors).load()

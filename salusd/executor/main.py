@@ -438,8 +438,8 @@ def handle(runtime: JobRuntime, message: Request, request: Any) -> tuple[Reply, 
                 return Ack(forward=True), runtime.pull(request)
             case Load():
                 return runtime.load(message), None
-            case Restore(dir=where, gang=gang):
-                return runtime.restore(where, gang), None
+            case Restore(dir=where, gang=gang, at=at):
+                return runtime.restore(where, gang, at), None
             case Checkpoint(dir=where, job=job):
                 return runtime.checkpoint(where, job), None
             case Place(device=device, budget_bytes=budget, slowdown=slowdown, uuid=uuid):

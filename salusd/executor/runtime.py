@@ -235,16 +235,17 @@ class JobRuntime:
         self._hold(job.state)
         iteration = 0
         if request.restore:
-            iteration = self.restore(request.dir, request.gang).iteration
+            iteration = self.restore(request.dir, request.gang, request.at).iteration
         elif self.comm is not None:
             gang.broadcast_state(self.comm, self._objects())
         return Loaded(state_bytes(self._objects().values()), iteration)
 
-    def restore(self, where: str | None, place: GangPlace | None = None) -> Loaded:
-        """Load the latest checkpoint under `where`: objects, functions, random state, the
-        iteration count and (batch jobs) where the data stood."""
+    def restore(self, where: str | None, place: GangPlace | None = None,
+                at: int | None = None) -> Loaded:
+        """Load the latest checkpoint under `where` (or the one of iteration `at`): objects,
+        functions, random state, the iteration count and (batch jobs) where the data stood."""
         self._join(place)  # a gang's interactive job: before its state
-        loaded = checkpoint.load_latest(Path(str(where)))
+        loaded = checkpoint.load_latest(Path(str(where)), at)
         if loaded is None:
             if self.batch is not None:
                 return Loaded(state_bytes(self._objects().values()), 0)

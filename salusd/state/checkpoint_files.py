@@ -50,6 +50,15 @@ def complete_iterations(root: Path) -> list[int]:
     return [manifest["iteration"] for _, manifest in complete(root)]
 
 
+def gang_iteration(job_dir: Path, replicas: int) -> int | None:
+    """The newest iteration that each of a gang's `replicas` (`replica<r>/` under `job_dir`)
+    holds a complete checkpoint of: a gang killed while writing one goes on from the one
+    before, together. None when they share none."""
+    common = set.intersection(*(set(complete_iterations(job_dir / f"replica{r}"))
+                                for r in range(replicas)))
+    return max(common) if common else None
+
+
 def job_has_checkpoint(job_dir: Path) -> bool:
     """Whether a job's checkpoint directory (or, for a gang, each `replica<r>/` in it) holds a
     complete checkpoint."""

@@ -260,16 +260,18 @@ def _place(d: Wire) -> Place:
 
 def _load(d: Wire) -> Load:
     w = "'load'"
-    _only(d, w, _keys("op", "path", "function", "restore", "pipeline", "cache", "dir", "gang"))
+    _only(d, w, _keys("op", "path", "function", "restore", "pipeline", "cache", "dir", "gang",
+                      "at"))
     return Load(_str(d, w, "path"), _str(d, w, "function"), _bool(d, w, "restore"),
                 _pipeline(d), _cache(d), _str_or_none(d, w, "dir"),
-                _decode_gang(d, w, required=False))
+                _decode_gang(d, w, required=False), _maybe_int(d, w, "at"))
 
 
 def _restore(d: Wire) -> Restore:
     w = "'restore'"
-    _only(d, w, _keys("op", "dir", "gang"))
-    return Restore(_str_or_none(d, w, "dir"), _decode_gang(d, w, required=False))
+    _only(d, w, _keys("op", "dir", "gang", "at"))
+    return Restore(_str_or_none(d, w, "dir"), _decode_gang(d, w, required=False),
+                   _maybe_int(d, w, "at"))
 
 
 def _checkpoint(d: Wire) -> Checkpoint:

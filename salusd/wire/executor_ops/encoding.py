@@ -71,6 +71,10 @@ def _maybe_gang(out: Wire, g: GangPlace | None) -> Wire:
     return out
 
 
+def _at(at: int | None) -> Wire:
+    return {} if at is None else {"at": at}
+
+
 def _with_frame(out: Wire, frame: bool | None) -> Wire:
     if frame is not None:
         out["frame"] = frame
@@ -165,8 +169,8 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
         "pipeline": None if m.pipeline is None else {"placement": m.pipeline.placement,
                                                      "microbatches": m.pipeline.microbatches},
         "cache": None if m.cache is None else {"dir": m.cache.dir, "bytes": m.cache.bytes},
-        "dir": m.dir}, m.gang),
-    Restore: lambda m: _maybe_gang({"op": "restore", "dir": m.dir}, m.gang),
+        "dir": m.dir, **_at(m.at)}, m.gang),
+    Restore: lambda m: _maybe_gang({"op": "restore", "dir": m.dir, **_at(m.at)}, m.gang),
     Checkpoint: lambda m: {"op": "checkpoint", "dir": m.dir, "job": m.job},
     SwapOut: lambda m: {"op": "swap_out"},
     Refuse: lambda m: {"op": "refuse", "code": m.code, "message": m.message},

@@ -154,7 +154,8 @@ class Load:
     """Import a batch job's entrypoint `path`:`function` and hold what it returns; with
     `restore`, go on from the latest checkpoint under `dir`. `pipeline`: run it split into
     stages; `cache`: the owner's data cache; `gang`: this replica's place (None, left out of
-    the wire: no gang)."""
+    the wire: no gang); `at`: restore the checkpoint of this iteration, not the latest (a
+    gang's replicas go on from the newest one they all hold; None, left out: the latest)."""
 
     op: ClassVar[str] = "load"
     path: str
@@ -164,16 +165,18 @@ class Load:
     cache: CachePlace | None
     dir: str | None
     gang: GangPlace | None = None
+    at: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Restore:
-    """Load an interactive job's latest checkpoint under `dir` (after a restart); `gang` as in
-    `Load`."""
+    """Load an interactive job's latest checkpoint under `dir` (after a restart); `gang` and
+    `at` as in `Load`."""
 
     op: ClassVar[str] = "restore"
     dir: str | None
     gang: GangPlace | None = None
+    at: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
