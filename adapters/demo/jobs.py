@@ -166,6 +166,7 @@ def run_client(w: Workload, address: str, hold: Callable[[], None] = lambda: Non
         info = job.info()
         seconds = time.perf_counter() - start
         hold()
+        job.close(pull=True)  # the trained state back into `model`, as a script keeps it
     return {
         "name": w.name,
         "kind": w.kind,
