@@ -87,14 +87,9 @@ class Start:
 
 @dataclass(frozen=True)
 class Update:
-    """What an input or a command changed: admissions made (`placed`) and jobs that ran their
-    last planned iteration (`completed`)."""
+    """What an input or a command changed: the admissions it made."""
 
     placed: tuple[Placement, ...] = ()
-    completed: tuple[int, ...] = ()
-
-    def __add__(self, other: Update) -> Update:
-        return Update(self.placed + other.placed, self.completed + other.completed)
 
 
 @dataclass(frozen=True)
@@ -260,7 +255,7 @@ class Dispatcher:
         made = self._sched.iterations_done(job_id, iterations, seconds, measure=self._measure)
         if job.done:
             self.version += 1
-        return Update(tuple(made), (job_id,) if job.done else ())
+        return Update(tuple(made))
 
     # ---- leases -----------------------------------------------------------------------------
     def hold(self, key: LaneKey, job_id: int) -> None:
@@ -376,9 +371,6 @@ class Dispatcher:
     def running(self, job_id: int) -> bool:
         """Whether a call of `job_id` runs (or it holds a lane)."""
         return job_id in self._busy.values()
-
-    def held_by(self, job_id: int) -> list[LaneKey]:
-        return [k for k, j in self._busy.items() if j == job_id]
 
     def job(self, job_id: int) -> JobView | None:
         job = self._sched.jobs.get(job_id)

@@ -9,7 +9,7 @@ scheduler admitted are collected in `placed` and acted on by the next `step`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,9 +122,6 @@ class Core:
         code = "job_failed" if record.end_state == "failed" else "job_cancelled"
         self.outbox.retire_all(record, code, f"job {record.job_id} has {record.end_state}: "
                                f"{record.reason}")
-
-    def gang_lanes(self, job_id: int) -> Sequence[LaneKey]:
-        return self.dispatch.gang_lanes(job_id)
 
 
 def refuse(call: Call, error: SalusError) -> None:
