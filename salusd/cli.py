@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "CUDA devices, measure on CPU devices (default auto)")
     serve.add_argument("--standby-executors", metavar="N", type=int, default=2,
                        help="executor processes kept forked and ready for new jobs (default 2)")
+    serve.add_argument("--isolation", choices=("lane", "job"), default="lane",
+                       help="lane: the jobs of one owner placed in one lane share one executor "
+                       "process (one CUDA context and allocator, the lane's memory); job: every "
+                       "job keeps a process of its own (default lane)")
     serve.add_argument("--http", metavar="HOST:PORT", default="127.0.0.1:7077",
                        help="the REST API's address, or 'none' (default 127.0.0.1:7077; port 0 "
                        "picks a free port, written to <state-dir>/http.url)")
@@ -260,6 +264,7 @@ def serve(args: argparse.Namespace) -> int:
                           max_connections=args.max_connections,
                           frame_timeout_s=args.frame_timeout, cancel_grace_s=args.cancel_grace,
                           standby_executors=args.standby_executors, state_dir=state_dir,
+                          isolation=args.isolation,
                           http=http, job_root=args.job_root, checkpoint_every=every,
                           checkpoint_every_s=every_s, cluster=cluster,
                           cache_dir=args.cache_dir, cache_bytes=cache_bytes,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from salus.daemon.cluster import ClusterSpec, start_store, stop_store
+from salus.daemon.context_cost import executor_cost
 from salus.daemon.devices import DeviceSpec
 from salus.daemon.engine.engine import CheckpointPolicy, DataCachePolicy, Engine
 from salus.daemon.engine.events import Event
@@ -63,6 +64,7 @@ class DaemonConfig:
     cache_dir: Path | None = None  # jobs' data cache, level 1 (default <state-dir>/cache)
     cache_bytes: int = 10 << 30  # its cap per replica
     first_call: str = "auto"  # estimate | measure | auto (see first_call_estimated)
+    isolation: str = "lane"  # lane: an owner's jobs of one lane share a process; job: not
 
 
 def first_call_estimated(first_call: str, devices: Sequence[DeviceSpec]) -> bool:
@@ -88,7 +90,8 @@ class Daemon:
         estimate_first = first_call_estimated(config.first_call, config.devices)
         self.supervisor = Supervisor(self.loop, standby=config.standby_executors,
                                      threads=config.threads, estimate_first=estimate_first,
-                                     gpu_uuids=[d.uuid for d in config.devices if d.uuid])
+                                     gpu_uuids=[d.uuid for d in config.devices if d.uuid],
+                                     isolation=config.isolation)
         self.store: Store | None = None
         checkpoints = data_cache = None
         if config.state_dir is not None:
@@ -100,6 +103,8 @@ class Daemon:
             self.store = Store.open(state / "salusd.db")
             checkpoints = CheckpointPolicy(str(state / "checkpoints"), make_owner_dir,
                                            config.checkpoint_every, config.checkpoint_every_s)
+        # What one more executor costs each device, booked per process (a CUDA context).
+        self.contexts = [executor_cost(d) for d in config.devices]
         self.engine = Engine(
             [d.memory_bytes for d in config.devices], config.policy, self.supervisor,
             clock=time.monotonic, timers=self.loop,
@@ -108,7 +113,8 @@ class Daemon:
             store=self.store, checkpoints=checkpoints, cluster=config.cluster,
             data_cache=data_cache,
             compute_slowdowns=[d.compute_slowdown for d in config.devices],
-            estimate_first=estimate_first)
+            estimate_first=estimate_first, context_bytes=[c.bytes for c in self.contexts],
+            share_lanes=config.isolation == "lane")
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:

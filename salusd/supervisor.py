@@ -1,10 +1,32 @@
 """The daemon's side of the executors: start the zygote, keep a standby pool of forked
-executors, hand one to each new job (running as its owner), and report how each one ended.
+executor processes, give each new job one (running as its owner), gather the jobs of one
+owner in one lane into one process, and report how each process ended.
+
+**Executors per (owner, device, lane).** A job attaches in a fresh process of its owner (its
+state must be loaded before admission can place it). When the engine places it (`place`), the
+supervisor looks up the process that serves its owner in that lane: none yet, and the job is
+alone in its process, so that process serves the lane from now on; else the job moves there
+(`Handover` to the old process, which sends back its state, random generator, waiting calls and
+its client's socket; `Adopt` to the new one) and the old process exits once it hosts nothing.
+So the jobs of one owner in one lane share one CUDA context and one caching allocator, which
+holds the largest of their ephemeral peaks, as admission books it. Jobs of different owners
+never share a process. A gang's replicas, batch jobs, a job whose state cannot be pickled again
+(the reply says why, and `salusd status` shows it) and every job under `--isolation job` keep a
+process of their own. Where a lane holds processes of several owners, each returns its cached
+device memory at the end of each call (`Place.shared`), so the lane holds only the running
+process's blocks: what is booked is what the device holds.
+
+The engine sees one `ExecutorHandle` per job (per replica of a gang); messages to a handle go
+to its process addressed to its job (`wire/executor_ops/envelope.py`), and the process's
+replies come back to the handle they name. The engine's messages to a job that is moving are
+held and sent to its new process once it took the job over.
 
 An executor's death is known from two sources that arrive in either order: its socket closes
-(end of stream) and the zygote reports its wait status. The job is failed once both are in, or
-`lost_after_s` seconds after the socket closed, with the reason a person can act on
-(`executor (pid 4242) died: signal 11 (SIGSEGV) while running job 7 in lane 0.3`).
+(end of stream) and the zygote reports its wait status. Its jobs are failed once both are in,
+or `lost_after_s` seconds after the socket closed, with the reason a person can act on
+(`executor (pid 4242) died: signal 11 (SIGSEGV) while running job 7 in lane 0.3`): a crash
+costs exactly the jobs of that process. Killing a job's executor (a cancelled call that did
+not return in time) kills the process and so the other jobs it hosts, with that reason.
 
 On a GPU host the zygote, and so every executor, starts with `CUDA_VISIBLE_DEVICES` set to the
 daemon's GPUs by UUID in the daemon's order, so the daemon's `cuda:i` is every executor's
@@ -28,31 +50,95 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.loop import Link, Loop
 from salus.daemon.state.job_output import output_path
-from salus.daemon.wire.executor_ops import Become, Exit, encode
+from salus.daemon.wire.executor_ops import (
+    Adopt,
+    Become,
+    Exit,
+    Handover,
+    Host,
+    address_of,
+    addressed,
+    encode,
+)
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 
 log = logging.getLogger("salusd.supervisor")
 
 
 @dataclass(eq=False)
-class ExecutorHandle:
+class ExecutorProcess:
     """One executor process as the daemon sees it."""
 
     token: int
     link: Link
     pid: int | None = None
-    record: JobRecord | None = None
+    uid: int | None = None  # whose jobs it hosts, once it became them
+    key: LaneOf | None = None  # the owner's lane it serves (None: the jobs it has)
+    jobs: dict[int, ExecutorHandle] = field(default_factory=dict)
     status: str | None = None  # how it ended, once the zygote reaped it
     closed: bool = False
     reported: bool = False
     kill_when_forked: bool = False
-    pending_meta: dict[str, Any] | None = None
+    pending: _Pending | None = None  # a reply whose frames are still to come
+
+
+@dataclass(eq=False)
+class ExecutorHandle:
+    """One job (one replica of a gang) in its executor process: what the engine holds."""
+
+    process: ExecutorProcess
+    record: JobRecord
+    replica: int
+    sharable: bool  # may move into its owner's process of its lane
+    why_alone: str | None = None  # why it keeps a process of its own, when it is sharable
+    owed: deque[str] = field(default_factory=deque)  # who reads each reply: "engine" or ours
+    held: list[tuple[dict[str, Any], RawFrame | None]] | None = None  # while it moves
+    lane: int | None = None  # the lane id where it was placed
+    place: dict[str, Any] | None = None  # the last place sent
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def job(self) -> int:
+        return self.record.job_id
+
+    def describe(self) -> dict[str, Any]:
+        """For `salusd status`: its process, the other jobs it hosts, and why."""
+        proc = self.process
+        if self.why_alone is not None:
+            why = f"its own process: {self.why_alone}"
+        elif proc.key is not None:
+            why = f"one process per owner and lane (lane {proc.key[1]})"
+        else:
+            why = "its own process until it is placed"
+        return {"pid": proc.pid, "shared_with": sorted(j for j in proc.jobs if j != self.job),
+                "why": why}
+
+    @property
+    def closed(self) -> bool:
+        """Its process is gone, or it left it."""
+        return self.process.closed or self.process.jobs.get(self.job) is not self
+
+
+@dataclass
+class _Pending:
+    """A reply whose frames follow: for `handle`, with `count` frames still to come."""
+
+    handle: ExecutorHandle | None
+    meta: dict[str, Any]
+    count: int
+    frames: list[RawFrame] = field(default_factory=list)
+
+
+LaneOf = tuple[int, int]  # (owner uid, lane id): lane ids are never reused on a node
 
 
 def describe_status(status: int) -> str:
@@ -94,11 +180,16 @@ def identity(owner: Owner) -> dict[str, Any]:
 
 
 class Supervisor:
-    """Implements the engine's `ExecutorPort` over the zygote and the loop."""
+    """Implements the engine's `ExecutorPort` over the zygote and the loop. `isolation`:
+    "lane" gathers an owner's jobs of one lane into one process; "job" gives every job its
+    own."""
 
     def __init__(self, loop: Loop, *, standby: int = 2, lost_after_s: float = 2.0,
                  retire_after_s: float = 10.0, threads: int = 1,
-                 estimate_first: bool = True, gpu_uuids: Sequence[str] = ()) -> None:
+                 estimate_first: bool = True, gpu_uuids: Sequence[str] = (),
+                 isolation: str = "lane") -> None:
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation is one of {', '.join(ISOLATIONS)}, not {isolation!r}")
         self.loop = loop
         self.gpu_uuids = tuple(gpu_uuids)  # the daemon's cuda:i is gpu_uuids[i]
         self.standby_size = standby
@@ -106,19 +197,22 @@ class Supervisor:
         self.retire_after_s = retire_after_s
         self.threads = threads
         self.estimate_first = estimate_first  # executors estimate a job's first call
+        self.isolation = isolation
         self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
             lambda *_: None)
         self.on_died: Callable[[ExecutorHandle, str], None] = lambda *_: None
-        self._standby: deque[ExecutorHandle] = deque()
-        self._by_token: dict[int, ExecutorHandle] = {}
-        self._by_pid: dict[int, ExecutorHandle] = {}
-        self._by_link: dict[int, ExecutorHandle] = {}
+        self._standby: deque[ExecutorProcess] = deque()
+        self._by_token: dict[int, ExecutorProcess] = {}
+        self._by_pid: dict[int, ExecutorProcess] = {}
+        self._by_link: dict[int, ExecutorProcess] = {}
+        self._serving: dict[LaneOf, ExecutorProcess] = {}  # the owner's process of a lane
         self._tokens = itertools.count(1)
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_link: Link | None = None
         self._stopping = False
         self.zygote_ready = False
         self.restarts = 0
+        self.moves = 0  # jobs moved into their owner's process of their lane
 
     # ---- zygote -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -153,64 +247,100 @@ class Supervisor:
             self.zygote_ready = True
             log.info("executor zygote ready (pid %s)", message.get("pid"))
         elif op == "forked":
-            ex = self._by_token.get(int(message.get("token", -1)))
+            proc = self._by_token.get(int(message.get("token", -1)))
             pid = int(message.get("pid", -1))
-            if ex is not None and pid > 0:
-                ex.pid = pid
-                self._by_pid[pid] = ex
-                if ex.kill_when_forked:
-                    self.kill(ex)
+            if proc is not None and pid > 0:
+                proc.pid = pid
+                self._by_pid[pid] = proc
+                if proc.kill_when_forked:
+                    self._kill_process(proc)
         elif op == "exited":
-            ex = self._by_pid.pop(int(message.get("pid", -1)), None)
-            if ex is not None:
-                ex.status = describe_status(int(message.get("status", 0)))
-                self._maybe_report(ex)
+            proc = self._by_pid.pop(int(message.get("pid", -1)), None)
+            if proc is not None:
+                proc.status = describe_status(int(message.get("status", 0)))
+                self._maybe_report(proc)
 
     def _zygote_closed(self, link: Link, reason: str) -> None:
         if self._stopping:
             return
         log.error("the executor zygote went away (%s): restarting it", reason)
         self.restarts += 1
-        for ex in list(self._standby):
-            self.loop.close(ex.link, "zygote restarted")
+        for proc in list(self._standby):
+            self.loop.close(proc.link, "zygote restarted")
         self._standby.clear()
         if self._zygote is not None:
             self._zygote.wait()
         self.start()
 
-    def _fork(self) -> ExecutorHandle:
+    def _fork(self) -> ExecutorProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         token = next(self._tokens)
-        ex = ExecutorHandle(token, Link(ours, self._executor_frame, self._executor_closed))
-        self.loop.add(ex.link)
-        self._by_token[token] = ex
-        self._by_link[id(ex.link)] = ex
+        proc = ExecutorProcess(token, Link(ours, self._executor_frame, self._executor_closed))
+        self.loop.add(proc.link)
+        self._by_token[token] = proc
+        self._by_link[id(proc.link)] = proc
         assert self._zygote_link is not None
         request = json_frame({"op": "fork", "token": token})
         request.flags |= FLAG_SEGMENT  # the descriptor that travels is the executor's socket
         request.fd = theirs.detach()
         self.loop.send(self._zygote_link, request)
-        return ex
+        return proc
+
+    def _new_process(self, owner: Owner) -> ExecutorProcess:
+        """A process of the standby pool, become `owner`."""
+        proc = self._standby.popleft() if self._standby else self._fork()
+        who = identity(owner)
+        proc.uid = owner.uid
+        self.loop.send(proc.link, json_frame(encode(Become(
+            who["uid"], who["gid"], tuple(who["groups"]), who["user"], who["home"],
+            self.threads))))
+        while len(self._standby) < self.standby_size and not self._stopping:
+            self._standby.append(self._fork())
+        return proc
 
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
-        ex = self._standby.popleft() if self._standby else self._fork()
-        ex.record = record
-        who = identity(record.owner)
-        log = (None if record.checkpoint_dir is None
-               else output_path(record.checkpoint_dir, replica))
-        self.loop.send(ex.link, json_frame(encode(Become(
-            who["uid"], who["gid"], tuple(who["groups"]), who["user"], who["home"], cwd,
-            self.threads, record.job_id, self.estimate_first, log))))
-        while len(self._standby) < self.standby_size and not self._stopping:
-            self._standby.append(self._fork())
-        return ex
+        proc = self._new_process(record.owner)
+        sharable = (self.isolation == "lane" and record.kind == "interactive"
+                    and record.gang == 1)
+        handle = ExecutorHandle(proc, record, replica, sharable)
+        if not sharable:
+            handle.why_alone = ("--isolation job" if self.isolation == "job" else
+                                "a gang's replica" if record.gang > 1 else "a batch job")
+        proc.jobs[record.job_id] = handle
+        log_file = (None if record.checkpoint_dir is None
+                    else output_path(record.checkpoint_dir, replica))
+        self._to_process(handle, encode(Host(cwd, self.estimate_first, log_file)), None, "host")
+        return handle
 
     def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
         assert isinstance(executor, ExecutorHandle)
-        self.loop.send(executor.link, json_frame(self._with_uuid(meta)))
+        meta = self._with_uuid(meta)
+        if executor.held is not None:  # moving: sent once the new process has the job
+            executor.held.append((meta, frame))
+        elif meta.get("op") == "place":
+            self._place(executor, meta, frame)
+        else:
+            self._forward(executor, meta, frame)
+
+    def _forward(self, handle: ExecutorHandle, meta: dict[str, Any],
+                 frame: RawFrame | None) -> None:
+        """An engine message (or our `Exit` for the job) to the handle's process."""
+        if meta.get("op") == "place":
+            self._place(handle, meta, frame)
+        else:
+            self._to_process(handle, meta, frame, "exit" if meta.get("op") == "exit" else
+                             "engine")
+
+    def _to_process(self, handle: ExecutorHandle, meta: dict[str, Any], frame: RawFrame | None,
+                    reader: str | None) -> None:
+        """Send `meta` (and `frame`) to the handle's process for its job; its reply goes to
+        `reader` ("engine", or the supervisor's own step; None: no reply comes)."""
+        if reader is not None:
+            handle.owed.append(reader)
+        self.loop.send(handle.process.link, json_frame(addressed(meta, handle.job)))
         if frame is not None:
-            self.loop.send(executor.link, frame)
+            self.loop.send(handle.process.link, frame)
 
     def _with_uuid(self, meta: dict[str, Any]) -> dict[str, Any]:
         """A `place` on a GPU with that GPU's UUID added (the engine names devices by index)."""
@@ -223,75 +353,218 @@ class Supervisor:
 
     def kill(self, executor: object) -> None:
         assert isinstance(executor, ExecutorHandle)
-        if executor.pid is None:
-            executor.kill_when_forked = True
+        self._kill_process(executor.process)
+
+    def _kill_process(self, proc: ExecutorProcess) -> None:
+        if proc.pid is None:
+            proc.kill_when_forked = True
             return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(executor.pid, signal.SIGKILL)
+            os.kill(proc.pid, signal.SIGKILL)
 
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:
+        """The job leaves its process once it answered what it was sent (the engine hears
+        of it as of a death, with its calls still owed answered); a process left without
+        jobs exits."""
         assert isinstance(executor, ExecutorHandle)
-        self.loop.send(executor.link, json_frame(encode(Exit(code, message))))
-        self.loop.call_later(self.retire_after_s, lambda: self._kill_if_alive(executor))
+        self.send(executor, encode(Exit(code, message)), None)
 
-    def _kill_if_alive(self, ex: ExecutorHandle) -> None:
-        if ex.status is None and ex.pid is not None:
-            log.warning("executor pid %d did not exit when asked: killing it", ex.pid)
-            self.kill(ex)
+    def _release(self, handle: ExecutorHandle, proc: ExecutorProcess) -> None:
+        """`handle`'s job left `proc`: a process without jobs is told to exit."""
+        proc.jobs.pop(handle.job, None)
+        if proc.jobs or proc.closed:
+            return
+        if proc.key is not None and self._serving.get(proc.key) is proc:
+            del self._serving[proc.key]
+        self.loop.send(proc.link, json_frame(encode(Exit("job_cancelled", "no jobs left"))))
+        self.loop.call_later(self.retire_after_s, lambda: self._kill_if_alive(proc))
+
+    def _kill_if_alive(self, proc: ExecutorProcess) -> None:
+        if proc.status is None and proc.pid is not None:
+            log.warning("executor pid %d did not exit when asked: killing it", proc.pid)
+            self._kill_process(proc)
+
+    # ---- placement: an owner's jobs of one lane in one process --------------------------------
+    def _place(self, handle: ExecutorHandle, meta: dict[str, Any], frame: RawFrame | None) -> None:
+        lane = meta.get("lane")
+        handle.lane = lane if type(lane) is int else None
+        target = handle.process
+        if handle.sharable and handle.lane is not None and handle.process.uid is not None:
+            key = (handle.process.uid, handle.lane)
+            serving = self._serving.get(key)
+            if serving is None or serving.closed:
+                if len(handle.process.jobs) == 1:
+                    self._serve(handle.process, key)
+                else:
+                    target = self._new_process(handle.record.owner)
+                    self._serve(target, key)
+            else:
+                target = serving
+        meta = {**meta, "shared": True} if self._lane_shared(handle, target) else meta
+        handle.place = meta
+        if target is handle.process:
+            self._to_process(handle, meta, frame, "engine")
+            self._tell_lane(handle)
+            return
+        handle.held = [(meta, frame)]
+        self._to_process(handle, encode(Handover()), None, "handover")
+
+    def _serve(self, proc: ExecutorProcess, key: LaneOf) -> None:
+        if proc.key is not None and self._serving.get(proc.key) is proc:
+            del self._serving[proc.key]
+        proc.key = key
+        self._serving[key] = proc
+
+    def _lane_shared(self, handle: ExecutorHandle, proc: ExecutorProcess) -> bool:
+        """Whether a process other than `proc` runs jobs in the handle's lane."""
+        return handle.lane is not None and any(
+            p is not proc for p in self._processes_in(handle.lane))
+
+    def _processes_in(self, lane: int) -> set[ExecutorProcess]:
+        return {h.process for p in self._by_token.values() for h in p.jobs.values()
+                if h.lane == lane and h.held is None}
+
+    def _tell_lane(self, handle: ExecutorHandle) -> None:
+        """A process joined the handle's lane: the jobs of the others there, placed as not
+        shared, are placed again as shared (they return cached device memory after each
+        call from now on; on the CPU this changes nothing)."""
+        if handle.lane is None:
+            return
+        for proc in self._processes_in(handle.lane):
+            if proc is handle.process:
+                continue
+            for other in proc.jobs.values():
+                if other.lane == handle.lane and other.held is None and (
+                        other.place is not None and not other.place.get("shared")):
+                    other.place = {**other.place, "shared": True}
+                    self._to_process(other, other.place, None, "replace")
+
+    def _moved(self, handle: ExecutorHandle, meta: dict[str, Any], frames: list[RawFrame]) -> None:
+        """The old process answered `Handover`: hand the job to its lane's process (`ok`), or
+        leave it where it is (its state could not be pickled again)."""
+        held, handle.held = handle.held or [], None
+        source = handle.process
+        if not meta.get("ok"):
+            handle.sharable = False
+            handle.why_alone = f"its state could not move: {meta.get('message')}"
+            log.info("job %d keeps its own executor: %s", handle.job, handle.why_alone)
+            for frame in frames:
+                frame.close_fd()
+            for m, f in held:
+                self._forward(handle, m, f)
+            return
+        assert source.uid is not None and handle.lane is not None
+        key = (source.uid, handle.lane)
+        target = self._serving.get(key)
+        if target is None or target.closed:
+            target = self._new_process(handle.record.owner)
+            self._serve(target, key)
+        self._release(handle, source)
+        handle.process = target
+        target.jobs[handle.job] = handle
+        self.moves += 1
+        channel = bool(meta.get("channel"))
+        self._to_process(handle, encode(Adopt(channel)), frames[0], "adopt")
+        for frame in frames[1:]:
+            self.loop.send(target.link, frame)
+        for m, f in held:
+            if m.get("op") == "place":
+                m = {**m, "shared": True} if self._lane_shared(handle, target) else m
+                handle.place = m
+                self._to_process(handle, m, f, "engine")
+                self._tell_lane(handle)
+            else:
+                self._forward(handle, m, f)
 
     # ---- executor links ----------------------------------------------------------------------
     def _executor_frame(self, link: Link, frame: RawFrame) -> None:
-        ex = self._executor_of(link)
-        if ex is None or ex.record is None:
+        proc = self._by_link.get(id(link))
+        if proc is None:
             frame.close_fd()
             return
-        if ex.pending_meta is None:
-            meta = frame.json()
-            frame.close_fd()
-            if not isinstance(meta, dict):
-                self.kill(ex)
-                return
-            if meta.get("forward"):
-                ex.pending_meta = meta
-                return
-            self.on_reply(ex, meta, None)
+        pending = proc.pending
+        if pending is not None:
+            pending.frames.append(frame)
+            if len(pending.frames) == pending.count:
+                proc.pending = None
+                self._reply(proc, pending.handle, pending.meta, pending.frames)
+            return
+        meta = frame.json()
+        frame.close_fd()
+        try:
+            job = address_of(meta) if isinstance(meta, dict) else None
+        except ValueError:
+            job = None
+        if not isinstance(meta, dict) or job is None:
+            log.error("executor pid %s sent a message for no job: killing it", proc.pid)
+            self._kill_process(proc)
+            return
+        handle = proc.jobs.get(job)
+        count = (int(bool(meta.get("ok"))) + int(bool(meta.get("channel")))
+                 if meta.get("handed_over") else int(bool(meta.get("forward"))))
+        if count:
+            proc.pending = _Pending(handle, meta, count)
         else:
-            meta, ex.pending_meta = ex.pending_meta, None
-            self.on_reply(ex, meta, frame)
+            self._reply(proc, handle, meta, [])
 
-    def _executor_of(self, link: Link) -> ExecutorHandle | None:
-        return self._by_link.get(id(link))
+    def _reply(self, proc: ExecutorProcess, handle: ExecutorHandle | None,
+               meta: dict[str, Any], frames: list[RawFrame]) -> None:
+        """One reply (or unsolicited message) of `proc` for `handle`'s job, with its frames."""
+        if handle is None or handle.process is not proc:
+            for frame in frames:
+                frame.close_fd()
+            return
+        if meta.get("unsolicited"):
+            self.on_reply(handle, meta, frames[0] if frames else None)
+            return
+        reader = handle.owed.popleft() if handle.owed else "engine"
+        if reader == "engine":
+            self.on_reply(handle, meta, frames[0] if frames else None)
+        elif reader == "handover":
+            self._moved(handle, meta, frames)
+        elif reader == "exit":
+            self._release(handle, proc)
+            self.on_died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: "
+                                 "it ended")
+        elif not meta.get("ok"):  # host, adopt, replace
+            for frame in frames:
+                frame.close_fd()
+            self._release(handle, proc)
+            self.on_died(handle, f"executor (pid {proc.pid}) could not {reader} job "
+                                 f"{handle.job}: {meta.get('message')}")
 
     def _executor_closed(self, link: Link, reason: str) -> None:
-        ex = self._executor_of(link)
-        if ex is None:
+        proc = self._by_link.get(id(link))
+        if proc is None:
             return
-        ex.closed = True
-        if ex in self._standby:
-            self._standby.remove(ex)
-        if ex.status is None:
-            self.loop.call_later(self.lost_after_s, lambda: self._maybe_report(ex, force=True))
-        self._maybe_report(ex)
+        proc.closed = True
+        if proc in self._standby:
+            self._standby.remove(proc)
+        if proc.key is not None and self._serving.get(proc.key) is proc:
+            del self._serving[proc.key]
+        if proc.status is None:
+            self.loop.call_later(self.lost_after_s, lambda: self._maybe_report(proc, force=True))
+        self._maybe_report(proc)
 
-    def _maybe_report(self, ex: ExecutorHandle, force: bool = False) -> None:
-        if ex.reported or not ex.closed or (ex.status is None and not force):
+    def _maybe_report(self, proc: ExecutorProcess, force: bool = False) -> None:
+        if proc.reported or not proc.closed or (proc.status is None and not force):
             return
-        ex.reported = True
-        self._by_token.pop(ex.token, None)
-        self._by_link.pop(id(ex.link), None)
-        if ex.record is None:
-            return
-        how = ex.status or "its connection closed (exit status unknown)"
-        self.on_died(ex, f"executor (pid {ex.pid}) died: {how}")
+        proc.reported = True
+        self._by_token.pop(proc.token, None)
+        self._by_link.pop(id(proc.link), None)
+        how = proc.status or "its connection closed (exit status unknown)"
+        for handle in list(proc.jobs.values()):
+            self.on_died(handle, f"executor (pid {proc.pid}) died: {how}")
+        proc.jobs.clear()
 
     def stop(self) -> None:
         """Close every executor link and the zygote (executors exit when their link closes)."""
         self._stopping = True
-        for ex in list(self._by_token.values()):
-            self.loop.close(ex.link, "salusd stopped")
-            if ex.status is None:
-                self.kill(ex)
+        for proc in list(self._by_token.values()):
+            self.loop.close(proc.link, "salusd stopped")
+            if proc.status is None:
+                self._kill_process(proc)
         if self._zygote_link is not None:
             self.loop.close(self._zygote_link, "salusd stopped")
         if self._zygote is not None:
@@ -301,3 +574,5 @@ class Supervisor:
                 self._zygote.kill()
                 self._zygote.wait()
 
+
+ISOLATIONS = ("lane", "job")

@@ -114,7 +114,8 @@ class JobView:
 
 @dataclass(frozen=True)
 class LaneView:
-    """A read-only copy of a lane: its size (bytes), residents, and who holds it."""
+    """A read-only copy of a lane: its size (bytes), residents, who holds it, and the bytes
+    booked for the executor processes it holds (`contexts`)."""
 
     device: int
     lane_id: int
@@ -122,6 +123,7 @@ class LaneView:
     residents: tuple[int, ...]
     busy_job: int | None
     reserved_for: int | None
+    contexts: int = 0
 
     @property
     def key(self) -> LaneKey:
@@ -144,8 +146,9 @@ class Dispatcher:
     """Admission, lanes, policy and dispatch of one node's devices (capacities in bytes)."""
 
     def __init__(self, capacities: Sequence[int], policy: Policy,
-                 clock: Callable[[], float], *, measure: bool = True) -> None:
-        self._sched = IterationScheduler(capacities, policy, clock)
+                 clock: Callable[[], float], *, measure: bool = True,
+                 context_bytes: Sequence[int] | None = None) -> None:
+        self._sched = IterationScheduler(capacities, policy, clock, context_bytes)
         self._measure = measure  # False: iteration times are declared (the simulator)
         self._busy: dict[LaneKey, int] = {}
         self._reserved: dict[LaneKey, int] = {}
@@ -392,7 +395,7 @@ class Dispatcher:
         if lane is None:
             return None
         return LaneView(lane.device, lane.lane_id, lane.size, tuple(lane.residents),
-                        self._busy.get(key), self._reserved.get(key))
+                        self._busy.get(key), self._reserved.get(key), lane.contexts)
 
     def lanes(self, device: int | None = None) -> list[LaneView]:
         views = (self.lane((ln.device, ln.lane_id)) for ln in self._sched.lanes.lanes(device))
@@ -406,7 +409,7 @@ class Dispatcher:
         return [j.job_id for j in self._sched.lanes.pending]
 
     def persistent(self, device: int) -> int:
-        """Bytes of persistent state placed on `device`."""
+        """Bytes of persistent state placed on `device`, executors' contexts included."""
         return self._sched.lanes.persistent(device)
 
     def unreserved(self, device: int) -> int:

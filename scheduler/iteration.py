@@ -29,11 +29,12 @@ class IterationScheduler:
     """Jobs, lanes and a policy for one node's devices (capacities in bytes)."""
 
     def __init__(
-        self, capacities: Sequence[int], policy: Policy, clock: Callable[[], float]
+        self, capacities: Sequence[int], policy: Policy, clock: Callable[[], float],
+        context_bytes: Sequence[int] | None = None,
     ) -> None:
         self.policy = policy
         self.clock = clock
-        self.lanes = LaneManager(capacities, policy.lane_mode)
+        self.lanes = LaneManager(capacities, policy.lane_mode, context_bytes=context_bytes)
         self.jobs: dict[int, Job] = {}
         self.swapped: set[int] = set()
 
@@ -146,7 +147,8 @@ class IterationScheduler:
         old = self.lanes
         self.policy = policy
         self.lanes = LaneManager([old.capacity(d) for d in range(old.num_devices)],
-                                 policy.lane_mode, first_lane_id=old.next_lane_id)
+                                 policy.lane_mode, first_lane_id=old.next_lane_id,
+                                 context_bytes=old.context_bytes)
         made: list[Placement] = []
         live = [j for j in self.jobs.values() if not j.done and j.job_id not in self.swapped]
         for job in sorted(live, key=lambda j: (j.submit_s, j.job_id)):

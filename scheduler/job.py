@@ -26,7 +26,10 @@ class Job:
     `iter_s` the measured mean once the job has run (None before). `util` is the share of a
     device the job keeps busy when it runs alone (0-1]; `gang` the number of devices it needs at
     once (trace jobs asking for several GPUs); `exclusive` that it needs lanes of its own (a gang
-    spanning nodes, whose iterations wait for peers another node schedules). `start_s` is when
+    spanning nodes, whose iterations wait for peers another node schedules). `shares`: its
+    executor process may host its owner's other sharing jobs of the same lane, so joining a
+    lane where the owner already has one costs no new executor; `inference`: it serves a model
+    and never trains, and joins its owner's lane rather than open a new one. `start_s` is when
     admission placed it, `first_run_s` when its first iteration began, `finish_s` when it ended.
     """
 
@@ -44,6 +47,8 @@ class Job:
     priority: float = 1.0
     gang: int = 1
     exclusive: bool = False
+    shares: bool = False
+    inference: bool = False
     state: JobState = JobState.PENDING
     attained_s: float = 0.0
     start_s: float | None = None

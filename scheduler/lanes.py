@@ -11,6 +11,13 @@ lanes; lanes hold ephemeral memory (one iteration's temporaries). On every devic
   resident's ephemeral bytes; a job is admitted while
   `Σ persistent + P_new + max(E of residents, E_new) ≤ capacity`.
 
+**Executors.** Each device may charge `context_bytes` for every executor process a lane holds,
+booked as persistent memory (a CUDA context; on the CPU an executor's private runtime): a job
+that `shares` joins its owner's process where the lane already holds one and costs nothing
+more, any other job costs one context. So in pack mode a new lane costs `P + E + C`, and where
+that is more than the device has to spare, joining a lane the owner holds costs only `P`. An
+`inference` job tries its owner's lanes (large enough for it) before a new lane.
+
 An empty lane is freed and the pending list is re-run in submit order; a pending job that does
 not fit never blocks a later one that does. With several devices a job tries devices in order of
 fewest admitted jobs, then lower device id (spreads load); a new lane on any device is preferred
@@ -50,6 +57,8 @@ class Lane:
     size: int
     residents: list[int] = field(default_factory=list)
     exclusive: bool = False  # pack mode: held by one exclusive job, which no other joins
+    groups: dict[str, int] = field(default_factory=dict)  # owner -> its sharing residents
+    contexts: int = 0  # bytes booked for the executor processes it holds
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ class LaneManager:
     """Admission for all devices of one node; mutated only through `submit`/`release`/`requeue`."""
 
     def __init__(self, capacities: Sequence[int], mode: LaneMode = "pack", *,
-                 first_lane_id: int = 0) -> None:
+                 first_lane_id: int = 0, context_bytes: Sequence[int] | None = None) -> None:
         if not capacities:
             raise ValueError("at least one device is needed")
         if any(c <= 0 for c in capacities):
@@ -108,6 +117,9 @@ class LaneManager:
         self._jobs: dict[int, Job] = {}
         self._placements: dict[int, tuple[Placement, ...]] = {}
         self._next_lane = first_lane_id  # lane ids are never reused, even across a rebuild
+        self.context_bytes = list(context_bytes or [0] * len(capacities))
+        if len(self.context_bytes) != len(capacities) or min(self.context_bytes) < 0:
+            raise ValueError(f"one context size >= 0 per device, got {self.context_bytes}")
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -146,7 +158,8 @@ class LaneManager:
 
     def can_ever_fit(self, job: Job) -> bool:
         """Whether the job fits on an empty device (gang: on `gang` empty devices)."""
-        return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang)
+        return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang,
+                                self._max_context)
 
     def fits_now(self, job: Job) -> bool:
         """Whether admission could place `job` now (no side effects)."""
@@ -200,14 +213,30 @@ class LaneManager:
 
     # ---- internals -----------------------------------------------------------------------
     def _check_can_fit(self, job_id: int, persistent: int, ephemeral: int, gang: int) -> None:
-        if not self._fits_empty(persistent + ephemeral, gang):
+        if not self._fits_empty(persistent + ephemeral, gang, self._max_context):
+            context = (f" and {self._max_context} for its executor" if self._max_context
+                       else "")
             raise ValueError(
-                f"job {job_id} needs {persistent + ephemeral} bytes on {gang} device(s) but no "
-                f"such device exists (capacities {[d.capacity for d in self._devices]})"
+                f"job {job_id} needs {persistent + ephemeral} bytes{context} on {gang} "
+                f"device(s) but no such device exists (capacities "
+                f"{[d.capacity for d in self._devices]})"
             )
 
-    def _fits_empty(self, need: int, gang: int) -> bool:
-        return len(self._by_capacity) - bisect.bisect_left(self._by_capacity, need) >= gang
+    @property
+    def _max_context(self) -> int:
+        return max(self.context_bytes)
+
+    def _fits_empty(self, need: int, gang: int, context: int = 0) -> bool:
+        if not context:
+            return len(self._by_capacity) - bisect.bisect_left(self._by_capacity, need) >= gang
+        return sum(d.capacity >= need + self.context_bytes[d.index]
+                   for d in self._devices) >= gang
+
+    def _context(self, dev: _Device, lane: Lane | None, job: Job) -> int:
+        """What placing `job` in `lane` of `dev` (None: a new lane) costs for its executor."""
+        if lane is not None and job.shares and lane.groups.get(job.owner):
+            return 0
+        return self.context_bytes[dev.index]
 
     def _admit(self, freed: Iterable[int], extra: int | None) -> list[Placement]:
         """A pass in submit order over the pending jobs that may fit now: those within the
@@ -273,7 +302,9 @@ class LaneManager:
         for dev in self._devices:
             # The one lane's size is the device's lane bytes; it grows to e if e is larger.
             lane = dev.lane_bytes if dev.lane_bytes > e else e
-            if dev.capacity - dev.persistent >= p + lane and (best is None or dev.jobs < best.jobs):
+            c = self._context(dev, next(iter(dev.lanes.values()), None), job)
+            if dev.capacity - dev.persistent >= p + c + lane and (
+                    best is None or dev.jobs < best.jobs):
                 best = dev
         if best is None:
             return None
@@ -282,9 +313,16 @@ class LaneManager:
     def _best_pack_slot(self, job: Job) -> _Slot | None:
         """Pack rule over all devices: a new lane anywhere first, else the smallest lane."""
         p, e = job.persistent_bytes, job.ephemeral_bytes
+        if job.inference and job.shares:
+            own = [lane for dev in self._devices if dev.unreserved >= p
+                   for lane in dev.lanes.values()
+                   if lane.groups.get(job.owner) and lane.size >= e and not lane.exclusive]
+            if own:
+                lane = min(own, key=lambda ln: (ln.size, len(ln.residents), ln.lane_id))
+                return self._devices[lane.device], lane
         best: _Device | None = None
         for dev in self._devices:
-            if dev.capacity - dev.persistent - dev.lane_bytes >= p + e and (
+            if dev.unreserved >= p + e + self.context_bytes[dev.index] and (
                 best is None or dev.jobs < best.jobs
             ):
                 best = dev
@@ -298,6 +336,7 @@ class LaneManager:
             if dev.unreserved >= p
             for lane in dev.lanes.values()
             if lane.size >= e and not lane.exclusive
+            and dev.unreserved >= p + self._context(dev, lane, job)
         ]
         if not lanes:
             return None
@@ -310,18 +349,21 @@ class LaneManager:
         if self.mode == "single":
             lane = next(iter(dev.lanes.values()), None)
             size = lane.size if lane else 0
-            return lane if dev.unreserved + size >= p + max(size, e) else False
-        if dev.unreserved >= p + e:
+            c = self._context(dev, lane, job)
+            return lane if dev.unreserved + size >= p + c + max(size, e) else False
+        if dev.unreserved >= p + e + self.context_bytes[dev.index]:
             return None
         if job.exclusive:
             return False
         fits = [lane for lane in dev.lanes.values()
-                if lane.size >= e and dev.unreserved >= p and not lane.exclusive]
+                if lane.size >= e and dev.unreserved >= p + self._context(dev, lane, job)
+                and not lane.exclusive]
         if not fits:
             return False
         return min(fits, key=lambda lane: (lane.size, len(lane.residents), lane.lane_id))
 
     def _occupy(self, dev: _Device, lane: Lane | None, job: Job) -> Placement:
+        context = self._context(dev, lane, job)
         if lane is None:
             lane = Lane(self._next_lane, dev.index, job.ephemeral_bytes,
                         exclusive=job.exclusive and self.mode == "pack")
@@ -332,7 +374,10 @@ class LaneManager:
             dev.lane_bytes += job.ephemeral_bytes - lane.size
             lane.size = job.ephemeral_bytes
         lane.residents.append(job.job_id)
-        dev.persistent += job.persistent_bytes
+        if job.shares:
+            lane.groups[job.owner] = lane.groups.get(job.owner, 0) + 1
+        lane.contexts += context
+        dev.persistent += job.persistent_bytes + context
         dev.jobs += 1
         return Placement(job.job_id, dev.index, lane.lane_id, lane.size)
 
@@ -340,7 +385,15 @@ class LaneManager:
         dev = self._devices[p.device]
         lane = dev.lanes[p.lane_id]
         lane.residents.remove(job.job_id)
-        dev.persistent -= job.persistent_bytes
+        context = self.context_bytes[dev.index]
+        if job.shares:
+            lane.groups[job.owner] -= 1
+            if lane.groups[job.owner]:
+                context = 0  # the owner's process stays for its other jobs here
+            else:
+                del lane.groups[job.owner]
+        lane.contexts -= context
+        dev.persistent -= job.persistent_bytes + context
         dev.jobs -= 1
         if not lane.residents:
             del dev.lanes[p.lane_id]
@@ -364,6 +417,15 @@ class LaneManager:
             for lane in dev.lanes.values():
                 assert lane.residents, f"empty lane {lane.lane_id} on device {dev.index} kept"
                 assert lane.device == dev.index
+                sharing = [self._jobs[j] for j in lane.residents if self._jobs[j].shares]
+                groups: dict[str, int] = {}
+                for job in sharing:
+                    groups[job.owner] = groups.get(job.owner, 0) + 1
+                assert groups == lane.groups, f"lane {lane.lane_id}'s processes drifted"
+                processes = len(groups) + len(lane.residents) - len(sharing)
+                assert lane.contexts == processes * self.context_bytes[dev.index], (
+                    f"lane {lane.lane_id} books {lane.contexts} B for {processes} executors")
+                persistent += lane.contexts
                 for jid in lane.residents:
                     job = self._jobs[jid]
                     assert job.ephemeral_bytes <= lane.size, (

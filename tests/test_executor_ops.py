@@ -31,6 +31,7 @@ from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.executor_ops import (
     Ack,
+    Adopt,
     Attach,
     Attached,
     Become,
@@ -46,6 +47,9 @@ from salus.daemon.wire.executor_ops import (
     Exit,
     Failed,
     GangPlace,
+    HandedOver,
+    Handover,
+    Host,
     Lease,
     Load,
     Loaded,
@@ -63,6 +67,7 @@ from salus.daemon.wire.executor_ops import (
     Step,
     StepDone,
     SwapOut,
+    addressed,
     client_frame_follows,
     decode_reply,
     decode_request,
@@ -84,15 +89,17 @@ estimates = (st.builds(Estimated, ints, texts, st.just(False))
              | st.builds(EstimateFailed, texts, st.just(False)))
 
 requests: st.SearchStrategy[Request] = st.one_of(
-    st.builds(Become, ints, ints, st.lists(ints, max_size=4).map(tuple), texts, texts,
-              maybe(texts), ints, ints, st.booleans(), maybe(texts)),
+    st.builds(Become, ints, ints, st.lists(ints, max_size=4).map(tuple), texts, texts, ints),
+    st.builds(Host, maybe(texts), st.booleans(), maybe(texts)),
+    st.just(Handover()), st.builds(Adopt, st.booleans()),
     st.builds(Attach, maybe(gangs)),
     st.just(Define()), st.just(Pull()), st.just(DirectChannel()), st.just(Step()),
     st.just(SwapOut()),
     st.builds(Estimate, maybe(st.booleans())),
     st.builds(Run, st.booleans(), maybe(st.booleans())),
     st.builds(Lease, st.booleans()),
-    st.builds(Place, texts, ints, floats, maybe(texts)),
+    st.builds(Place, texts, ints, floats, maybe(texts), maybe(ints), maybe(ints),
+              st.booleans()),
     st.builds(Load, texts, texts, st.booleans(), maybe(st.builds(PipelineOptions, texts, ints)),
               maybe(st.builds(CachePlace, texts, ints)), maybe(texts), maybe(gangs)),
     st.builds(Restore, maybe(texts), maybe(gangs)),
@@ -115,6 +122,7 @@ def step_replies(draw: st.DrawFn) -> StepDone:
 replies: st.SearchStrategy[Reply] = st.one_of(
     st.builds(Ack, st.booleans()),
     st.builds(Failed, maybe(texts), st.booleans()),
+    st.builds(HandedOver, st.booleans(), st.booleans(), maybe(texts), st.booleans()),
     st.builds(Estimated, ints, texts, st.booleans()),
     st.builds(EstimateFailed, texts, st.booleans()),
     st.builds(Attached, ints, ints, st.booleans()),
@@ -153,11 +161,17 @@ def test_every_reply_survives_the_wire(msg: Reply) -> None:
 
 def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
     """Written out by hand from the daemon's and the executor's code before the types."""
-    assert encode(Become(7, 8, (9,), "u", "/h", None, 1, 3, True)) == {
+    assert encode(Become(7, 8, (9,), "u", "/h", 1)) == {
         "op": "become", "uid": 7, "gid": 8, "groups": [9], "user": "u", "home": "/h",
-        "cwd": None, "threads": 1, "job": 3, "estimate": True}  # no output file: no "log"
-    assert encode(Become(7, 8, (), "u", "/h", None, 1, 3, True, "/s/3/output.log"))["log"] == (
-        "/s/3/output.log")
+        "threads": 1}
+    assert encode(Host(None, True)) == {"op": "host", "cwd": None, "estimate": True}
+    assert encode(Host("/w", True, "/s/3/output.log"))["log"] == "/s/3/output.log"
+    assert encode(Place("cpu", 5 << 20, 1.0, lane=4, lane_bytes=1 << 20, shared=True)) == {
+        "op": "place", "device": "cpu", "budget_bytes": 5 << 20, "slowdown": 1.0, "lane": 4,
+        "lane_bytes": 1 << 20, "shared": True}
+    assert encode(HandedOver(False, False, "cannot pickle")) == {
+        "ok": False, "handed_over": True, "channel": False, "message": "cannot pickle",
+        "forward": False}
     assert encode(Run(True, True)) == {"op": "run", "counted": True, "frame": True}
     assert encode(Run(False)) == {"op": "run", "counted": False}  # a gang's call
     assert encode(Estimate(False)) == {"op": "estimate", "frame": False}
@@ -200,8 +214,9 @@ def test_which_requests_carry_the_clients_frame() -> None:
 
 # ---- malformed dicts ----------------------------------------------------------------------------
 SAMPLES: list[Message] = [
-    Become(1000, 1000, (1000, 27), "ada", "/home/ada", "/tmp", 1, 7, True),
-    Become(1000, 1000, (), "ada", "/home/ada", None, 1, 7, False, "/state/7/output.log"),
+    Become(1000, 1000, (1000, 27), "ada", "/home/ada", 1),
+    Host("/tmp", True), Host(None, False, "/state/7/output.log"), Handover(), Adopt(True),
+    Place("cuda:0", 3 << 20, 1.0, "GPU-1", 5, 1 << 20, True), HandedOver(True, True),
     Attach(GangPlace(0, 2, local=2, store="h:29500", key="salus/ada/j", loopback=True)),
     Estimate(False), Run(True, True), Lease(True), Place("cpu:0", 1 << 20, 1.0),
     Load("/j.py", "make", True, PipelineOptions("even", 2), CachePlace("/c", 1 << 30), "/d",
@@ -290,7 +305,7 @@ def test_an_unknown_field_is_refused_and_named(msg: Message) -> None:
     ({"op": "load", "path": "/j.py", "function": "f", "restore": False, "pipeline": None,
       "cache": None, "dir": None, "gang": {"rank": 0}}, "'load': gang: field 'world' is missing"),
     ({"op": "become", "uid": 0, "gid": 0, "groups": ["wheel"], "user": "u", "home": "/",
-      "cwd": None, "threads": 1, "job": 1, "estimate": True}, "'groups' must be a list of ints"),
+      "threads": 1}, "'groups' must be a list of ints"),
     ({"op": "teleport"}, "unknown executor op 'teleport'"),
     ({"op": ["run"]}, "unknown executor op"),
 ])
@@ -329,6 +344,13 @@ EXECUTOR = ("import socket, sys; from salus.daemon.executor.main import serve; "
             "sys.exit(serve(socket.socket(fileno=int(sys.argv[1]))))")
 
 
+def _reply_for(daemon: Channel, job: int) -> Any:
+    """The executor's next reply, which must name `job`, without its address."""
+    reply = daemon.recv()
+    assert reply.pop("for_job") == job
+    return decode_reply(reply)
+
+
 @pytest.mark.slow
 def test_an_executor_answers_a_malformed_message_with_its_reason_and_goes_on(
         tmp_path: Path) -> None:
@@ -340,21 +362,28 @@ def test_an_executor_answers_a_malformed_message_with_its_reason_and_goes_on(
     try:
         me = pwd.getpwuid(os.getuid())
         daemon.send(encode(Become(me.pw_uid, me.pw_gid, tuple(os.getgroups()), me.pw_name,
-                                  me.pw_dir, str(tmp_path), 1, 1, False)))
-        daemon.send({"op": "lease", "granted": 1})
-        assert decode_reply(daemon.recv()) == Failed(
+                                  me.pw_dir, 1)))
+        daemon.send(addressed(encode(Host(str(tmp_path), False)), 1))
+        assert daemon.recv() == {"ok": True, "forward": False, "for_job": 1}
+        daemon.send(encode(Lease(True)))  # a job's message must name its job
+        assert decode_reply(daemon.recv()) == Failed("'lease' must name its job")
+        daemon.send(addressed(encode(Lease(True)), 2))
+        assert daemon.recv() == {"ok": False, "message": "this executor hosts no job 2",
+                                 "forward": False, "for_job": 2}
+        daemon.send({"op": "lease", "granted": 1, "for_job": 1})
+        assert _reply_for(daemon, 1) == Failed(
             "executor message 'lease': field 'granted' must be true or false, got 1")
-        daemon.send({"op": "teleport"})
-        assert decode_reply(daemon.recv()) == Failed("unknown executor op 'teleport'")
+        daemon.send({"op": "teleport", "for_job": 1})
+        assert _reply_for(daemon, 1) == Failed("unknown executor op 'teleport'")
         # A request that carries the client's frame: the frame is read, and the client answered.
-        daemon.send_many([{"op": "define", "fid": 0}, {"op": "define", "fid": 0}])
-        failed = decode_reply(daemon.recv())
+        daemon.send_many([{"op": "define", "fid": 0, "for_job": 1}, {"op": "define", "fid": 0}])
+        failed = _reply_for(daemon, 1)
         assert failed == Failed("executor message 'define': unknown field(s) ['fid']; it has "
                                 "['op']", forward=True)
         forwarded = daemon.recv()
         assert forwarded["ok"] is False and forwarded["code"] == "bad_request"
-        daemon.send(encode(Lease(True)))  # still in step
-        assert decode_reply(daemon.recv()) == Ack()
+        daemon.send(addressed(encode(Lease(True)), 1))  # still in step
+        assert _reply_for(daemon, 1) == Ack()
         daemon.send(encode(Exit("job_cancelled", "done")))
         assert proc.wait(timeout=60) == 0
     finally:
@@ -445,7 +474,9 @@ class Wire:
 
     def json_frame(self, message: object) -> RawFrame:
         if isinstance(message, dict) and message.get("op") != "fork":  # the zygote's
-            self.requests.append(json.loads(json.dumps(message)))
+            request = json.loads(json.dumps(message))
+            request.pop("for_job", None)  # the envelope: which job it is for
+            self.requests.append(request)
         return self._json_frame(message)
 
     def tap(self, daemon: Daemon) -> None:
@@ -545,8 +576,8 @@ def test_what_a_real_daemon_and_its_executors_say_decodes_and_encodes_back(
     for d, reply in zip(wire.replies, answered, strict=True):
         assert encode(reply) == d, (d, reply)
     assert {type(m) for m in sent} >= {
-        Become, Attach, Define, DirectChannel, Estimate, Run, Step, Lease, Place, Load, Restore,
-        Checkpoint, SwapOut, Pull, Exit}
+        Become, Host, Attach, Define, DirectChannel, Estimate, Run, Step, Lease, Place, Load,
+        Restore, Checkpoint, SwapOut, Pull, Exit}
     assert {type(r) for r in answered} >= {
         Ack, Attached, Estimated, EstimateFailed, Loaded, Checkpointed, CallDone, StepDone,
         Ready, Ran}

@@ -28,10 +28,11 @@ class FullPassLaneManager(LaneManager):
         return made
 
 
-def _job(jid: int, submit: float, p: int, e: int, gang: int = 1, exclusive: bool = False
-         ) -> Job:
+def _job(jid: int, submit: float, p: int, e: int, gang: int = 1, exclusive: bool = False,
+         owner: str = "", shares: bool = False, inference: bool = False) -> Job:
     return Job(jid, submit, total_iterations=1, persistent_bytes=p, ephemeral_bytes=e, gang=gang,
-               exclusive=exclusive)
+               exclusive=exclusive, owner=owner, shares=shares and gang == 1,
+               inference=inference)
 
 
 def _snapshot(lm: LaneManager, ids: Iterable[int]) -> tuple[object, ...]:
@@ -50,10 +51,12 @@ class AdmissionMachine(RuleBasedStateMachine):
     @initialize(
         mode=st.sampled_from(["pack", "single"]),
         caps=st.lists(st.integers(100, 1000), min_size=1, max_size=3),
+        context=st.sampled_from([0, 0, 30]),
     )
-    def setup(self, mode: LaneMode, caps: list[int]) -> None:
-        self.fast = LaneManager(caps, mode)
-        self.ref = FullPassLaneManager(caps, mode)
+    def setup(self, mode: LaneMode, caps: list[int], context: int) -> None:
+        contexts = [context] * len(caps)  # each executor process a lane holds costs this
+        self.fast = LaneManager(caps, mode, context_bytes=contexts)
+        self.ref = FullPassLaneManager(caps, mode, context_bytes=contexts)
         self.known: list[int] = []
         self.clock = 0.0
         self.next_id = 0
@@ -64,16 +67,20 @@ class AdmissionMachine(RuleBasedStateMachine):
         gang=st.integers(1, 3),
         earlier=st.booleans(),
         exclusive=st.sampled_from([False, False, True]),
+        owner=st.sampled_from(["ada", "bo"]),
+        shares=st.booleans(),
+        inference=st.booleans(),
     )
-    def submit(self, p: int, e: int, gang: int, earlier: bool, exclusive: bool) -> None:
+    def submit(self, p: int, e: int, gang: int, earlier: bool, exclusive: bool, owner: str,
+               shares: bool, inference: bool) -> None:
         gang = min(gang, self.fast.num_devices)
         # Mostly increasing submit times, sometimes an earlier one (a clock that went back).
         self.clock += 1.0
         submit = self.clock - 5.5 if earlier else self.clock
         jid = self.next_id
         self.next_id += 1
-        a, b = (_job(jid, submit, p, e, gang, exclusive),
-                _job(jid, submit, p, e, gang, exclusive))
+        a, b = (_job(jid, submit, p, e, gang, exclusive, owner, shares, inference),
+                _job(jid, submit, p, e, gang, exclusive, owner, shares, inference))
         if not self.fast.can_ever_fit(a):
             with pytest.raises(ValueError, match="needs"):
                 self.fast.submit(a)
@@ -227,4 +234,37 @@ def test_an_exclusive_job_gets_lanes_of_its_own_and_nobody_joins_them() -> None:
         a.lane_id, b.lane_id)
     # With no room for lanes of its own, an exclusive job waits rather than share.
     assert lm.submit(_job(4, 4.0, 0, 15, exclusive=True)) == []
+    lm.check_invariants()
+
+
+def test_a_job_that_shares_joins_its_owners_lane_where_a_new_executor_would_not_fit() -> None:
+    """Pack mode, 100 B with 30 B per executor: ada's first job takes a new lane (10 + 20 +
+    30); her second (10 P, 20 E) cannot open a lane (60 more > 40 free) and joins hers for its
+    10 B of state alone; bo's job could join that lane only with an executor of its own (10 +
+    30 > 30 free), so it waits until 10 B more are free."""
+    lm = LaneManager([100], "pack", context_bytes=[30])
+    first = lm.submit(_job(0, 0.0, 10, 20, owner="ada", shares=True))
+    assert lm.unreserved(0) == 40 and first[0].lane_bytes == 20
+    assert lm.submit(_job(1, 1.0, 10, 20, owner="ada", shares=True)) == [
+        Placement(1, 0, first[0].lane_id, 20)]
+    assert lm.unreserved(0) == 30  # no second executor booked
+    assert lm.submit(_job(2, 2.0, 10, 20, owner="bo", shares=True)) == []
+    lm.check_invariants()
+    # Job 0's 10 B come back, ada's process stays for job 1: bo's job fits beside it now.
+    assert lm.release(0) == [Placement(2, 0, first[0].lane_id, 20)]
+    assert lm.unreserved(0) == 0
+    lm.release(1)  # ada's last job there: her state and her executor are freed
+    assert lm.unreserved(0) == 40
+    lm.check_invariants()
+
+
+def test_an_inference_job_joins_its_owners_lane_before_opening_one() -> None:
+    lm = LaneManager([1000], "pack", context_bytes=[30])
+    lane = lm.submit(_job(0, 0.0, 10, 50, owner="ada", shares=True, inference=True))[0]
+    second = lm.submit(_job(1, 1.0, 10, 40, owner="ada", shares=True, inference=True))[0]
+    assert second.lane_id == lane.lane_id  # room for a new lane, but it shares hers
+    third = lm.submit(_job(2, 2.0, 10, 40, owner="ada", shares=True))[0]
+    assert third.lane_id != lane.lane_id  # a training job still prefers a lane of its own
+    bigger = lm.submit(_job(3, 3.0, 10, 80, owner="ada", shares=True, inference=True))[0]
+    assert bigger.lane_id not in (lane.lane_id, third.lane_id)  # hers are too small for it
     lm.check_invariants()

@@ -99,14 +99,18 @@ class Remote:
             self.changed = False
         return fetched
 
-    def _define(self, fn: Callable[..., Any], kind: str) -> RemoteFunction:
+    def _define(self, fn: Callable[..., Any], kind: str,
+                inference: bool = False) -> RemoteFunction:
+        """Define `fn` in the job; `inference`: it serves a model and never trains (the
+        daemon then places the job in its owner's lane where it can)."""
         if not callable(fn):
             raise TypeError(f"a {type(fn).__name__} is not a function")
         job = self.job
         fid = self._next_fid
         self._next_fid += 1
         job._request({"op": "define", "job": job._require_id(), "fid": fid, "kind": kind,
-                      "fn": pickled(fn, f"function {getattr(fn, '__name__', fn)!r}")}).result()
+                      "fn": pickled(fn, f"function {getattr(fn, '__name__', fn)!r}"),
+                      **({"inference": True} if inference else {})}).result()
         return RemoteFunction(self, fid, fn, kind)
 
     def _decode_result(self, reply: Any) -> Any:

@@ -43,7 +43,8 @@ def inference(job: Job, model: nn.Module, train_mode: bool) -> Callable[..., Any
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     remote = job.attach(model=model)
-    infer = remote.iteration(functools.partial(_infer, train_mode=train_mode))
+    infer = remote._define(functools.partial(_infer, train_mode=train_mode), "iteration",
+                           inference=not train_mode)
     infer.changes_state = train_mode  # in train mode, batch norm's running statistics move
     return infer
 

@@ -42,7 +42,9 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
               ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
               name=record.name, priority=record.priority,
               done_iterations=record.done_before, gang=record.gang,
-              exclusive=record.nodes > 1)
+              exclusive=record.nodes > 1, inference=record.inference,
+              shares=core.config.share_lanes and record.kind == "interactive"
+              and record.gang == 1)
     try:
         update = core.dispatch.submit(job, driven=record.kind == "batch",
                                       open_ended=record.kind == "interactive")

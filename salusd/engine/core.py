@@ -42,6 +42,7 @@ class Config:
     data_cache: DataCachePolicy | None = None
     cluster: ClusterSpec | None = None
     store: JobStore | None = None
+    share_lanes: bool = False  # an owner's interactive jobs of one lane share an executor
 
 
 @dataclass(eq=False)

@@ -76,14 +76,16 @@ class Engine:
         checkpoints: CheckpointPolicy | None = None, cluster: ClusterSpec | None = None,
         data_cache: DataCachePolicy | None = None,
         compute_slowdowns: Sequence[float] | None = None, estimate_first: bool = True,
+        context_bytes: Sequence[int] | None = None, share_lanes: bool = False,
     ) -> None:
         config = Config(list(torch_devices),
                         list(compute_slowdowns or [1.0] * len(capacities)), threads,
                         cancel_grace_s, max_queued_calls, estimate_first, checkpoints,
-                        data_cache, cluster, store)
+                        data_cache, cluster, store, share_lanes)
         ledgers = [DeviceLedger(c) for c in capacities]
         self.core = Core(config, clock, timers, Outbox(executors),
-                         Dispatcher([ld.capacity for ld in ledgers], make_policy(policy), clock),
+                         Dispatcher([ld.capacity for ld in ledgers], make_policy(policy), clock,
+                                    context_bytes=context_bytes),
                          ledgers, Registry(clock, retention_s=retention_s),
                          EventStream(keep=1000))
         self.leases = Leases(self.core)

@@ -85,6 +85,7 @@ class JobRecord:
     calls_failed: int = 0
     device_kind: str = "cpu"
     functions: dict[int, str] = field(default_factory=dict)  # function id -> its kind
+    inference: bool = False  # it serves a model (`Job.inference`): shares its owner's lane
     direct: bool = False  # the client calls the executor on a direct channel
     kind: JobKind = "interactive"  # batch: the daemon drives the loop from an entrypoint
     spec: dict[str, Any] = field(default_factory=dict)  # what the job was submitted with

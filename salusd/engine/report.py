@@ -51,6 +51,8 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "comm": record.comm,  # a gang's: bytes and calls of s.comm, the last "auto" pick
         "threads": record.threads,
         "executor_pid": getattr(record.executor, "pid", None),
+        "executor": describe() if callable(describe := getattr(record.executor, "describe",
+                                                                 None)) else None,
         "memory": {
             "persistent_bytes": record.persistent_bytes,
             "persistent_limit": enforced,

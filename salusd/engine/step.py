@@ -75,16 +75,19 @@ class Stepper:
             replica = lanes.index((p.device, p.lane_id))
             core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
                 core.config.torch_devices[p.device], job.persistent_bytes + p.lane_bytes,
-                core.config.compute_slowdowns[p.device]))
+                core.config.compute_slowdowns[p.device], lane=p.lane_id,
+                lane_bytes=p.lane_bytes))
 
     def _reconcile(self) -> None:
         """Make each device's ledger hold exactly the scheduler's bookings: every placed job's
-        persistent state and every lane."""
+        persistent state, every lane, and the executors' contexts of each lane."""
         core = self.core
         for device, ledger in enumerate(core.ledgers):
             wanted: dict[tuple[str, int], int] = {}
             for lane in core.dispatch.lanes(device):
                 wanted[("lane", lane.lane_id)] = lane.size
+                if lane.contexts:
+                    wanted[("contexts", lane.lane_id)] = lane.contexts
                 for job_id in lane.residents:
                     job = core.dispatch.job(job_id)
                     assert job is not None

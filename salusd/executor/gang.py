@@ -75,10 +75,18 @@ class GangSpec:
         return self.local or self.world
 
 
+def backend_for(device: torch.device) -> str:
+    """The process group's backend for replicas on `device`: NCCL on CUDA (gloo supports only
+    broadcast and all_reduce on CUDA tensors: the tree collectives' isend/irecv and the sparse
+    allreduce's all_gather would fail), gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def join(spec: GangSpec, device: torch.device) -> Comm:
-    """Join the gang's process group (blocks until every replica has) and wrap it in a Comm
-    whose nodes are the gang's nodes (the hierarchical and top-k algorithms use them)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the gang's process group on `device`'s backend (blocks until every replica has)
+    and wrap it in a Comm whose nodes are the gang's nodes (the hierarchical and top-k
+    algorithms use them)."""
+    backend = backend_for(device)
     if spec.store is None:
         init_loopback(spec.rank, spec.world, spec.port, timeout_s=GANG_TIMEOUT_S,
                       backend=backend)

@@ -19,7 +19,6 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -28,12 +27,20 @@ import torch
 from salus.daemon.executor import output
 from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
+from salus.daemon.executor.slot import RanSoFar, Slot, process_cap
 from salus.daemon.executor.visible import device_for
 from salus.daemon.executor.zygote import die_with_parent, reap_orphans
 from salus.daemon.services.slowdown import check_factor
-from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
+from salus.daemon.wire.channel import (
+    Channel,
+    ConnectionClosed,
+    FrameError,
+    Pickled,
+    PickledPayload,
+)
 from salus.daemon.wire.executor_ops import (
     Ack,
+    Adopt,
     Attach,
     Become,
     CallDone,
@@ -45,11 +52,13 @@ from salus.daemon.wire.executor_ops import (
     EstimateFailed,
     Exit,
     Failed,
+    HandedOver,
+    Handover,
+    Host,
     Lease,
     Load,
     Place,
     Pull,
-    Ran,
     Ready,
     Refuse,
     Reply,
@@ -58,6 +67,8 @@ from salus.daemon.wire.executor_ops import (
     Run,
     Step,
     SwapOut,
+    address_of,
+    addressed,
     client_frame_follows,
     decode_request,
     encode,
@@ -68,7 +79,7 @@ _PR_SET_DUMPABLE = 4
 MAX_QUEUED_CALLS = 64
 SPIN_US = 200.0  # see spin_window_s
 REPORT_EVERY_S = 0.02  # leased calls are reported to the daemon in batches this often
-_BUSY = object()  # a call refused for the bound, answered in its turn
+_BUSY = "busy"  # a call refused for the bound, answered in its turn (requests are never str)
 
 
 def spin_window_s() -> float:
@@ -89,8 +100,9 @@ def spin_window_s() -> float:
 
 
 def become(hello: Become) -> None:
-    """Drop to the owner's identity (when running as root) and set up the job's environment:
-    home, user name, working directory, intra-op threads, no core dumps."""
+    """Drop to the owner's identity (when running as root) and set up the jobs' environment:
+    home, user name, intra-op threads, no core dumps (each job's working directory is set
+    when its code runs: `Executor._switch`)."""
     uid, gid, groups = hello.uid, hello.gid, list(hello.groups)
     if os.geteuid() == 0 and uid != 0:
         os.setgroups(groups)
@@ -102,7 +114,7 @@ def become(hello: Become) -> None:
     if os.getuid() != uid:
         raise PermissionError(f"executor runs as uid {os.getuid()} and cannot become {uid}")
     os.environ.update({"HOME": hello.home or "/", "USER": hello.user, "LOGNAME": hello.user})
-    for place in (hello.cwd, hello.home, "/"):
+    for place in (hello.home, "/"):
         if isinstance(place, str):
             with contextlib.suppress(OSError):
                 os.chdir(place)
@@ -112,31 +124,27 @@ def become(hello: Become) -> None:
 
 
 class Executor:
-    """The loop of one executor: messages from the daemon, and calls from the job's client on
-    its direct channel (once the client opened one).
+    """The loop of one executor process: messages from the daemon, each for one of the jobs
+    it hosts (`Slot`), and calls from those jobs' clients on their direct channels.
 
-    A direct call runs at once while the daemon has granted this job its lane (`lease`) and the
+    A direct call runs at once while the daemon has granted its job the lane (`lease`) and the
     daemon hears of it afterwards (`ran`); without a lease the executor asks (`ready`) and runs
     the call when the daemon answers `run`. Either way a lane runs one call at a time and the
     scheduler decides at every boundary where it must: the daemon grants a lease only to a job
     alone in its lane, and takes it back (`lease` false) before anything else may run there.
+    The process runs one call at a time whichever job it is for.
     """
 
     def __init__(self, sock: socket.socket, zygote: int | None = None) -> None:
         self.zygote = zygote  # the parent to die with (None: not forked by the zygote)
         self.daemon = Channel(sock)
-        self.data: Channel | None = None
         self.selector = selectors.DefaultSelector()
         self.selector.register(sock, selectors.EVENT_READ, "daemon")
-        self.runtime = JobRuntime()
-        self.lease = False
-        self.asked = False
-        self.queue: deque[Any] = deque()
-        self.estimated = False  # the first call's peak goes with its `ready`, for admission
-        self.ran: _RanSoFar | None = None  # leased calls not yet reported to the daemon
+        self.slots: dict[int, Slot] = {}
+        self.current: Slot | None = None  # whose random state, directory and output are in
         self.spin_s = spin_window_s()  # poll this long after a message before blocking
         self.active_at = 0.0
-        self.output: output.OutputSink | None = None  # the job's stdout and stderr
+        self.streams: output.Streams | None = None
 
     def serve(self) -> int:
         try:
@@ -148,18 +156,15 @@ class Executor:
         become(hello)
         if self.zygote is not None:  # a change of uid cleared the parent-death signal
             die_with_parent(signal.SIGKILL, self.zygote)
-        self.output = output.install(hello.log)
-        # Where the daemon measures first calls, the first `ready` carries no estimate.
-        self.estimated = not hello.estimate
+        self.streams = output.install()
         while True:
-            sources = [name for name, ch in (("daemon", self.daemon), ("data", self.data))
-                       if ch is not None and ch.buffered()]
+            sources: list[object] = ["daemon"] if self.daemon.buffered() else []
+            sources += [slot.job for slot in self.slots.values()
+                        if slot.data is not None and slot.data.buffered()]
             if not sources:
                 sources = self._spin()
             if not sources:
-                timeout = (None if self.ran is None else
-                           max(0.0, self.ran.since + REPORT_EVERY_S - time.monotonic()))
-                sources = [key.data for key, _ in self.selector.select(timeout)]
+                sources = [key.data for key, _ in self.selector.select(self._report_due())]
                 if not sources:
                     self._report_ran()
             for source in sources:
@@ -167,12 +172,12 @@ class Executor:
                     self._report_ran()  # the daemon decides knowing what ran
                     if self._from_daemon():
                         return 0
-                else:
-                    self._from_client()
+                elif type(source) is int and (slot := self.slots.get(source)) is not None:
+                    self._from_client(slot)
             self._run_queued()
             self.active_at = time.perf_counter()
 
-    def _spin(self) -> list[str]:
+    def _spin(self) -> list[object]:
         """Poll, without sleeping, for `spin_s` after the last message: a training loop sends
         its next call within microseconds of its result, and a call that finds the executor
         blocked pays the wake-up path (see `spin_window_s`). Each empty poll yields the CPU,
@@ -187,158 +192,315 @@ class Executor:
             os.sched_yield()
         return []
 
+    def _report_due(self) -> float | None:
+        """Seconds until the oldest unreported leased call must be reported (None: none)."""
+        since = [slot.ran.since for slot in self.slots.values() if slot.ran is not None]
+        if not since:
+            return None
+        return max(0.0, min(since) + REPORT_EVERY_S - time.monotonic())
+
+    def _switch(self, slot: Slot) -> None:
+        """Make `slot`'s job the one whose code runs: its CPU random generator, working
+        directory and output in; the peak meter's baseline taken with every job's state."""
+        previous = self.current
+        if previous is slot:
+            return
+        if previous is not None:
+            previous.rng = torch.get_rng_state()
+        if slot.rng is not None:
+            torch.set_rng_state(slot.rng)
+            slot.rng = None
+        if slot.cwd is not None and (previous is None or previous.cwd != slot.cwd):
+            with contextlib.suppress(OSError):
+                os.chdir(slot.cwd)
+        assert self.streams is not None
+        self.streams.use(slot.sink)
+        if previous is not None:
+            slot.runtime.take_baseline()
+        self.current = slot
+
     # ---- the daemon's messages ----------------------------------------------------------------
     def _from_daemon(self) -> bool:
-        """Handle one message from the daemon; True when the executor must exit."""
+        """Handle one message from the daemon; True when the process must exit."""
         try:
             meta = self.daemon.recv()
             request = self.daemon.recv() if client_frame_follows(meta) else None
+            sock = (self.daemon.recv() if isinstance(meta, dict) and meta.get("op") == "adopt"
+                    and meta.get("channel") is True else None)
         except ConnectionClosed:
-            self._refuse_queued("unavailable", "salusd went away")
+            for slot in self.slots.values():
+                self._refuse_queued(slot, "unavailable", "salusd went away")
             return True
+        job = None
         try:
+            job = address_of(meta) if isinstance(meta, dict) else None
             message = decode_request(meta)
         except ValueError as exc:
             with_frame = client_frame_follows(meta)
-            self._reply(Failed(str(exc)[:2000], forward=with_frame),
+            self._reply(job, Failed(str(exc)[:2000], forward=with_frame),
                         _error(exc) if with_frame else None)
+            return False
+        if job is None:
+            if isinstance(message, Exit):  # the whole process
+                for slot in list(self.slots.values()):
+                    self._refuse_queued(slot, message.code, message.message)
+                return True
+            self._reply(None, Failed(f"{message.op!r} must name its job"), None)
+            return False
+        slot = self.slots.get(job)
+        if isinstance(message, Host | Adopt):
+            self._host(job, message, request, sock)
+            return False
+        if slot is None:
+            with_frame = request is not None
+            self._reply(job, Failed(f"this executor hosts no job {job}", forward=with_frame),
+                        _error(LookupError(f"no job {job} here")) if with_frame else None)
             return False
         match message:
             case Exit(code=code, message=text):
-                self._refuse_queued(code, text)
-                return True
+                self._refuse_queued(slot, code, text)
+                self._drop(slot)
+                self._reply(job, Ack(), None)
             case Lease(granted=granted):
-                self.lease = granted
-                self._reply(Ack(), None)
+                slot.lease = granted
+                self._reply(job, Ack(), None)
             case Refuse(code=code, message=text):
-                self._refuse_queued(code, text)
-                self._reply(Ack(), None)
+                self._refuse_queued(slot, code, text)
+                self._reply(job, Ack(), None)
             case DirectChannel():
-                self._open_channel(request)
+                self._open_channel(slot, request)
+            case Handover():
+                self._handover(slot)
             case Run() if request is None:
-                self.asked = False
-                self._refuse_busy_at_head()
-                if self.queue:
-                    done, reply = run_call(self.runtime, self.queue.popleft(), forward=False)
-                    self._answer_client(reply)
-                    self._reply(done, None)
+                slot.asked = False
+                self._refuse_busy_at_head(slot)
+                if slot.queue:
+                    self._switch(slot)
+                    done, reply = run_call(slot.runtime, slot.queue.popleft(), forward=False)
+                    self._after_call(slot)
+                    self._answer_client(slot, reply)
+                    self._reply(job, done, None)
                 else:
                     # The call already ran under a lease granted meanwhile: nothing ran now.
-                    self._reply(CallDone(False, 0.0, None, False, None, None, empty=True), None)
+                    self._reply(job, CallDone(False, 0.0, None, False, None, None, empty=True),
+                                None)
+            case Place():
+                self._switch(slot)
+                self._reply(job, *self._place(slot, message))
             case _:
-                self._reply(*handle(self.runtime, message, request))
+                self._switch(slot)
+                reply, forward = handle(slot.runtime, message, request)
+                if isinstance(message, Run | Step):
+                    self._after_call(slot)
+                self._reply(job, reply, forward)
         return False
 
-    def _open_channel(self, request: Any) -> None:
+    def _host(self, job: int, message: Host | Adopt, request: Any, sock: Any) -> None:
+        """Start hosting a new job (`Host`), or one another executor handed over (`Adopt`)."""
+        assert self.streams is not None
+        if job in self.slots:
+            self._reply(job, Failed(f"this executor already hosts job {job}",
+                                    forward=isinstance(message, Adopt)), None)
+            return
+        if isinstance(message, Host):
+            self.slots[job] = Slot(job, JobRuntime(), self.streams.sink(message.log),
+                                   message.cwd, message.log, not message.estimate)
+            self._reply(job, Ack(), None)
+            return
+        try:
+            payload = request.get("bundle") if isinstance(request, dict) else None
+            if not isinstance(payload, PickledPayload):
+                raise TypeError("'adopt' needs the job's bundle")
+            bundle = payload.load("the job handed over", own=True)
+            slot = Slot(job, JobRuntime(), self.streams.sink(bundle["log"]), bundle["cwd"],
+                        bundle["log"], bundle["estimated"])
+            previous, self.current = self.current, slot  # its state loads with its own rng
+            if previous is not None:
+                previous.rng = torch.get_rng_state()
+            self.streams.use(slot.sink)
+            slot.runtime.take_over(bundle["state"])
+            torch.set_rng_state(bundle["rng"])
+            slot.queue.extend(bundle["queued"])
+            slot.asked = bundle["asked"]
+        except Exception as exc:
+            if isinstance(sock, dict) and isinstance(sock.get("socket_fd"), int):
+                os.close(sock["socket_fd"])
+            self._reply(job, Failed(error_text(exc)[:2000]), None)
+            return
+        self.slots[job] = slot
+        if isinstance(sock, dict) and isinstance(sock.get("socket_fd"), int):
+            self._attach_channel(slot, sock["socket_fd"])
+        self._reply(job, Ack(), None)
+
+    def _handover(self, slot: Slot) -> None:
+        """Give the job up: its bundle (state, generator, waiting calls) and its channel's
+        socket go to the daemon, which hands them to the owner's executor of its lane. A job
+        whose state cannot be pickled again stays, and the reply says why."""
+        self._report_ran()
+        self._switch(slot)
+        try:
+            bundle = {"state": slot.runtime.handover_state(), "rng": torch.get_rng_state(),
+                      "queued": list(slot.queue),
+                      "asked": slot.asked, "estimated": slot.estimated, "cwd": slot.cwd,
+                      "log": slot.log}
+            channel = slot.data is not None
+            self.daemon.send_many([addressed(encode(HandedOver(True, channel)), slot.job),
+                                   {"bundle": Pickled(bundle, "the job's state")}])
+        except (TypeError, ValueError) as exc:
+            self._reply(slot.job, HandedOver(False, False, error_text(exc)[:2000]), None)
+            return
+        if slot.data is not None:
+            self.daemon.send_socket({"op": "channel"}, slot.data.sock.fileno())
+        self._drop(slot, keep_client=True)
+
+    def _drop(self, slot: Slot, keep_client: bool = False) -> None:
+        """Stop hosting the job (its client's channel closes here unless it moved on)."""
+        self._close_channel(slot)
+        self.slots.pop(slot.job, None)
+        assert self.streams is not None
+        self.streams.drop(slot.sink)
+        if self.current is slot:
+            self.current = None
+        del keep_client  # the socket went with the bundle: closing this copy leaves it open
+
+    def _place(self, slot: Slot, message: Place) -> tuple[Reply, Any]:
+        """Place the job, then cap the process at what all its jobs there may hold."""
+        reply, forward = handle(slot.runtime, message, None)
+        if isinstance(reply, Ack):
+            slot.lane_bytes = message.lane_bytes or 0
+            slot.persistent_bytes = max(0, message.budget_bytes - slot.lane_bytes)
+            slot.shared_lane = message.shared
+            device = slot.runtime.device
+            if device.type == "cuda" and len(self.slots) > 1:
+                cap = process_cap(list(self.slots.values()), device)
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        return reply, forward
+
+    def _after_call(self, slot: Slot) -> None:
+        """Where other processes run in the job's lane, give the cached device memory back at
+        the end of each call, so the lane holds only the running process's blocks."""
+        if slot.shared_lane and slot.runtime.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _open_channel(self, slot: Slot, request: Any) -> None:
         fd = request.get("socket_fd") if isinstance(request, dict) else None
         if not isinstance(fd, int):
-            self._reply(Failed(None, forward=True), _error(ValueError("'channel' needs a socket")))
+            self._reply(slot.job, Failed(None, forward=True),
+                        _error(ValueError("'channel' needs a socket")))
             return
-        if self.data is not None:
+        if slot.data is not None:
             os.close(fd)
-            self._reply(Failed(None, forward=True),
+            self._reply(slot.job, Failed(None, forward=True),
                         _error(ValueError("the job already has a channel")))
             return
-        sock = socket.socket(fileno=fd)
-        self.data = Channel(sock)
-        self.selector.register(sock, selectors.EVENT_READ, "data")
-        if self.output is not None:
-            self.output.attach(self.data)
-        self._reply(Ack(forward=True), {"ok": True, "result": None})
+        self._attach_channel(slot, fd)
+        self._reply(slot.job, Ack(forward=True), {"ok": True, "result": None})
 
-    def _reply(self, reply: Reply, forward: Any) -> None:
+    def _attach_channel(self, slot: Slot, fd: int) -> None:
+        sock = socket.socket(fileno=fd)
+        slot.data = Channel(sock)
+        self.selector.register(sock, selectors.EVENT_READ, slot.job)
+        slot.sink.attach(slot.data)
+
+    def _reply(self, job: int | None, reply: Reply, forward: Any) -> None:
         try:
-            _send(self.daemon, reply, forward)
+            _send(self.daemon, reply, forward, job)
         except TypeError as exc:  # a result that cannot be pickled fails its call only
             failed = (replace(reply, ok=False) if isinstance(reply, CallDone)
                       else Failed(None, forward=True))
-            _send(self.daemon, failed, _unsendable(exc))
+            _send(self.daemon, failed, _unsendable(exc), job)
 
-    # ---- the client's direct calls ------------------------------------------------------------
-    def _from_client(self) -> None:
-        assert self.data is not None
+    # ---- the clients' direct calls ------------------------------------------------------------
+    def _from_client(self, slot: Slot) -> None:
+        assert slot.data is not None
         try:
-            request = self.data.recv()
-            self.queue.append(request if len(self.queue) < MAX_QUEUED_CALLS else _BUSY)
+            request = slot.data.recv()
+            slot.queue.append(request if len(slot.queue) < MAX_QUEUED_CALLS else _BUSY)
         except (ConnectionClosed, OSError):
-            self._close_channel()
+            self._close_channel(slot)
         except FrameError as exc:
-            self._answer_client({"ok": False, "code": exc.code, "message": str(exc)})
+            self._answer_client(slot, {"ok": False, "code": exc.code, "message": str(exc)})
             if not exc.recoverable:
-                self._close_channel()
+                self._close_channel(slot)
 
-    def _close_channel(self) -> None:
-        if self.data is not None:
-            if self.output is not None:
-                self.output.detach()
-            self.selector.unregister(self.data.sock)
-            self.data.close()
-            self.data = None
-        self.queue.clear()
+    def _close_channel(self, slot: Slot) -> None:
+        if slot.data is not None:
+            slot.sink.detach()
+            self.selector.unregister(slot.data.sock)
+            slot.data.close()
+            slot.data = None
+        slot.queue.clear()
 
-    def _refuse_busy_at_head(self) -> None:
-        while self.queue and self.queue[0] is _BUSY:
-            self.queue.popleft()
-            self._answer_client({"ok": False, "code": "busy", "message": (
+    def _refuse_busy_at_head(self, slot: Slot) -> None:
+        while slot.queue and isinstance(slot.queue[0], str):  # _BUSY
+            slot.queue.popleft()
+            self._answer_client(slot, {"ok": False, "code": "busy", "message": (
                 f"the job already has {MAX_QUEUED_CALLS} calls queued; wait for results "
                 "before submitting more")})
 
     def _run_queued(self) -> None:
-        self._refuse_busy_at_head()
-        while self.queue and self.lease:
-            done, reply = run_call(self.runtime, self.queue.popleft(), forward=False)
-            self._answer_client(reply)
-            self._note_ran(done)
+        for slot in list(self.slots.values()):
+            self._run_queued_of(slot)
+
+    def _run_queued_of(self, slot: Slot) -> None:
+        self._refuse_busy_at_head(slot)
+        while slot.queue and slot.lease:
+            self._switch(slot)
+            done, reply = run_call(slot.runtime, slot.queue.popleft(), forward=False)
+            self._after_call(slot)
+            self._answer_client(slot, reply)
+            self._note_ran(slot, done)
             if done.oom:  # the daemon acts on it (moves or queues the job) without waiting
                 self._report_ran()
-            self._refuse_busy_at_head()
-        if self.queue and not self.lease and not self.asked:
-            self.asked = True
+            self._refuse_busy_at_head(slot)
+        if slot.queue and not slot.lease and not slot.asked:
+            slot.asked = True
             estimate = None
-            if not self.estimated:
-                self.estimated = True
-                estimate = estimate_call(self.runtime, self.queue[0])
-            ready = Ready(is_iteration(self.queue[0], self.runtime.kinds), estimate)
-            _send(self.daemon, ready, None)
+            if not slot.estimated:
+                slot.estimated = True
+                self._switch(slot)
+                estimate = estimate_call(slot.runtime, slot.queue[0])
+            ready = Ready(is_iteration(slot.queue[0], slot.runtime.kinds), estimate)
+            _send(self.daemon, ready, None, slot.job)
 
-    def _note_ran(self, done: CallDone) -> None:
+    def _note_ran(self, slot: Slot, done: CallDone) -> None:
         """Add one leased call to the next report (sent at most every REPORT_EVERY_S)."""
-        if self.ran is None:
-            self.ran = _RanSoFar(time.monotonic(), done.began)
-        self.ran.add(done)
+        if slot.ran is None:
+            slot.ran = RanSoFar(time.monotonic(), done.began)
+        slot.ran.add(done)
 
     def _report_ran(self) -> None:
-        if self.ran is not None:
-            ran, self.ran = self.ran, None
-            _send(self.daemon, ran.report(), None)
+        for slot in self.slots.values():
+            if slot.ran is not None:
+                ran, slot.ran = slot.ran, None
+                _send(self.daemon, ran.report(), None, slot.job)
 
-    def _answer_client(self, reply: Any) -> None:
-        if self.data is None:
+    def _answer_client(self, slot: Slot, reply: Any) -> None:
+        if slot.data is None:
             return
         try:
-            with self._sending():
+            with self._sending(slot):
                 try:
-                    self.data.send(reply)
+                    slot.data.send(reply)
                 except TypeError as exc:
-                    self.data.send(_unsendable(exc))
+                    slot.data.send(_unsendable(exc))
         except OSError:
-            self._close_channel()
+            self._close_channel(slot)
 
-    def _sending(self) -> contextlib.AbstractContextManager[object]:
+    def _sending(self, slot: Slot) -> contextlib.AbstractContextManager[object]:
         """Hold the job output's lock while a reply goes out on the channel, after what the
         job printed so far (a line printed on another thread never splits a reply)."""
-        if self.output is None:
-            return contextlib.nullcontext()
         sys.stdout.flush()
         sys.stderr.flush()
-        return self.output.lock
+        return slot.sink.lock
 
-    def _refuse_queued(self, code: str, message: str) -> None:
+    def _refuse_queued(self, slot: Slot, code: str, message: str) -> None:
         error = {"ok": False, "code": code, "message": message}
-        while self.queue:
-            self.queue.popleft()
-            self._answer_client(error)
-        self.asked = False
+        while slot.queue:
+            slot.queue.popleft()
+            self._answer_client(slot, error)
+        slot.asked = False
 
 
 def serve(sock: socket.socket, zygote: int | None = None) -> int:
@@ -347,37 +509,8 @@ def serve(sock: socket.socket, zygote: int | None = None) -> int:
     return Executor(sock, zygote).serve()
 
 
-class _RanSoFar:
-    """Leased calls since the last `Ran` report: calls, iterations, failures, the iterations'
-    seconds, the largest peak (bytes), the first call's start and the last one's end, and
-    whether one ran out of device memory."""
-
-    def __init__(self, since: float, began: float | None) -> None:
-        self.since = since  # when the first of them was noted (time.monotonic)
-        self.calls = self.iterations = self.failed = 0
-        self.seconds = 0.0
-        self.peak: int | None = None
-        self.began = self.ended = began if began is not None else 0.0
-        self.oom = False
-
-    def add(self, done: CallDone) -> None:
-        self.calls += 1
-        self.iterations += done.counted
-        self.failed += not done.ok
-        self.seconds += done.seconds if done.counted else 0.0
-        if done.peak is not None:
-            self.peak = max(self.peak or 0, done.peak)
-        if done.ended is not None:
-            self.ended = done.ended
-        self.oom = self.oom or done.oom
-
-    def report(self) -> Ran:
-        return Ran(self.calls, self.iterations, self.failed, self.seconds, self.peak,
-                   self.began, self.ended, self.oom)
-
-
-def _send(channel: Channel, reply: Reply, forward: Any) -> None:
-    meta = encode(reply)
+def _send(channel: Channel, reply: Reply, forward: Any, job: int | None) -> None:
+    meta = encode(reply) if job is None else addressed(encode(reply), job)
     channel.send_many([meta] if forward is None else [meta, forward])
 
 

@@ -1,4 +1,4 @@
-"""What a job prints: the executor's `sys.stdout` and `sys.stderr` once it is the job's owner.
+"""What a job prints: the executor's `sys.stdout` and `sys.stderr` once it is the jobs' owner.
 
 Each complete line (and what is left on `flush`) goes to the job's output file when the daemon
 gave one (`Become.log`; bounded, see `salusd/state/job_output.py`) and, while the job's client
@@ -127,15 +127,49 @@ class JobStream(io.TextIOBase):
         return False
 
 
-def install(path: str | None) -> OutputSink:
-    """Make the job's output go to `path` (None: no file) and, once attached, its client's
-    channel; the executor's own log records keep going to the daemon's log."""
+class Streams:
+    """The executor's `sys.stdout` and `sys.stderr`, pointed at the sink of the job whose code
+    runs now (`use`); between jobs, at one that writes to the daemon's log."""
+
+    def __init__(self, fallback: dict[str, TextIO]) -> None:
+        self.fallback = fallback
+        self.idle = OutputSink(None, fallback)
+        self.stdout = JobStream("stdout", self.idle)
+        self.stderr = JobStream("stderr", self.idle)
+        self.sinks: set[OutputSink] = set()
+
+    def sink(self, path: str | None) -> OutputSink:
+        """A new job's sink: its output file `path` (None: none) and, later, its channel."""
+        sink = OutputSink(path, self.fallback)
+        self.sinks.add(sink)
+        return sink
+
+    def drop(self, sink: OutputSink) -> None:
+        if self.stdout.sink is sink:
+            self.use(self.idle)
+        self.sinks.discard(sink)
+
+    def use(self, sink: OutputSink) -> None:
+        """From now on what is printed is `sink`'s job's; a partial line goes to the old one."""
+        if self.stdout.sink is not sink:
+            self.stdout.flush()
+            self.stderr.flush()
+            self.stdout.sink = self.stderr.sink = sink
+
+    def forked(self) -> None:
+        for sink in (self.idle, *self.sinks):
+            sink.forked()
+
+
+def install() -> Streams:
+    """Make what jobs print go to their own sinks (`Streams.use`); the executor's own log
+    records keep going to the daemon's log."""
     fallback: dict[str, TextIO] = {"stdout": sys.stdout, "stderr": sys.stderr}
     handler = logging.StreamHandler(fallback["stderr"])
     handler.setLevel(logging.WARNING)
     logging.getLogger("salusd").addHandler(handler)
-    sink = OutputSink(path, fallback)
-    os.register_at_fork(after_in_child=sink.forked)
-    sys.stdout = JobStream("stdout", sink)
-    sys.stderr = JobStream("stderr", sink)
-    return sink
+    streams = Streams(fallback)
+    os.register_at_fork(after_in_child=streams.forked)
+    sys.stdout = streams.stdout
+    sys.stderr = streams.stderr
+    return streams

@@ -119,6 +119,7 @@ class JobRuntime:
         self.cursor: DataCursor | None = None
         self.gang: gang.GangSpec | None = None  # this replica's place in a gang job
         self.comm: Comm | None = None
+        self._comm_state: Any = None  # a restored gang's comm state, until it joins
         self.context = context.JobContext()  # the services a batch job's code can reach
         self.budget_bytes = 0  # persistent bytes plus the lane, where the daemon placed it
         self.slowdown = ComputeSlowdown()  # the device's simulated one (--cpu-device-slowdown)
@@ -126,12 +127,12 @@ class JobRuntime:
     # ---- messages ---------------------------------------------------------------------------
     def attach(self, request: dict[str, Any], place: GangPlace | None = None) -> Attached:
         """Hold the client's objects; a replica of a gang job (`place`: its place in the gang)
-        joins the gang's process group first. Every replica loads the same bytes, so they start
-        equal without a broadcast."""
+        joins the gang's process group once it is placed (`place`), on its device's backend.
+        Every replica loads the same bytes, so they start equal without a broadcast."""
         payload = request.get("objects")
         if not isinstance(payload, PickledPayload):
             raise TypeError("'attach' needs 'objects': the pickled named objects")
-        self._join(place)
+        self.gang = gang.GangSpec.of(place)
         objects = payload.load("attached objects", own=True)
         if not isinstance(objects, dict) or not all(isinstance(k, str) and k.isidentifier()
                                                     for k in objects):
@@ -244,7 +245,8 @@ class JobRuntime:
                 at: int | None = None) -> Loaded:
         """Load the latest checkpoint under `where` (or the one of iteration `at`): objects,
         functions, random state, the iteration count and (batch jobs) where the data stood."""
-        self._join(place)  # a gang's interactive job: before its state
+        if self.batch is None:  # an interactive gang joins once placed (`place`)
+            self.gang = gang.GangSpec.of(place) or self.gang
         loaded = checkpoint.load_latest(Path(str(where)), at)
         if loaded is None:
             if self.batch is not None:
@@ -256,8 +258,11 @@ class JobRuntime:
             self.functions[int(fid)], self.kinds[int(fid)] = fn, kind
         if self.cursor is not None and payload.get("cursor"):
             self.cursor.restore(payload["cursor"])
-        if self.comm is not None and payload.get("comm"):
-            self.comm.restore_state(payload["comm"])  # sharded optimizer state, residuals
+        if payload.get("comm"):  # sharded optimizer state, residuals
+            if self.comm is not None:
+                self.comm.restore_state(payload["comm"])
+            else:
+                self._comm_state = payload["comm"]
         torch.set_rng_state(payload["rng"]["cpu"])
         cuda_rng = payload["rng"].get("cuda")
         if isinstance(cuda_rng, torch.Tensor):
@@ -316,6 +321,16 @@ class JobRuntime:
                         began, ended, self.iterations, loss, evaluation, message, trace, cache,
                         comm, oom=self.last_oom is not None)
 
+    def _join_placed(self) -> None:
+        """An interactive gang's replica, just placed, joins its process group on its device's
+        backend (NCCL on CUDA), then takes a restored comm state."""
+        assert self.gang is not None
+        self.comm = gang.join(self.gang, self.device)
+        self.state.comm = self.comm
+        if self._comm_state is not None:
+            self.comm.restore_state(self._comm_state)
+            self._comm_state = None
+
     def _join(self, place: GangPlace | None) -> gang.GangSpec | None:
         """Join the gang's process group once, for a replica told its `place` (None: no
         gang); returns this replica's place."""
@@ -341,7 +356,7 @@ class JobRuntime:
         self.names = list(objects)
         if self.comm is not None:
             self.state.comm = self.comm
-        self._baseline()
+        self.take_baseline()
         self._held = held_bytes(objects.values())
         self._settled = False
 
@@ -358,7 +373,7 @@ class JobRuntime:
             self.meter.baseline += grown
         return max(0, peak - grown)
 
-    def _baseline(self) -> None:
+    def take_baseline(self) -> None:
         """Take the peak's baseline, with the state in place on its device."""
         if self.cuda is not None:
             self.cuda.hold()
@@ -408,7 +423,9 @@ class JobRuntime:
         if target != self.device:
             self._move(target)
         self.cuda = cuda
-        self._baseline()
+        if self.gang is not None and self.comm is None:
+            self._join_placed()
+        self.take_baseline()
 
     def swap_out(self) -> None:
         """Move the state to host memory (a no-op for a CPU device, whose budget the daemon
@@ -417,6 +434,27 @@ class JobRuntime:
             self._move(torch.device("cpu"))
             self.cuda = None
             torch.cuda.empty_cache()
+
+    def handover_state(self) -> dict[str, Any]:
+        """What another executor of the owner needs to take the job over (`take_over`): its
+        objects (moved to host memory first), functions, iteration count and CUDA generator.
+        ValueError for a job bound to this process (a gang replica, a batch job)."""
+        if self.gang is not None or self.batch is not None or self.comm is not None:
+            raise ValueError("a gang replica or a batch job stays in its own executor")
+        if self.device.type != "cpu":
+            self._move(torch.device("cpu"))
+            self.cuda = None
+        return {"objects": self._objects(), "functions": self.functions, "kinds": self.kinds,
+                "iterations": self.iterations, "cuda_rng": self.cuda_rng,
+                "settled": self._settled}
+
+    def take_over(self, state: dict[str, Any]) -> None:
+        """Hold a job handed over by another executor (`handover_state`), on the host until
+        its `place`."""
+        self._hold(state["objects"])
+        self.functions, self.kinds = state["functions"], state["kinds"]
+        self.iterations, self.cuda_rng = state["iterations"], state["cuda_rng"]
+        self._settled = state["settled"]
 
     # ---- internals --------------------------------------------------------------------------
     def _move(self, device: torch.device) -> None:

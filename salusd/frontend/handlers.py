@@ -151,6 +151,7 @@ class Handlers:
             if kind not in ("iteration", "function"):
                 raise BadRequest("'define' needs 'kind': 'iteration' or 'function'")
             record.functions[fid] = kind
+            record.inference = record.inference or request.get("inference") is True
             self.engine.define(record, frame, answer)
         elif op == "call":
             fid = request.get("fid")

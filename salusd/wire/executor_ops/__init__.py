@@ -46,8 +46,10 @@ durations seconds, `began`/`ended` the executor's `time.monotonic()`.
 
 from salus.daemon.wire.executor_ops.decoding import decode_reply, decode_request
 from salus.daemon.wire.executor_ops.encoding import client_frame_follows, encode
+from salus.daemon.wire.executor_ops.envelope import address_of, addressed
 from salus.daemon.wire.executor_ops.messages import (
     Ack,
+    Adopt,
     Attach,
     Attached,
     Become,
@@ -63,6 +65,9 @@ from salus.daemon.wire.executor_ops.messages import (
     Exit,
     Failed,
     GangPlace,
+    HandedOver,
+    Handover,
+    Host,
     Lease,
     Load,
     Loaded,
@@ -84,11 +89,14 @@ from salus.daemon.wire.executor_ops.messages import (
 )
 
 __all__ = [
+    "address_of",
+    "addressed",
     "client_frame_follows",
     "decode_reply",
     "decode_request",
     "encode",
     "Ack",
+    "Adopt",
     "Attach",
     "Attached",
     "Become",
@@ -104,6 +112,9 @@ __all__ = [
     "Exit",
     "Failed",
     "GangPlace",
+    "HandedOver",
+    "Handover",
+    "Host",
     "Lease",
     "Load",
     "Loaded",

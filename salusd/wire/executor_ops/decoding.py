@@ -7,6 +7,7 @@ from typing import Any
 
 from salus.daemon.wire.executor_ops.messages import (
     Ack,
+    Adopt,
     Attach,
     Attached,
     Become,
@@ -22,6 +23,9 @@ from salus.daemon.wire.executor_ops.messages import (
     Exit,
     Failed,
     GangPlace,
+    HandedOver,
+    Handover,
+    Host,
     Lease,
     Load,
     Loaded,
@@ -209,14 +213,23 @@ def _keys(*names: str) -> frozenset[str]:
 # ---- decode: requests -----------------------------------------------------------------------
 def _become(d: Wire) -> Become:
     w = "'become'"
-    _only(d, w, _keys("op", "uid", "gid", "groups", "user", "home", "cwd", "threads", "job",
-                      "estimate", "log"))
+    _only(d, w, _keys("op", "uid", "gid", "groups", "user", "home", "threads"))
     groups = d.get("groups", _MISSING)
     if type(groups) is not list or not all(type(g) is int for g in groups):
         raise _bad(w, "groups", "a list of ints", groups)
     return Become(_int(d, w, "uid"), _int(d, w, "gid"), tuple(groups), _str(d, w, "user"),
-                  _str(d, w, "home"), _str_or_none(d, w, "cwd"), _int(d, w, "threads"),
-                  _int(d, w, "job"), _bool(d, w, "estimate"), _maybe_str(d, w, "log"))
+                  _str(d, w, "home"), _int(d, w, "threads"))
+
+
+def _host(d: Wire) -> Host:
+    w = "'host'"
+    _only(d, w, _keys("op", "cwd", "estimate", "log"))
+    return Host(_str_or_none(d, w, "cwd"), _bool(d, w, "estimate"), _maybe_str(d, w, "log"))
+
+
+def _adopt(d: Wire) -> Adopt:
+    _only(d, "'adopt'", _keys("op", "channel"))
+    return Adopt(_bool(d, "'adopt'", "channel"))
 
 
 def _attach(d: Wire) -> Attach:
@@ -224,7 +237,8 @@ def _attach(d: Wire) -> Attach:
     return Attach(_decode_gang(d, "'attach'", required=True))
 
 
-def _bare(cls: type[Define | Pull | DirectChannel | Step | SwapOut]) -> Callable[[Wire], Request]:
+def _bare(cls: type[Define | Pull | DirectChannel | Step | SwapOut | Handover]
+          ) -> Callable[[Wire], Request]:
     keys = _keys("op")
 
     def decode(d: Wire) -> Request:
@@ -253,9 +267,13 @@ def _lease(d: Wire) -> Lease:
 
 def _place(d: Wire) -> Place:
     w = "'place'"
-    _only(d, w, _keys("op", "device", "budget_bytes", "slowdown", "uuid"))
+    _only(d, w, _keys("op", "device", "budget_bytes", "slowdown", "uuid", "lane", "lane_bytes",
+                      "shared"))
+    if "shared" in d:
+        _true(d, w, "shared")
     return Place(_str(d, w, "device"), _int(d, w, "budget_bytes"), _float(d, w, "slowdown"),
-                 _maybe_str(d, w, "uuid"))
+                 _maybe_str(d, w, "uuid"), _maybe_int(d, w, "lane"),
+                 _maybe_int(d, w, "lane_bytes"), "shared" in d)
 
 
 def _load(d: Wire) -> Load:
@@ -290,7 +308,8 @@ def _coded(cls: type[Refuse | Exit]) -> Callable[[Wire], Request]:
 
 
 _REQUESTS: dict[str, Callable[[Wire], Request]] = {
-    "become": _become, "attach": _attach, "define": _bare(Define), "pull": _bare(Pull),
+    "become": _become, "host": _host, "handover": _bare(Handover), "adopt": _adopt,
+    "attach": _attach, "define": _bare(Define), "pull": _bare(Pull),
     "channel": _bare(DirectChannel), "estimate": _estimate_request, "run": _run,
     "step": _bare(Step),
     "lease": _lease, "place": _place, "load": _load, "restore": _restore,
@@ -415,6 +434,12 @@ def decode_reply(d: object) -> Reply:
         if op == "ran":
             return _ran_reply(d)
         raise ValueError(f"unknown unsolicited executor message {op!r}")
+    if "handed_over" in d:
+        w = "'handover' reply"
+        _only(d, w, _keys("ok", "handed_over", "channel", "message", "forward"))
+        _true(d, w, "handed_over")
+        return HandedOver(_bool(d, w, "ok"), _bool(d, w, "channel"), _maybe_str(d, w, "message"),
+                          _bool(d, w, "forward"))
     if "seconds" in d and "path" not in d:
         return _step_done_reply(d) if "iteration" in d else _call_done_reply(d)
     if "path" in d:

@@ -7,6 +7,7 @@ from typing import Any
 
 from salus.daemon.wire.executor_ops.messages import (
     Ack,
+    Adopt,
     Attach,
     Attached,
     Become,
@@ -21,6 +22,9 @@ from salus.daemon.wire.executor_ops.messages import (
     Exit,
     Failed,
     GangPlace,
+    HandedOver,
+    Handover,
+    Host,
     Lease,
     Load,
     Loaded,
@@ -38,7 +42,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Wire,
 )
 
-_FRAME_OPS = frozenset({"attach", "define", "pull", "estimate", "run", "channel"})
+_FRAME_OPS = frozenset({"attach", "define", "pull", "estimate", "run", "channel", "adopt"})
 
 
 def client_frame_follows(meta: object) -> bool:
@@ -141,6 +145,25 @@ def _ran(m: Ran) -> Wire:
     return out
 
 
+def _place(m: Place) -> Wire:
+    out: Wire = {"op": "place", "device": m.device, "budget_bytes": m.budget_bytes,
+                 "slowdown": m.slowdown}
+    for key in ("uuid", "lane", "lane_bytes"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    if m.shared:
+        out["shared"] = True
+    return out
+
+
+def _handed_over(m: HandedOver) -> Wire:
+    out: Wire = {"ok": m.ok, "handed_over": True, "channel": m.channel}
+    if m.message is not None:
+        out["message"] = m.message
+    out["forward"] = m.forward
+    return out
+
+
 def _ready(m: Ready) -> Wire:
     out: Wire = {"op": "ready", "unsolicited": True, "counted": m.counted}
     if m.estimate is not None:
@@ -151,9 +174,11 @@ def _ready(m: Ready) -> Wire:
 
 _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Become: lambda m: {"op": "become", "uid": m.uid, "gid": m.gid, "groups": list(m.groups),
-                       "user": m.user, "home": m.home, "cwd": m.cwd, "threads": m.threads,
-                       "job": m.job, "estimate": m.estimate,
-                       **({} if m.log is None else {"log": m.log})},
+                       "user": m.user, "home": m.home, "threads": m.threads},
+    Host: lambda m: {"op": "host", "cwd": m.cwd, "estimate": m.estimate,
+                     **({} if m.log is None else {"log": m.log})},
+    Handover: lambda m: {"op": "handover"},
+    Adopt: lambda m: {"op": "adopt", "channel": m.channel},
     Attach: lambda m: {"op": "attach", "gang": None if m.gang is None else _gang(m.gang)},
     Define: lambda m: {"op": "define"},
     Pull: lambda m: {"op": "pull"},
@@ -162,8 +187,7 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Run: lambda m: _with_frame({"op": "run", "counted": m.counted}, m.frame),
     Step: lambda m: {"op": "step"},
     Lease: lambda m: {"op": "lease", "granted": m.granted},
-    Place: lambda m: {"op": "place", "device": m.device, "budget_bytes": m.budget_bytes,
-                      "slowdown": m.slowdown, **({} if m.uuid is None else {"uuid": m.uuid})},
+    Place: _place,
     Load: lambda m: _maybe_gang({
         "op": "load", "path": m.path, "function": m.function, "restore": m.restore,
         "pipeline": None if m.pipeline is None else {"placement": m.pipeline.placement,
@@ -187,6 +211,7 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Checkpointed: lambda m: {"ok": True, "iteration": m.iteration, "bytes": m.bytes,
                              "seconds": m.seconds, "path": m.path, "time": m.time,
                              "forward": m.forward},
+    HandedOver: _handed_over,
     CallDone: _call_done,
     StepDone: _step_done,
     Ready: _ready,

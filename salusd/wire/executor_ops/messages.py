@@ -48,10 +48,9 @@ class CachePlace:
 # ---- daemon → executor ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Become:
-    """Who the executor runs as (uid, gid, groups, user name, home), the directory it starts
-    in, its intra-op `threads`, its `job` id, whether it estimates a job's first direct
-    call before asking to run it (`estimate`), and the file what the job prints goes to
-    (`log`; None: none, left out of the wire form)."""
+    """Who the executor process runs as (uid, gid, groups, user name, home) and its intra-op
+    `threads`: sent once, first, to a new process. The jobs it then hosts are all this owner's
+    (`Host`)."""
 
     op: ClassVar[str] = "become"
     uid: int
@@ -59,11 +58,37 @@ class Become:
     groups: tuple[int, ...]
     user: str
     home: str
-    cwd: str | None
     threads: int
-    job: int
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """Host the job this message is addressed to: its calls run in directory `cwd`; whether
+    the executor estimates its first direct call before asking to run it (`estimate`); the
+    file what it prints goes to (`log`; None: none, left out of the wire form)."""
+
+    op: ClassVar[str] = "host"
+    cwd: str | None
     estimate: bool
     log: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """Give the job up to another executor process of its owner: answered by `HandedOver`,
+    followed (when it is ok) by the job's bundle frame and, when the job has a direct
+    channel, the channel's socket."""
+
+    op: ClassVar[str] = "handover"
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    """Take the job over from another executor: the bundle frame follows, then the socket of
+    its direct channel when `channel`."""
+
+    op: ClassVar[str] = "adopt"
+    channel: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +164,20 @@ class Lease:
 class Place:
     """Run on torch `device` within `budget_bytes` (persistent bytes plus the lane; enforced
     on CUDA), slowed by the device's simulated `slowdown` factor (1.0: none). On a GPU, `uuid`
-    names it as NVML and `CUDA_VISIBLE_DEVICES` do ("GPU-…", filled in by the supervisor); None
-    leaves the key out."""
+    names it as NVML and `CUDA_VISIBLE_DEVICES` do ("GPU-…", filled in by the supervisor).
+    `lane` is the lane's id and `lane_bytes` its size: an executor hosting several jobs of
+    one lane caps its process at their persistent bytes plus one lane. `shared`: other
+    processes run in the same lane, so this one returns its cached device memory after each
+    call. A None or False field is left out of the wire."""
 
     op: ClassVar[str] = "place"
     device: str
     budget_bytes: int
     slowdown: float
     uuid: str | None = None
+    lane: int | None = None
+    lane_bytes: int | None = None
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,8 +244,8 @@ class Exit:
     message: str
 
 
-Request = (Become | Attach | Define | Pull | DirectChannel | Estimate | Run | Step | Lease | Place
-           | Load | Restore | Checkpoint | SwapOut | Refuse | Exit)
+Request = (Become | Host | Attach | Define | Pull | DirectChannel | Estimate | Run | Step | Lease
+           | Place | Load | Restore | Checkpoint | SwapOut | Refuse | Exit | Handover | Adopt)
 
 
 # ---- executor → daemon ----------------------------------------------------------------------
@@ -357,6 +388,17 @@ class Ran:
     oom: bool = False
 
 
-Reply = (Ack | Failed | Estimated | EstimateFailed | Attached | Loaded | Checkpointed | CallDone
-         | StepDone | Ready | Ran)
+@dataclass(frozen=True, slots=True)
+class HandedOver:
+    """The job was given up (`ok`; its bundle frame follows, then its channel's socket when
+    `channel`) or stays here (`message` says why: its state cannot be pickled again)."""
+
+    ok: bool
+    channel: bool
+    message: str | None = None
+    forward: bool = False
+
+
+Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loaded | Checkpointed
+         | CallDone | StepDone | Ready | Ran)
 Message = Request | Reply

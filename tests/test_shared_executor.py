@@ -1,0 +1,209 @@
+"""Executors per (owner, lane): the real `salusd serve`, jobs of one owner placed in one lane
+run in one executor process, each trains exactly as directly (dropout and a shuffled batch
+draw from each job's own random stream), and a crash costs exactly that process's jobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from client_proc import finish
+from daemon_proc import salusd
+
+from salus.daemon.control import Control
+
+pytestmark = pytest.mark.slow
+
+GOOD = textwrap.dedent("""
+    import json, sys
+    from types import SimpleNamespace
+    import torch
+    from torch import nn
+    import salus.adapters.torch as salus
+
+    torch.set_num_threads(1)
+    seed = int(sys.argv[1])
+
+    def build():
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g))
+            for _ in range(20)]
+
+    def step(s, x, y):
+        order = torch.randperm(x.shape[0])[:8]  # a shuffled half-batch, from the job's stream
+        s.opt.zero_grad()
+        loss = nn.functional.cross_entropy(s.model(x[order]), y[order])
+        loss.backward()
+        s.opt.step()
+        return loss
+
+    model, opt = build()
+    torch.manual_seed(1000 + seed)
+    with salus.connect(name=f"good{seed}", iterations=len(data)) as job:
+        remote = job.attach(model=model, opt=opt)
+        train = remote.iteration(step)
+        for i, (x, y) in enumerate(data):
+            if i == 5:
+                print(json.dumps({"job": job.id}), flush=True)
+                sys.stdin.readline()  # the test looks at the executors, or a job crashes
+            try:
+                train(x, y)
+            except Exception as exc:
+                print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+                sys.exit(0)
+        remote.pull()
+    direct, dopt = build()
+    torch.manual_seed(1000 + seed)
+    s = SimpleNamespace(model=direct, opt=dopt)
+    for x, y in data:
+        step(s, x, y)
+    diff = max((a - b).abs().max().item()
+               for a, b in zip(model.state_dict().values(), direct.state_dict().values()))
+    print(json.dumps({"max_abs_diff": diff}), flush=True)
+""")
+
+CRASH = textwrap.dedent("""
+    import ctypes, sys, torch
+    from torch import nn
+    import salus.adapters.torch as salus
+
+    def crash(s, x, now=False):
+        if now:
+            ctypes.string_at(0)
+        return s.model(x).sum()
+
+    with salus.connect(name="crash", iterations=10) as job:
+        remote = job.attach(model=nn.Linear(4, 2))
+        it = remote.iteration(crash)
+        it(torch.randn(2, 4))
+        print(job.id, flush=True)
+        sys.stdin.readline()
+        try:
+            it(torch.randn(2, 4), now=True)
+        except BaseException as exc:
+            print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+""")
+
+
+def _start(script: Path, *args: str, address: str) -> subprocess.Popen[str]:
+    env = {"SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    return subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _go(client: subprocess.Popen[str]) -> None:
+    assert client.stdin is not None
+    client.stdin.write("go\n")
+    client.stdin.flush()
+
+
+def _first_line(client: subprocess.Popen[str]) -> str:
+    assert client.stdout is not None
+    line = client.stdout.readline().strip()
+    assert line, finish(client, timeout_s=30)
+    return line
+
+
+def _executors(address: str) -> dict[str, dict[str, object]]:
+    with Control(address) as ctl:
+        return {str(j["job_id"]): j["executor"] for j in ctl.status()["jobs"]
+                if j["state"] not in ("finished", "failed", "cancelled")}
+
+
+def test_two_jobs_of_one_owner_share_an_executor_and_train_exactly(tmp_path: Path) -> None:
+    (tmp_path / "good.py").write_text(GOOD)
+    with salusd(tmp_path, "--policy", "fair", devices=1) as (proc, address):
+        goods = [_start(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
+        try:
+            ids = [json.loads(_first_line(g))["job"] for g in goods]
+            executors = _executors(address)
+            one, two = (executors[i] for i in ids)
+            assert one["pid"] == two["pid"] is not None, executors
+            assert one["shared_with"] == [int(ids[1])] and two["shared_with"] == [int(ids[0])]
+            assert "one process per owner and lane" in str(one["why"])
+            for g in goods:
+                _go(g)
+            for g in goods:
+                out, err = finish(g, timeout_s=120)
+                assert g.returncode == 0, err
+                assert json.loads(out.strip().splitlines()[-1]) == {"max_abs_diff": 0.0}, out
+        finally:
+            for g in goods:
+                if g.poll() is None:
+                    g.kill()
+                    g.wait()
+        assert proc.poll() is None
+    log = (tmp_path / "salusd.log").read_text()
+    assert "moved" not in log or "could not" not in log
+
+
+def test_isolation_job_keeps_one_process_per_job(tmp_path: Path) -> None:
+    (tmp_path / "good.py").write_text(GOOD)
+    with salusd(tmp_path, "--policy", "fair", "--isolation", "job", devices=1) as (_, address):
+        goods = [_start(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
+        try:
+            ids = [json.loads(_first_line(g))["job"] for g in goods]
+            one, two = (_executors(address)[i] for i in ids)
+            assert one["pid"] != two["pid"] and one["shared_with"] == two["shared_with"] == []
+            assert "--isolation job" in str(one["why"])
+            for g in goods:
+                _go(g)
+            for g in goods:
+                out, err = finish(g, timeout_s=120)
+                assert json.loads(out.strip().splitlines()[-1]) == {"max_abs_diff": 0.0}, err
+        finally:
+            for g in goods:
+                if g.poll() is None:
+                    g.kill()
+                    g.wait()
+
+
+def test_a_crash_costs_exactly_the_jobs_of_its_executor(tmp_path: Path) -> None:
+    """Two devices under fair, one lane each: good 1 on device 0, good 2 on device 1, and the
+    crashing job joins good 1's lane, so its process. The segfault fails both of them with
+    its reason; good 2, in the other process, trains on exactly as directly."""
+    (tmp_path / "good.py").write_text(GOOD)
+    (tmp_path / "crash.py").write_text(CRASH)
+    with salusd(tmp_path, "--policy", "fair", devices=2) as (proc, address):
+        goods = []
+        try:
+            for seed in (1, 2):
+                goods.append(_start(tmp_path / "good.py", str(seed), address=address))
+                json.loads(_first_line(goods[-1]))
+            crash = _start(tmp_path / "crash.py", address=address)
+            goods.append(crash)
+            crash_id = _first_line(crash)
+            executors = _executors(address)
+            by_pid: dict[object, list[str]] = {}
+            for job, ex in executors.items():
+                by_pid.setdefault(ex["pid"], []).append(job)
+            assert sorted(len(jobs) for jobs in by_pid.values()) == [1, 2], executors
+            sharing = next(jobs for jobs in by_pid.values() if crash_id in jobs)
+            victim = next(j for j in sharing if j != crash_id)
+            _go(crash)
+            out, _ = finish(crash, timeout_s=60)
+            assert "signal 11 (SIGSEGV)" in out and f"running job {crash_id}" in out, out
+            results = {}
+            for g in goods[:2]:
+                _go(g)
+                out, err = finish(g, timeout_s=120)
+                results[g] = json.loads(out.strip().splitlines()[-1])
+            errors = [r for r in results.values() if "error" in r]
+            assert len(errors) == 1 and "SIGSEGV" in errors[0]["error"], results
+            assert f"job {victim}" in errors[0]["error"] or "died" in errors[0]["error"]
+            assert [r for r in results.values() if "error" not in r] == [{"max_abs_diff": 0.0}]
+            assert proc.poll() is None, "the daemon died"
+        finally:
+            for g in goods:
+                if g.poll() is None:
+                    g.kill()
+                    g.wait()
