@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
+import gc
 import logging
 import os
 import selectors
@@ -141,6 +143,7 @@ def serve(fd: int, daemon: int) -> int:
     from salus.daemon.executor.measure import warm_up
 
     warm_up()
+    _trim()  # every executor starts from these pages: leave none the warm-up freed
     sock = socket.socket(fileno=fd)
     sock.setblocking(False)
     reader = FrameReader(sock)
@@ -164,6 +167,14 @@ def serve(fd: int, daemon: int) -> int:
                 _blocking(sock, lambda s, f=frame: _fork(s, f))
             if closed:
                 return 0
+
+
+def _trim() -> None:
+    """Collect garbage and hand the heap's free pages back to the kernel (glibc's
+    `malloc_trim`), so that forked executors do not carry them."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def _blocking(sock: socket.socket, fn: object) -> None:
