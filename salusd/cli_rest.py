@@ -113,7 +113,7 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
     before = {j["id"]: j["iterations_done"] for j in (previous or {}).get("jobs", [])}
     jobs = Table(title=f"jobs ({len(view['jobs'])})")
     for col in ("id", "owner", "name", "kind", "state", "iterations", "it/s", "dev.lane",
-                "persistent", "ephemeral", "lane", "checkpoint", "reason"):
+                "persistent", "ephemeral", "lane", "executor", "checkpoint", "reason"):
         jobs.add_column(col, overflow="fold")
     for j in view["jobs"]:
         rate = "-"
@@ -125,8 +125,21 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
             f"{j['iterations_done']}/{j['iterations_total']}", rate,
             f"{j['device']}.{j['lane']}" if j["device"] is not None else "-",
             _size(j["persistent_bytes"]), _size(j["ephemeral_bytes"]), _size(j["lane_bytes"]),
-            f"@{ckpt['iteration']}" if ckpt else "-", shown(j["reason"])[:80])
+            _executor(j.get("executor")), f"@{ckpt['iteration']}" if ckpt else "-",
+            shown(j["reason"])[:80])
     return Group(devices, lanes, jobs)
+
+
+def _executor(executor: dict[str, Any] | None) -> str:
+    """'pid 4242 with 7 9' for a process the job shares, 'pid 4242' (and why) for its own."""
+    if not executor:
+        return "-"
+    pid = f"pid {executor['pid']}" if executor.get("pid") else "starting"
+    others = executor.get("shared_with") or []
+    if others:
+        return f"{pid} with {' '.join(map(str, others))}"
+    why = str(executor.get("why", ""))
+    return f"{pid} ({why.removeprefix('its own process: ')})" if "own" in why else pid
 
 
 def pipeline_options(args: argparse.Namespace) -> dict[str, Any]:

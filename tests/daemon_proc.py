@@ -12,17 +12,19 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def salusd(tmp: Path, *args: str, devices: int = 2, memory: str = "512M"
+def salusd(tmp: Path, *args: str, devices: int = 2, memory: str = "512M", gpus: bool = False
            ) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """A running daemon on `tmp/salusd.sock` with `devices` CPU devices; yields (process,
-    address). Its log is kept in `tmp/salusd.log`; it is killed afterwards if still alive."""
+    """A running daemon on `tmp/salusd.sock` with `devices` CPU devices (`gpus`: the
+    machine's GPUs instead); yields (process, address). Its log is kept in `tmp/salusd.log`;
+    it is killed afterwards if still alive."""
     sock = tmp / "salusd.sock"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(tmp / "salusd.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
-         "--state-dir", str(tmp / "state"), "--cpu-devices", str(devices), "--cpu-memory",
-         memory, "--cpu-threads", "1", *(() if "--http" in args else ("--http", "none")),
+         "--state-dir", str(tmp / "state"),
+         *(() if gpus else ("--cpu-devices", str(devices), "--cpu-memory", memory)),
+         "--cpu-threads", "1", *(() if "--http" in args else ("--http", "none")),
          *args],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:

@@ -10,6 +10,7 @@ the real ones on a GPU."""
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,12 @@ import pytest
 import torch
 from torch import nn
 
+from salus.daemon.executor import output
 from salus.daemon.executor.batch import BatchJob, DataCursor
 from salus.daemon.executor.cuda_call import CudaCall, oom_peak
 from salus.daemon.executor.main import Executor, run_call
 from salus.daemon.executor.runtime import JobRuntime, State
+from salus.daemon.executor.slot import Slot
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.executor_ops import Ran, decode_reply, encode
@@ -155,11 +158,15 @@ def test_a_leased_call_out_of_memory_is_reported_at_once() -> None:
     daemon = Channel(theirs)
     theirs.settimeout(5)
     executor = Executor(ours)
-    executor.runtime = _runtime([])
-    executor.lease = True
-    executor.queue.append(_call(1))
+    executor.streams = output.Streams({"stdout": sys.stdout, "stderr": sys.stderr})
+    slot = Slot(7, _runtime([]), executor.streams.sink(None), None, None, True)
+    executor.slots[7] = slot
+    slot.lease = True
+    slot.queue.append(_call(1))
     executor._run_queued()
-    ran = decode_reply(daemon.recv())
+    report = daemon.recv()
+    assert report.pop("for_job") == 7
+    ran = decode_reply(report)
     assert isinstance(ran, Ran)
     assert (ran.calls, ran.failed, ran.oom, ran.peak) == (1, 1, True, OOM_PEAK)
     ours.close()

@@ -29,6 +29,14 @@ class PipelineOut(BaseModel):
     microbatches: int
 
 
+class ExecutorOut(BaseModel):
+    """The executor process a job runs in, the other jobs it hosts, and why."""
+
+    pid: int | None
+    shared_with: list[int]
+    why: str
+
+
 class JobOut(BaseModel):
     id: int
     name: str
@@ -59,6 +67,9 @@ class JobOut(BaseModel):
                                         "bytes sent and calls by kind (all replicas), and the "
                                         "allreduce algorithm last used (what auto picked)")
     pipeline: PipelineOut | None = Field(default=None, description="a pipeline job's options")
+    executor: ExecutorOut | None = Field(default=None, description="its executor process "
+                                         "and the jobs that share it (one process per owner "
+                                         "and lane), or why it has its own")
 
 
 class JobSubmit(Strict):
