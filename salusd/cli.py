@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "CUDA devices, measure on CPU devices (default auto)")
     serve.add_argument("--standby-executors", metavar="N", type=int, default=2,
                        help="executor processes kept forked and ready for new jobs (default 2)")
+    serve.add_argument("--mps", action="store_true",
+                       help="start an NVIDIA MPS control daemon per GPU, so that the lanes' "
+                       "processes on a GPU run their kernels concurrently (a fatal fault in one "
+                       "then reaches every process on that GPU; see docs/runtime.md)")
     serve.add_argument("--isolation", choices=("lane", "job"), default="lane",
                        help="lane: the jobs of one owner placed in one lane share one executor "
                        "process (one CUDA context and allocator, the lane's memory); job: every "
@@ -264,7 +268,7 @@ def serve(args: argparse.Namespace) -> int:
                           max_connections=args.max_connections,
                           frame_timeout_s=args.frame_timeout, cancel_grace_s=args.cancel_grace,
                           standby_executors=args.standby_executors, state_dir=state_dir,
-                          isolation=args.isolation,
+                          isolation=args.isolation, mps=args.mps,
                           http=http, job_root=args.job_root, checkpoint_every=every,
                           checkpoint_every_s=every_s, cluster=cluster,
                           cache_dir=args.cache_dir, cache_bytes=cache_bytes,

@@ -113,7 +113,7 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
     before = {j["id"]: j["iterations_done"] for j in (previous or {}).get("jobs", [])}
     jobs = Table(title=f"jobs ({len(view['jobs'])})")
     for col in ("id", "owner", "name", "kind", "state", "iterations", "it/s", "dev.lane",
-                "persistent", "ephemeral", "lane", "executor", "checkpoint", "reason"):
+                "persistent", "ephemeral", "lane", "checkpoint", "reason"):
         jobs.add_column(col, overflow="fold")
     for j in view["jobs"]:
         rate = "-"
@@ -125,21 +125,23 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
             f"{j['iterations_done']}/{j['iterations_total']}", rate,
             f"{j['device']}.{j['lane']}" if j["device"] is not None else "-",
             _size(j["persistent_bytes"]), _size(j["ephemeral_bytes"]), _size(j["lane_bytes"]),
-            _executor(j.get("executor")), f"@{ckpt['iteration']}" if ckpt else "-",
-            shown(j["reason"])[:80])
-    return Group(devices, lanes, jobs)
+            f"@{ckpt['iteration']}" if ckpt else "-", shown(j["reason"])[:80])
+    return Group(devices, lanes, jobs, _executors(view["jobs"]))
 
 
-def _executor(executor: dict[str, Any] | None) -> str:
-    """'pid 4242 with 7 9' for a process the job shares, 'pid 4242' (and why) for its own."""
-    if not executor:
-        return "-"
-    pid = f"pid {executor['pid']}" if executor.get("pid") else "starting"
-    others = executor.get("shared_with") or []
-    if others:
-        return f"{pid} with {' '.join(map(str, others))}"
-    why = str(executor.get("why", ""))
-    return f"{pid} ({why.removeprefix('its own process: ')})" if "own" in why else pid
+def _executors(jobs: list[dict[str, Any]]) -> Table:
+    """The executor processes of live jobs: which jobs each hosts, and why."""
+    table = Table(title="executors")
+    for col in ("pid", "jobs", "why"):
+        table.add_column(col, overflow="fold")
+    seen: dict[object, tuple[list[int], str]] = {}
+    for j in jobs:
+        ex = j.get("executor")
+        if ex and ex.get("pid"):
+            seen.setdefault(ex["pid"], ([], str(ex.get("why", ""))))[0].append(j["id"])
+    for pid, (ids, why) in sorted(seen.items(), key=lambda kv: str(kv[0])):
+        table.add_row(str(pid), " ".join(map(str, sorted(ids))), why)
+    return table
 
 
 def pipeline_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import os
 import pwd
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from salus.daemon.frontend.handlers import Handlers
 from salus.daemon.frontend.server import SocketServer
 from salus.daemon.loop import Loop
 from salus.daemon.metrics import Metrics
+from salus.daemon.mps import Mps
 from salus.daemon.rest.app import make_app
 from salus.daemon.rest.auth import Auth
 from salus.daemon.rest.bridge import EngineBridge
@@ -65,6 +67,7 @@ class DaemonConfig:
     cache_bytes: int = 10 << 30  # its cap per replica
     first_call: str = "auto"  # estimate | measure | auto (see first_call_estimated)
     isolation: str = "lane"  # lane: an owner's jobs of one lane share a process; job: not
+    mps: bool = False  # start an NVIDIA MPS control daemon per GPU (salusd/mps.py)
 
 
 def first_call_estimated(first_call: str, devices: Sequence[DeviceSpec]) -> bool:
@@ -130,6 +133,8 @@ class Daemon:
                                    frame_timeout_s=config.frame_timeout_s)
         self._stop = False
         self.cluster_store: subprocess.Popen[bytes] | None = None
+        self.mps = Mps(config.state_dir or Path(tempfile.gettempdir()) / f"salusd-{os.getpid()}",
+                       config.devices)
 
     def _make_rest(self, address: tuple[str, int]) -> RestServer:
         assert self.store is not None and self.config.state_dir is not None, (
@@ -150,6 +155,13 @@ class Daemon:
         cluster = self.config.cluster
         if cluster is not None and cluster.node_rank == 0:
             self.cluster_store = start_store(cluster)
+        if self.config.mps:
+            self.mps.start()
+        self.supervisor.mps_clients = {
+            d.index: (pipe, d.memory_bytes) for d in self.config.devices
+            if (pipe := self.mps.pipe_for(d.uuid)) is not None}
+        self.engine.device_sharing[:] = [self.mps.describe(d.uuid if d.kind == "cuda" else None)
+                                         for d in self.config.devices]
         self.supervisor.start()
         self.supervisor.wait_ready()
         if self.store is not None:
@@ -206,6 +218,7 @@ class Daemon:
         while any(link.out for link in self.loop.links) and time.monotonic() < flush_deadline:
             self.loop.run_once(0.05)
         self.supervisor.stop()
+        self.mps.stop()
         self._answer_stragglers()
         if self.cluster_store is not None:
             stop_store(self.cluster_store)

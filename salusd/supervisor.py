@@ -80,6 +80,7 @@ class ExecutorProcess:
     pid: int | None = None
     uid: int | None = None  # whose jobs it hosts, once it became them
     key: LaneOf | None = None  # the owner's lane it serves (None: the jobs it has)
+    device: str | None = None  # where it was first placed: CUDA binds a process to its GPU
     jobs: dict[int, ExecutorHandle] = field(default_factory=dict)
     status: str | None = None  # how it ended, once the zygote reaped it
     closed: bool = False
@@ -213,6 +214,9 @@ class Supervisor:
         self.zygote_ready = False
         self.restarts = 0
         self.moves = 0  # jobs moved into their owner's process of their lane
+        #: device index -> (its MPS server's pipe directory, the device's budget in bytes), for
+        #: the GPUs with an MPS control daemon (`salusd/mps.py`), set by the daemon
+        self.mps_clients: dict[int, tuple[str, int]] = {}
 
     # ---- zygote -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -343,13 +347,19 @@ class Supervisor:
             self.loop.send(handle.process.link, frame)
 
     def _with_uuid(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """A `place` on a GPU with that GPU's UUID added (the engine names devices by index)."""
+        """A `place` on a GPU with that GPU's UUID added (the engine names devices by index),
+        and its MPS server's pipe where the GPU has one."""
         device = meta.get("device")
         if meta.get("op") != "place" or not isinstance(device, str) or not (
                 device.startswith("cuda:") and device[5:].isdigit()):
             return meta
         index = int(device[5:])
-        return {**meta, "uuid": self.gpu_uuids[index]} if index < len(self.gpu_uuids) else meta
+        if index < len(self.gpu_uuids):
+            meta = {**meta, "uuid": self.gpu_uuids[index]}
+        if index in self.mps_clients:
+            pipe, limit = self.mps_clients[index]
+            meta = {**meta, "mps": pipe, "mps_limit_bytes": limit}
+        return meta
 
     def kill(self, executor: object) -> None:
         assert isinstance(executor, ExecutorHandle)
@@ -394,7 +404,8 @@ class Supervisor:
             key = (handle.process.uid, handle.lane)
             serving = self._serving.get(key)
             if serving is None or serving.closed:
-                if len(handle.process.jobs) == 1:
+                if len(handle.process.jobs) == 1 and handle.process.device in (
+                        None, meta.get("device")):
                     self._serve(handle.process, key)
                 else:
                     target = self._new_process(handle.record.owner)
@@ -404,6 +415,7 @@ class Supervisor:
         meta = {**meta, "shared": True} if self._lane_shared(handle, target) else meta
         handle.place = meta
         if target is handle.process:
+            target.device = target.device or meta.get("device")
             self._to_process(handle, meta, frame, "engine")
             self._tell_lane(handle)
             return
@@ -472,6 +484,7 @@ class Supervisor:
             if m.get("op") == "place":
                 m = {**m, "shared": True} if self._lane_shared(handle, target) else m
                 handle.place = m
+                target.device = target.device or m.get("device")
                 self._to_process(handle, m, f, "engine")
                 self._tell_lane(handle)
             else:

@@ -99,7 +99,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Run, st.booleans(), maybe(st.booleans())),
     st.builds(Lease, st.booleans()),
     st.builds(Place, texts, ints, floats, maybe(texts), maybe(ints), maybe(ints),
-              st.booleans()),
+              st.booleans(), maybe(texts), maybe(ints)),
     st.builds(Load, texts, texts, st.booleans(), maybe(st.builds(PipelineOptions, texts, ints)),
               maybe(st.builds(CachePlace, texts, ints)), maybe(texts), maybe(gangs)),
     st.builds(Restore, maybe(texts), maybe(gangs)),

@@ -13,9 +13,15 @@ import time
 import pytest
 
 from salus.daemon.devices import probe_cuda_devices
+from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.executor.visible import BoundToAnotherGpu, device_for
 from salus.daemon.loop import Link, Loop
-from salus.daemon.supervisor import ExecutorHandle, Supervisor, executor_environment
+from salus.daemon.supervisor import (
+    ExecutorHandle,
+    ExecutorProcess,
+    Supervisor,
+    executor_environment,
+)
 from salus.daemon.wire.executor_ops import Lease, Place, decode_request, encode
 from salus.daemon.wire.frames import FrameReader
 
@@ -40,7 +46,8 @@ def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object]) -> dict[s
     """What an executor receives when the engine sends it `meta` through `supervisor`."""
     ours, theirs = socket.socketpair()
     link = loop.add(Link(ours, lambda *_: None, lambda *_: None))
-    handle = ExecutorHandle(1, link)
+    record = JobRecord(3, Owner("ada", 1000, 1000), "j", 10, 0.0)
+    handle = ExecutorHandle(ExecutorProcess(1, link), record, 0, sharable=False)
     supervisor.send(handle, meta, None)
     loop.run_once(0.0)
     reader = FrameReader(theirs)
@@ -53,6 +60,7 @@ def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object]) -> dict[s
     theirs.close()
     (message,) = frames
     assert isinstance(message, dict)
+    assert message.pop("for_job") == 3  # addressed to the handle's job
     return message
 
 
@@ -65,6 +73,12 @@ def test_a_place_on_a_gpu_carries_that_gpus_uuid() -> None:
     assert _sent(cpu, loop, encode(Place("cpu:0", 5 << 20, 1.0))) == encode(
         Place("cpu:0", 5 << 20, 1.0))
     assert _sent(supervisor, loop, encode(Lease(True))) == encode(Lease(True))
+    supervisor.mps_clients = {1: ("/state/mps/GPU-b/pipe", 7 << 30)}  # cuda:1 has MPS
+    got = _sent(supervisor, loop, encode(Place("cuda:1", 5 << 20, 1.0)))
+    assert decode_request(got) == Place("cuda:1", 5 << 20, 1.0, B,
+                                        mps="/state/mps/GPU-b/pipe", mps_limit_bytes=7 << 30)
+    got = _sent(supervisor, loop, encode(Place("cuda:0", 5 << 20, 1.0)))
+    assert decode_request(got) == Place("cuda:0", 5 << 20, 1.0, A)  # no MPS there
 
 
 @pytest.mark.slow

@@ -6,16 +6,13 @@ Each case: job A trains without pause in its own client process; job B (this pro
 one small call (its lane) and, 1 s later, the bad call; A's calls in the 1.5 s before it and
 after it are counted from A's call end times (the machine's monotonic clock).
 `a_kept_training` is true when A completed calls after B's call returned and saw no error.
-salusd has no MPS support yet: the MPS case starts a control daemon with private pipe and log
-folders and runs salusd under it, so its executors become MPS clients of one server (a fatal
-fault is then expected to reach every client).
+The MPS case runs `salusd serve --mps` (a control daemon per GPU, its executors MPS clients;
+a fatal fault is then expected to reach every client on that GPU).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +24,7 @@ import kit
 import models
 
 import salus.adapters.torch as salus
+from salus.daemon.control import Control
 
 
 def _beside(address: str, cuda: bool, bad: Callable[[Any], Any]) -> dict[str, Any]:
@@ -70,9 +68,12 @@ def _over_lane(nbytes: int) -> Callable[[Any], Any]:
 
 
 def _fault_cases(tmp: Path, cuda: bool, env: dict[str, str] | None,
-                 name: str) -> dict[str, Any]:
+                 name: str, extra: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with kit.daemon(tmp, cuda=cuda, cpu_memory="512M", env=env, name=name) as d:
+    with kit.daemon(tmp, cuda=cuda, cpu_memory="512M", env=env, name=name,
+                    extra=extra) as d:
+        with Control(d.address) as ctl:
+            out["gpu_sharing"] = [dev.get("sharing") for dev in ctl.status()["devices"]]
         over = 4 * 2**30 if cuda else 2**30
         cases: dict[str, Callable[[Any], Any]] = {
             f"over_lane_{over >> 20}MiB": _over_lane(over),
@@ -91,34 +92,13 @@ def _fault_cases(tmp: Path, cuda: bool, env: dict[str, str] | None,
 
 
 def _with_mps(tmp: Path) -> dict[str, Any]:
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
+    """The same cases under `salusd serve --mps` (one MPS control daemon per GPU, its
+    executors MPS clients), with what status said of the GPU's sharing."""
+    if shutil.which("nvidia-cuda-mps-control") is None:
         return kit.skipped("nvidia-cuda-mps-control is not on PATH")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps-pipe"),
-           "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
-    for folder in env.values():
-        os.makedirs(folder, exist_ok=True)
-    said = tmp / "mps-control.out"
-    with open(said, "w") as f:  # not a pipe: the control daemon it forks would keep it open
-        started = subprocess.run([control, "-d"], env={**os.environ, **env}, stdout=f,
-                                 stderr=f, timeout=30)
-    if started.returncode != 0:
-        return {"error": f"nvidia-cuda-mps-control -d failed: {said.read_text()[-500:]}"}
-    try:
-        out = _fault_cases(tmp, True, env, "salusd-mps")
-    finally:
-        try:
-            subprocess.run([control], input="quit\n", env={**os.environ, **env}, text=True,
-                           capture_output=True, timeout=30)
-        except subprocess.TimeoutExpired:
-            out_quit = "nvidia-cuda-mps-control did not quit within 30 s"
-        else:
-            out_quit = "quit"
-    out["mps_quit"] = out_quit
-    try:
-        out["mps_server_log_tail"] = (tmp / "mps-log" / "server.log").read_text()[-1500:]
-    except OSError:
-        out["mps_server_log_tail"] = None
+    out = _fault_cases(tmp, True, None, "salusd-mps", ["--mps"])
+    logs = sorted((tmp / "salusd-mps-state" / "mps").glob("*/log/server.log"))
+    out["mps_server_log_tail"] = logs[0].read_text()[-1500:] if logs else None
     return out
 
 

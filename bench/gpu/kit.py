@@ -87,7 +87,7 @@ class Daemon(NamedTuple):
 @contextlib.contextmanager
 def daemon(tmp: Path, *, cuda: bool, policy: str = "pack", cpu_devices: int = 1,
            cpu_memory: str = "1G", env: dict[str, str] | None = None,
-           name: str = "salusd") -> Iterator[Daemon]:
+           name: str = "salusd", extra: list[str] | None = None) -> Iterator[Daemon]:
     """`salusd serve` as a child process for the body: on every CUDA device (`cuda`), else on
     `cpu_devices` CPU devices of `cpu_memory` each with one thread per executor. Its output
     goes to `tmp/NAME.log`, shown if it does not start within 90 s."""
@@ -100,6 +100,7 @@ def daemon(tmp: Path, *, cuda: bool, policy: str = "pack", cpu_devices: int = 1,
     if not cuda:
         cmd += ["--cpu-devices", str(cpu_devices), "--cpu-memory", cpu_memory,
                 "--cpu-threads", "1"]
+    cmd += extra or []
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})

@@ -91,6 +91,8 @@ class Engine:
         self.leases = Leases(self.core)
         self.replies = Replies(self.core, self.leases, self._after)
         self._step = Stepper(self.core, self.leases).step
+        #: how each device's lanes share it (MPS or time-shared), for status; set by the daemon
+        self.device_sharing: list[str] = [""] * len(capacities)
 
     # ---- what front ends and reports read ---------------------------------------------------
     @property

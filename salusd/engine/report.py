@@ -87,6 +87,7 @@ def snapshot(engine: Engine) -> dict[str, Any]:
             "unreserved_bytes": dispatch.unreserved(index),
             "largest_free_bytes": stats.largest_free,
             "compactions": ledger.compactions,
+            "sharing": engine.device_sharing[index],
             "lanes": [{"lane_id": ln.lane_id, "size_bytes": ln.size, "jobs": list(ln.residents),
                        "busy_job": ln.busy_job} for ln in dispatch.lanes(index)],
         })

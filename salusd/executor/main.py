@@ -30,6 +30,7 @@ from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is
 from salus.daemon.executor.slot import RanSoFar, Slot, process_cap
 from salus.daemon.executor.visible import device_for
 from salus.daemon.executor.zygote import die_with_parent, reap_orphans
+from salus.daemon.mps import client_environment
 from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire.channel import (
     Channel,
@@ -575,9 +576,12 @@ def handle(runtime: JobRuntime, message: Request, request: Any) -> tuple[Reply, 
                 return runtime.restore(where, gang, at), None
             case Checkpoint(dir=where, job=job):
                 return runtime.checkpoint(where, job), None
-            case Place(device=device, budget_bytes=budget, slowdown=slowdown, uuid=uuid):
-                seen = device_for(device, uuid, cuda_started=torch.cuda.is_initialized(),
-                                  environ=os.environ)
+            case Place(device=device, budget_bytes=budget, slowdown=slowdown, uuid=uuid,
+                       mps=mps, mps_limit_bytes=limit):
+                started = torch.cuda.is_initialized()
+                if mps is not None and not started:  # an MPS client from its CUDA's start
+                    os.environ.update(client_environment(mps, limit or budget))
+                seen = device_for(device, uuid, cuda_started=started, environ=os.environ)
                 runtime.place(seen, budget, check_factor(slowdown))
                 return Ack(), None
             case SwapOut():

@@ -168,7 +168,9 @@ class Place:
     `lane` is the lane's id and `lane_bytes` its size: an executor hosting several jobs of
     one lane caps its process at their persistent bytes plus one lane. `shared`: other
     processes run in the same lane, so this one returns its cached device memory after each
-    call. A None or False field is left out of the wire."""
+    call. `mps`: the pipe directory of the GPU's MPS server, which a process whose CUDA has
+    not started joins as a client held to `mps_limit_bytes` (`salusd/mps.py`). A None or
+    False field is left out of the wire."""
 
     op: ClassVar[str] = "place"
     device: str
@@ -178,6 +180,8 @@ class Place:
     lane: int | None = None
     lane_bytes: int | None = None
     shared: bool = False
+    mps: str | None = None
+    mps_limit_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,72 @@
+"""MPS control daemons (`salusd/mps.py`): one per GPU with its own pipe and log directories,
+the client environment an executor takes before CUDA starts, and what status says with and
+without MPS. The control program is a stand-in here; the GPU kit runs the real one."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from salus.daemon.devices import DeviceSpec, cpu_devices
+from salus.daemon.mps import CONTROL, Mps, client_environment
+
+GPUS = [DeviceSpec(i, "cuda", f"cuda:{i}", "H100", 70 << 30, uuid=f"GPU-{i}aa",
+                   total_bytes=80 << 30) for i in range(2)]
+
+
+class Control:
+    """A stand-in for nvidia-cuda-mps-control: records each call; `fail_on` makes `-d` fail
+    for that GPU."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.calls: list[tuple[list[str], dict[str, str], str | None]] = []
+        self.fail_on = fail_on
+
+    def __call__(self, argv: list[str], *, env: dict[str, str], input: str | None = None,
+                 **_: Any) -> subprocess.CompletedProcess[str]:
+        self.calls.append((argv, env, input))
+        failed = argv[-1] == "-d" and env["CUDA_VISIBLE_DEVICES"] == self.fail_on
+        return subprocess.CompletedProcess(argv, 1 if failed else 0, "",
+                                           "no MPS on this GPU" if failed else "")
+
+
+def test_one_control_daemon_per_gpu_with_its_own_directories(tmp_path: Path) -> None:
+    control = Control()
+    mps = Mps(tmp_path, [*cpu_devices(1, 1 << 30), *GPUS], run=control,
+              which=lambda name: f"/usr/bin/{name}")
+    mps.start()
+    assert [argv for argv, _, _ in control.calls] == [[f"/usr/bin/{CONTROL}", "-d"]] * 2
+    for (_, env, _), gpu in zip(control.calls, GPUS, strict=True):
+        assert env["CUDA_VISIBLE_DEVICES"] == gpu.uuid
+        pipe = Path(env["CUDA_MPS_PIPE_DIRECTORY"])
+        assert pipe == tmp_path / "mps" / str(gpu.uuid) / "pipe" and pipe.is_dir()
+        assert Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+    assert mps.pipe_for("GPU-1aa") == str(tmp_path / "mps" / "GPU-1aa" / "pipe")
+    assert mps.describe("GPU-0aa").startswith("MPS")
+    mps.stop()
+    quits = control.calls[2:]
+    assert [(argv[-1], text) for argv, _, text in quits] == [(f"/usr/bin/{CONTROL}", "quit\n")] * 2
+    assert mps.pipe_for("GPU-0aa") is None
+
+
+def test_without_the_control_program_or_when_it_fails_the_gpus_are_time_shared(
+        tmp_path: Path) -> None:
+    missing = Mps(tmp_path, GPUS, run=Control(), which=lambda name: None)
+    missing.start()
+    assert missing.pipe_for("GPU-0aa") is None
+    assert "time-shared" in missing.describe("GPU-0aa") and "not installed" in missing.problem
+    control = Control(fail_on="GPU-1aa")
+    failing = Mps(tmp_path, GPUS, run=control, which=lambda name: name)
+    failing.start()
+    assert failing.running == {} and "no MPS on this GPU" in str(failing.problem)
+    assert [text for _, _, text in control.calls] == [None, None, "quit\n"]  # GPU 0's quit
+    unasked = Mps(tmp_path, GPUS, run=Control(), which=lambda name: name)
+    assert "--mps not given" in unasked.describe("GPU-0aa")
+    assert "CPU" in unasked.describe(None)
+
+
+def test_a_client_is_held_to_its_limit_on_its_one_visible_gpu() -> None:
+    assert client_environment("/s/mps/GPU-0/pipe", 3 << 30) == {
+        "CUDA_MPS_PIPE_DIRECTORY": "/s/mps/GPU-0/pipe",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3072M"}
