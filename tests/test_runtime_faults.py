@@ -4,66 +4,19 @@ process, two jobs training meanwhile in other client processes, and the bad job'
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from client_proc import finish
+from client_proc import TRAINER as GOOD
+from client_proc import finish, start_client
 from daemon_proc import salusd
 
 from salus.daemon.control import Control
 
 pytestmark = pytest.mark.slow
 
-GOOD = textwrap.dedent("""
-    import json, sys
-    import torch
-    from torch import nn
-    import salus.adapters.torch as salus
-
-    torch.set_num_threads(1)
-    seed = int(sys.argv[1])
-
-    def build():
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
-        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(seed)
-    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
-            for _ in range(30)]
-
-    def step(s, x, y):
-        s.opt.zero_grad()
-        loss = nn.functional.cross_entropy(s.model(x), y)
-        loss.backward()
-        s.opt.step()
-        return loss
-
-    model, opt = build()
-    torch.manual_seed(1000 + seed)
-    with salus.connect(name=f"good{seed}", iterations=len(data)) as job:
-        remote = job.attach(model=model, opt=opt)
-        train = remote.iteration(step)
-        for i, (x, y) in enumerate(data):
-            if i == 10:
-                print("ready", flush=True)
-                sys.stdin.readline()  # the bad job misbehaves now
-            train(x, y)
-        remote.pull()
-    direct, dopt = build()
-    torch.manual_seed(1000 + seed)
-    from types import SimpleNamespace
-    s = SimpleNamespace(model=direct, opt=dopt)
-    for x, y in data:
-        step(s, x, y)
-    diff = max((a - b).abs().max().item()
-               for a, b in zip(model.state_dict().values(), direct.state_dict().values()))
-    print(json.dumps({"max_abs_diff": diff}), flush=True)
-""")
 
 BAD = textwrap.dedent("""
     import sys, torch
@@ -104,24 +57,18 @@ BAD = textwrap.dedent("""
 """)
 
 
-def _start(script: Path, *args: str, address: str) -> subprocess.Popen[str]:
-    env = {"SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    return subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-
-
 @pytest.mark.parametrize("kind", ["segfault", "os_exit", "sys_exit", "hang"])
 def test_bad_job_costs_only_itself(tmp_path: Path, kind: str) -> None:
     (tmp_path / "good.py").write_text(GOOD)
     (tmp_path / "bad.py").write_text(BAD)
     with salusd(tmp_path, "--cancel-grace", "1") as (proc, address):
-        goods = [_start(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
+        goods = [start_client(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
         try:
             for g in goods:
                 assert g.stdout is not None
-                assert g.stdout.readline().strip() == "ready", g.stderr.read() if g.stderr else ""
-            bad = _start(tmp_path / "bad.py", kind, address=address)
+                line = g.stdout.readline()
+                assert "job" in json.loads(line or "{}"), g.stderr.read() if g.stderr else ""
+            bad = start_client(tmp_path / "bad.py", kind, address=address)
             assert bad.stdout is not None
             job_id = bad.stdout.readline().strip()
             assert job_id.isdigit(), finish(bad, timeout_s=30)

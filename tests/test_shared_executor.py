@@ -6,69 +6,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from client_proc import finish
+from client_proc import TRAINER as GOOD
+from client_proc import finish, go, start_client
 from daemon_proc import salusd
 
 from salus.daemon.control import Control
 
 pytestmark = pytest.mark.slow
 
-GOOD = textwrap.dedent("""
-    import json, sys
-    from types import SimpleNamespace
-    import torch
-    from torch import nn
-    import salus.adapters.torch as salus
-
-    torch.set_num_threads(1)
-    seed = int(sys.argv[1])
-
-    def build():
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
-        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(seed)
-    data = [(torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g))
-            for _ in range(20)]
-
-    def step(s, x, y):
-        order = torch.randperm(x.shape[0])[:8]  # a shuffled half-batch, from the job's stream
-        s.opt.zero_grad()
-        loss = nn.functional.cross_entropy(s.model(x[order]), y[order])
-        loss.backward()
-        s.opt.step()
-        return loss
-
-    model, opt = build()
-    torch.manual_seed(1000 + seed)
-    with salus.connect(name=f"good{seed}", iterations=len(data)) as job:
-        remote = job.attach(model=model, opt=opt)
-        train = remote.iteration(step)
-        for i, (x, y) in enumerate(data):
-            if i == 5:
-                print(json.dumps({"job": job.id}), flush=True)
-                sys.stdin.readline()  # the test looks at the executors, or a job crashes
-            try:
-                train(x, y)
-            except Exception as exc:
-                print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-                sys.exit(0)
-        remote.pull()
-    direct, dopt = build()
-    torch.manual_seed(1000 + seed)
-    s = SimpleNamespace(model=direct, opt=dopt)
-    for x, y in data:
-        step(s, x, y)
-    diff = max((a - b).abs().max().item()
-               for a, b in zip(model.state_dict().values(), direct.state_dict().values()))
-    print(json.dumps({"max_abs_diff": diff}), flush=True)
-""")
 
 CRASH = textwrap.dedent("""
     import ctypes, sys, torch
@@ -93,19 +42,6 @@ CRASH = textwrap.dedent("""
 """)
 
 
-def _start(script: Path, *args: str, address: str) -> subprocess.Popen[str]:
-    env = {"SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    return subprocess.Popen([sys.executable, str(script), *args], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-
-
-def _go(client: subprocess.Popen[str]) -> None:
-    assert client.stdin is not None
-    client.stdin.write("go\n")
-    client.stdin.flush()
-
-
 def _first_line(client: subprocess.Popen[str]) -> str:
     assert client.stdout is not None
     line = client.stdout.readline().strip()
@@ -122,7 +58,7 @@ def _executors(address: str) -> dict[str, dict[str, object]]:
 def test_two_jobs_of_one_owner_share_an_executor_and_train_exactly(tmp_path: Path) -> None:
     (tmp_path / "good.py").write_text(GOOD)
     with salusd(tmp_path, "--policy", "fair", devices=1) as (proc, address):
-        goods = [_start(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
+        goods = [start_client(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
         try:
             ids = [json.loads(_first_line(g))["job"] for g in goods]
             executors = _executors(address)
@@ -131,7 +67,7 @@ def test_two_jobs_of_one_owner_share_an_executor_and_train_exactly(tmp_path: Pat
             assert one["shared_with"] == [int(ids[1])] and two["shared_with"] == [int(ids[0])]
             assert "one process per owner and lane" in str(one["why"])
             for g in goods:
-                _go(g)
+                go(g)
             for g in goods:
                 out, err = finish(g, timeout_s=120)
                 assert g.returncode == 0, err
@@ -149,14 +85,14 @@ def test_two_jobs_of_one_owner_share_an_executor_and_train_exactly(tmp_path: Pat
 def test_isolation_job_keeps_one_process_per_job(tmp_path: Path) -> None:
     (tmp_path / "good.py").write_text(GOOD)
     with salusd(tmp_path, "--policy", "fair", "--isolation", "job", devices=1) as (_, address):
-        goods = [_start(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
+        goods = [start_client(tmp_path / "good.py", str(seed), address=address) for seed in (1, 2)]
         try:
             ids = [json.loads(_first_line(g))["job"] for g in goods]
             one, two = (_executors(address)[i] for i in ids)
             assert one["pid"] != two["pid"] and one["shared_with"] == two["shared_with"] == []
             assert "--isolation job" in str(one["why"])
             for g in goods:
-                _go(g)
+                go(g)
             for g in goods:
                 out, err = finish(g, timeout_s=120)
                 assert json.loads(out.strip().splitlines()[-1]) == {"max_abs_diff": 0.0}, err
@@ -177,9 +113,9 @@ def test_a_crash_costs_exactly_the_jobs_of_its_executor(tmp_path: Path) -> None:
         goods = []
         try:
             for seed in (1, 2):
-                goods.append(_start(tmp_path / "good.py", str(seed), address=address))
+                goods.append(start_client(tmp_path / "good.py", str(seed), address=address))
                 json.loads(_first_line(goods[-1]))
-            crash = _start(tmp_path / "crash.py", address=address)
+            crash = start_client(tmp_path / "crash.py", address=address)
             goods.append(crash)
             crash_id = _first_line(crash)
             executors = _executors(address)
@@ -189,12 +125,12 @@ def test_a_crash_costs_exactly_the_jobs_of_its_executor(tmp_path: Path) -> None:
             assert sorted(len(jobs) for jobs in by_pid.values()) == [1, 2], executors
             sharing = next(jobs for jobs in by_pid.values() if crash_id in jobs)
             victim = next(j for j in sharing if j != crash_id)
-            _go(crash)
+            go(crash)
             out, _ = finish(crash, timeout_s=60)
             assert "signal 11 (SIGSEGV)" in out and f"running job {crash_id}" in out, out
             results = {}
             for g in goods[:2]:
-                _go(g)
+                go(g)
                 out, err = finish(g, timeout_s=120)
                 results[g] = json.loads(out.strip().splitlines()[-1])
             errors = [r for r in results.values() if "error" in r]
