@@ -23,13 +23,13 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from types import FrameType
 from typing import Any
 
 from salus.daemon.wire.address import connect_unix, default_socket_path
-from salus.daemon.wire.channel import Channel, ConnectionClosed
-from salus.daemon.wire.errors import SalusError
-from salus.daemon.wire.frames import VERSION
+from salus.daemon.wire.errors import DaemonUnavailable, SalusError
+from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
 
 CANNOT_RUN = 125  # as `env` and container runners say "the command did not run"
 INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py)
@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         resolved = resolve(command)
         path = os.path.abspath(args.socket) if args.socket else default_socket_path()
-        with contextlib.closing(Channel(connect_unix(path, 30.0))) as channel:
-            return _run(channel, resolved, args)
+        with contextlib.closing(_Link(connect_unix(path, 30.0))) as link:
+            return _run(link, resolved, args)
     except (SalusError, ValueError, OSError) as exc:
         print(f"salusd run: {exc}", file=sys.stderr)
         return CANNOT_RUN
@@ -85,9 +85,46 @@ def resolve(command: list[str]) -> list[str]:
     return [os.path.abspath(found), *command[1:]]
 
 
-def _run(channel: Channel, command: list[str], args: argparse.Namespace) -> int:
-    channel.sock.settimeout(None)
-    hello = _call(channel, {"op": "ping"})
+class _Link:
+    """Requests to salusd and their replies, in order, as JSON frames (without torch, which
+    the wire's tensor codec would import: this process starts in a fraction of a second)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(None)
+        self.sock = sock
+        self.reader = FrameReader(sock)
+        self.frames: deque[Any] = deque()
+
+    def send(self, request: dict[str, Any], fd: int | None = None) -> None:
+        frame = json_frame(request)
+        if fd is None:
+            self.sock.sendall(b"".join(frame.buffers()))
+            return
+        frame.flags |= FLAG_SOCKET
+        socket.send_fds(self.sock, [b"".join(frame.buffers())], [fd])
+
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.send(request)
+        return self.reply()
+
+    def reply(self) -> dict[str, Any]:
+        """The next reply's result; SalusError for an error reply."""
+        while not self.frames:
+            frames, closed = self.reader.read(0.0)
+            self.frames.extend(frames)
+            if closed and not self.frames:
+                raise DaemonUnavailable("salusd closed the connection")
+        frame = self.frames.popleft()
+        frame.close_fd()
+        result = reply_result(frame.json())
+        return result if isinstance(result, dict) else {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
+    hello = channel.call({"op": "ping"})
     if hello.get("version") != VERSION:
         raise ValueError("salusd speaks another protocol version: install matching versions")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -98,10 +135,10 @@ def _run(channel: Channel, command: list[str], args: argparse.Namespace) -> int:
                    "iterations": args.iterations or MAX_ITERATIONS,
                    "priority": args.priority, "devices": args.devices, "restart": args.restart}
         try:
-            channel.send_socket(request, theirs.fileno())
+            channel.send(request, theirs.fileno())
         finally:
             theirs.close()
-        job = str(_reply(channel)["job"])
+        job = str(channel.reply()["job"])
         return _wait(channel, ours, job)
 
 
@@ -124,7 +161,7 @@ def _name(command: list[str]) -> str:
     return "script"
 
 
-def _wait(channel: Channel, ours: socket.socket, job: str) -> int:
+def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
     """Forward Ctrl-C until the script's exit status comes; the status to exit with."""
     interrupts = 0
 
@@ -143,7 +180,10 @@ def _wait(channel: Channel, ours: socket.socket, job: str) -> int:
     try:
         data = b""
         while not data.endswith(b"\n"):
-            chunk = ours.recv(4096)
+            try:
+                chunk = ours.recv(4096)
+            except ConnectionResetError:  # closed with our descriptors unread: never started
+                chunk = b""
             if not chunk:
                 break
             data += chunk
@@ -155,15 +195,17 @@ def _wait(channel: Channel, ours: socket.socket, job: str) -> int:
     return _ended(channel, job)
 
 
-def _ended(channel: Channel, job: str) -> int:
+def _ended(channel: _Link, job: str) -> int:
     """The script's executor went away without an exit status: say why, from the daemon."""
     try:
         info = _ended_info(channel, job)
-    except (SalusError, OSError, ConnectionClosed) as exc:
+    except (SalusError, OSError) as exc:
         print(f"salusd run: job {job}'s script was lost: {exc}", file=sys.stderr)
         return 1
     reason = str(info.get("reason") or info.get("state"))
     print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
+    if reason.startswith("the script could not start"):
+        return CANNOT_RUN
     died = re.search(r"died: signal (\d+)", reason)
     if died:
         return 128 + int(died.group(1))
@@ -171,27 +213,12 @@ def _ended(channel: Channel, job: str) -> int:
     return int(status.group(1)) if status else 1
 
 
-def _ended_info(channel: Channel, job: str) -> dict[str, Any]:
+def _ended_info(channel: _Link, job: str) -> dict[str, Any]:
     """The job's info once the daemon has ended it (it learns of an exit or a death within
     moments), or as it stands after ENDED_WAIT_S seconds."""
     for _ in range(int(ENDED_WAIT_S / 0.02)):
-        info = _call(channel, {"op": "info", "job": job})
+        info = channel.call({"op": "info", "job": job})
         if info.get("state") in ENDED:
             break
         time.sleep(0.02)
     return info
-
-
-def _call(channel: Channel, request: dict[str, Any]) -> dict[str, Any]:
-    channel.send(request)
-    return _reply(channel)
-
-
-def _reply(channel: Channel) -> dict[str, Any]:
-    reply = channel.recv()
-    if not isinstance(reply, dict):
-        raise ValueError("salusd sent a reply that is not an object")
-    if not reply.get("ok"):
-        raise SalusError(str(reply.get("message", "salusd refused the request")))
-    result = reply.get("result")
-    return result if isinstance(result, dict) else {}

@@ -138,7 +138,7 @@ class Boundaries:
         job's next turn."""
         if os.getpid() != self.pid:
             return
-        with self.lock, _stopping():
+        with self.lock, _interrupts_deferred(), _stopping():
             self.seen += 1
             self._end(counted=True)
             self._poll()
@@ -258,6 +258,25 @@ def _stopping() -> Iterator[None]:
         _flush()
         log.info("script stopped: %s", stop)
         os._exit(1)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """A Ctrl-C that comes during a boundary reaches the script when the boundary returns (as
+    if it came in the optimizer step), never in the middle of a message to the daemon."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, _: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    if pending and callable(handler):
+        handler(signal.SIGINT, None)
+    elif pending and handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 class _Ran:
@@ -426,6 +445,7 @@ def _become_the_script(message: Script, command: Command) -> None:
     sys.path[0:1] = [first, *extra]
     sys.argv = [command.path or command.module or "", *command.args]
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.set_wakeup_fd(-1)  # the zygote's, closed in this process: a signal would write there
     random.seed()
     torch.seed()
     numpy = sys.modules.get("numpy")

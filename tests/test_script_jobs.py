@@ -1,0 +1,357 @@
+"""`salusd run -- python train.py`: unchanged scripts as jobs of a real daemon.
+
+Every expected value comes from running the same script directly (`OMP_NUM_THREADS=1`; the
+daemon runs one intra-op thread per job): five public example scripts (`tests/examples/`, copies
+of pytorch/examples) end with bit-equal parameters, alone and two at once under `fair`; output,
+exit statuses, Ctrl-C, stdin, forks and scheduling commands behave as in a direct run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from daemon_proc import salusd
+
+from salus.daemon.control import Control
+
+EXAMPLES = Path(__file__).parent / "examples"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One CPU device under `fair`: jobs that run at once share its one lane."""
+    tmp = tmp_path_factory.mktemp("salusd")
+    with salusd(tmp, "--policy", "fair", devices=1, memory="2G") as (_, address):
+        yield address
+
+
+def salusd_run(address: str, argv: list[str], cwd: Path, *options: str,
+               **popen: Any) -> subprocess.Popen[str]:
+    """`salusd run [options] -- python ARGV...` in `cwd` (the test's interpreter, as the
+    caller's shell would find it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+         address.removeprefix("unix://"), *options, "--", sys.executable, *argv],
+        cwd=cwd, text=True, **{"env": ENV, **popen})
+
+
+def direct(argv: list[str], cwd: Path, **popen: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, text=True,
+                            **{"env": ENV, **popen})
+
+
+def finish(proc: subprocess.Popen[str], stdin: str | None = None) -> tuple[int, str, str]:
+    out, err = proc.communicate(stdin, timeout=TIMEOUT_S)
+    return proc.returncode, out or "", err or ""
+
+
+# ---- five public examples ---------------------------------------------------------------------
+def write_data(cwd: Path) -> None:
+    """Synthetic, seeded data in the formats the examples read: Cora's two files (for gcn,
+    gat) and a word-level corpus (for word_language_model)."""
+    rng = np.random.default_rng(0)
+    (cwd / "cora").mkdir()
+    nodes, features, classes = 1700, 32, 7
+    with open(cwd / "cora" / "cora.content", "w") as f:
+        for i in range(nodes):
+            bits = " ".join(map(str, rng.integers(0, 2, features)))
+            f.write(f"{1000 + i} {bits} class{rng.integers(0, classes)}\n")
+    with open(cwd / "cora" / "cora.cites", "w") as f:
+        for a, b in rng.integers(0, nodes, (4000, 2)):
+            f.write(f"{1000 + a} {1000 + b}\n")
+    (cwd / "corpus").mkdir()
+    words = [f"w{i}" for i in range(60)]
+    for name, lines in (("train", 120), ("valid", 30), ("test", 30)):
+        with open(cwd / "corpus" / f"{name}.txt", "w") as f:
+            for _ in range(lines):
+                f.write(" ".join(rng.choice(words, rng.integers(3, 12))) + "\n")
+
+
+STATE = str(EXAMPLES / "run_saving_state.py")
+# name: (arguments after `python`, the files it saves that are compared)
+CASES: dict[str, tuple[list[str], list[str]]] = {
+    "mnist": ([str(EXAMPLES / "mnist" / "main.py"), "--epochs", "1", "--save-model",
+               "--no-accel", "--log-interval", "2"], ["mnist_cnn.pt"]),
+    "mnist_rnn": ([str(EXAMPLES / "mnist_rnn" / "main.py"), "--epochs", "1", "--save-model",
+                   "--log-interval", "2"], ["mnist_rnn.pt"]),
+    # No optimizer (it steps its parameters by hand): one iteration, the whole script.
+    "word_language_model": ([STATE, "state.pt", str(EXAMPLES / "word_language_model" /
+                                                    "main.py"),
+                             "--data", "corpus", "--epochs", "1", "--emsize", "16", "--nhid",
+                             "16", "--nlayers", "1", "--bptt", "8", "--batch_size", "4",
+                             "--save", "model.pt"], ["state.pt"]),
+    "gcn": ([STATE, "state.pt", str(EXAMPLES / "gcn" / "main.py"), "--epochs", "10",
+             "--no-accel"], ["state.pt"]),
+    "gat": ([STATE, "state.pt", str(EXAMPLES / "gat" / "main.py"), "--epochs", "2",
+             "--hidden-dim", "8", "--num-heads", "2", "--no-accel"], ["state.pt"]),
+}
+
+
+def saved(cwd: Path, names: list[str]) -> dict[str, Any]:
+    return {name: torch.load(cwd / name, weights_only=True) for name in names}
+
+
+def assert_equal(got: Any, want: Any, where: str = "") -> None:
+    """Every tensor bit-equal (max difference 0) and everything else equal."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_equal(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_equal(g, w, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), f"{where}: max difference {(got - want).abs().max()}"
+    else:
+        assert got == want, where
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """What each example saves when run directly (two at a time: the machine has 2 cores)."""
+    results: dict[str, dict[str, Any]] = {}
+    names = list(CASES)
+    for pair in (names[i:i + 2] for i in range(0, len(names), 2)):
+        runs = {}
+        for name in pair:
+            cwd = tmp_path_factory.mktemp(f"direct-{name}")
+            write_data(cwd)
+            runs[name] = (cwd, direct(CASES[name][0], cwd, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+        for name, (cwd, proc) in runs.items():
+            code, _, err = finish(proc)
+            assert code == 0, err
+            results[name] = saved(cwd, CASES[name][1])
+    return results
+
+
+@pytest.mark.slow
+def test_five_public_examples_end_bit_equal_to_their_direct_runs(
+        daemon: str, expected: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    for name, (argv, files) in CASES.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        write_data(cwd)
+        code, _, err = finish(salusd_run(daemon, argv, cwd, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE))
+        assert code == 0, f"{name}: {err}"
+        assert_equal(saved(cwd, files), expected[name], name)
+
+
+@pytest.mark.slow
+def test_two_examples_at_once_under_fair_share_the_lane_and_equal_their_direct_runs(
+        daemon: str, expected: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    runs = {}
+    for name in ("mnist", "gcn"):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        write_data(cwd)
+        runs[name] = (cwd, salusd_run(daemon, CASES[name][0], cwd, "--name", name,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    lanes = set()
+    with Control(daemon) as ctl:
+        while any(proc.poll() is None for _, proc in runs.values()) and len(lanes) < 2:
+            jobs = [j for j in ctl.status()["jobs"] if j["name"] in runs]
+            lanes |= {(j["name"], j["device"], j["lane"]) for j in jobs
+                      if j["lane"] is not None and len(jobs) == 2}
+            time.sleep(0.05)
+    assert len({(d, lane) for _, d, lane in lanes}) == 1, lanes  # both in one lane at once
+    for name, (cwd, proc) in runs.items():
+        code, _, err = finish(proc)
+        assert code == 0, f"{name}: {err}"
+        assert_equal(saved(cwd, CASES[name][1]), expected[name], name)
+
+
+# ---- the process: output, exit status, signals, stdin, forks ---------------------------------
+def script(tmp_path: Path, body: str, name: str = "s.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+@pytest.mark.parametrize("ending, status", [
+    ("sys.exit(0)", 0),
+    ("sys.exit(3)", 3),
+    ("raise ValueError('bad value')", 1),
+    ("os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL),
+])
+def test_output_order_and_exit_status_are_a_direct_runs(
+        daemon: str, tmp_path: Path, ending: str, status: int) -> None:
+    path = script(tmp_path, f"""\
+        import os, signal, subprocess, sys
+        print("one", sys.argv[1:])
+        print("two to stderr", file=sys.stderr)
+        sys.stdout.flush()
+        subprocess.run(["echo", "three from a child"])
+        print("four", os.getcwd() == {str(tmp_path)!r}, os.environ["MARK"])
+        sys.stdout.flush()
+        {ending}
+    """)
+    env = {**ENV, "MARK": "caller's"}
+    want = finish(direct([str(path), "a b", "c"], tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT))
+    got = finish(salusd_run(daemon, [str(path), "a b", "c"], tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    assert got[0] == status
+    assert want[0] in (status, -signal.SIGKILL)
+    if status == 128 + signal.SIGKILL:  # salusd run says how the job ended, after the output
+        assert got[1].startswith(want[1]), got[1]
+        assert "signal 9 (SIGKILL)" in got[1][len(want[1]):]
+    else:
+        assert got[1] == want[1]
+
+
+def test_ctrl_c_is_the_scripts_keyboard_interrupt(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import time
+        try:
+            print("ready", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise SystemExit(5)
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    code, out, _ = finish(proc)
+    assert (code, out) == (5, "interrupted\n")
+
+
+def test_a_second_ctrl_c_cancels_the_job(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import time
+        import salus.adapters.torch as salus
+        print("ready", flush=True)
+        while True:
+            try:
+                time.sleep(0.01)
+                salus.step()
+            except KeyboardInterrupt:
+                print("ignored", flush=True)
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline() == "ignored\n"
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    assert code == 1
+    assert "cancelled" in err
+
+
+def test_stdin_is_the_callers(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import sys
+        for line in sys.stdin:
+            print(line.strip().upper())
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE)
+    assert finish(proc, "alpha\nbeta\n")[:2] == (0, "ALPHA\nBETA\n")
+
+
+def test_a_script_that_forks_and_steps_optimizers_in_both_processes(
+        daemon: str, tmp_path: Path) -> None:
+    """The child's optimizer steps are not boundaries of the job (only its executor asks for
+    turns); the parent's are, and both end as in a direct run."""
+    path = script(tmp_path, """\
+        import os, sys, torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        def train(steps):
+            for _ in range(steps):
+                opt.zero_grad()
+                model(torch.randn(8, 3)).pow(2).mean().backward()
+                opt.step()
+        pid = os.fork()
+        train(5)
+        who = "child" if pid == 0 else "parent"
+        torch.save(model.state_dict(), f"{who}.pt")
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("done")
+    """)
+    (tmp_path / "direct").mkdir()
+    (tmp_path / "job").mkdir()
+    assert finish(direct([str(path)], tmp_path / "direct", stdout=subprocess.PIPE)) == (
+        0, "done\n", "")
+    assert finish(salusd_run(daemon, [str(path)], tmp_path / "job",
+                             stdout=subprocess.PIPE)) == (0, "done\n", "")
+    for who in ("parent", "child"):
+        assert_equal(saved(tmp_path / "job", [f"{who}.pt"]),
+                     saved(tmp_path / "direct", [f"{who}.pt"]), who)
+
+
+def test_an_unsupported_interpreter_option_is_refused_clearly(
+        daemon: str, tmp_path: Path) -> None:
+    code, _, err = finish(salusd_run(daemon, ["-c", "print(1)"], tmp_path,
+                                     stderr=subprocess.PIPE))
+    assert code == 125
+    assert "the interpreter option '-c' is not supported" in err
+
+
+# ---- scheduling at the boundaries --------------------------------------------------------------
+def test_suspend_resume_priority_and_status_act_at_boundaries(
+        daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import time
+        import salus.adapters.torch as salus
+        for i in range(400):
+            time.sleep(0.005)
+            salus.step()
+        print("done")
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, "--name", "boundaries",
+                      "--iterations", "400", stdout=subprocess.PIPE,
+                      env={**ENV, "SALUS_BOUNDARY": "explicit"})
+    with Control(daemon) as ctl:
+        job = _job_named(ctl, "boundaries")
+        while ctl.info(job)["iterations_done"] < 20:
+            time.sleep(0.02)
+        ctl.suspend(job)
+        time.sleep(0.3)  # the iteration running when suspended ends at its boundary
+        held = ctl.info(job)["iterations_done"]
+        time.sleep(0.3)
+        assert ctl.info(job)["iterations_done"] == held
+        assert ctl.info(job)["state"] == "suspended"
+        ctl.priority(job, 3.0)
+        ctl.resume(job)
+        while ctl.info(job)["iterations_done"] <= held:
+            time.sleep(0.02)
+        info = ctl.info(job)
+        assert info["iterations_planned"] == 400
+        assert info["mean_iteration_s"] > 0.004
+    assert finish(proc)[:2] == (0, "done\n")
+    with Control(daemon) as ctl:
+        info = ctl.info(job)
+    assert (info["state"], info["iterations_done"]) == ("finished", 400)
+    assert info["reason"].startswith("its command exited with status 0")
+
+
+def _job_named(ctl: Control, name: str) -> str:
+    for _ in range(500):
+        jobs = [j for j in ctl.status()["jobs"] if j["name"] == name]
+        if jobs:
+            return str(jobs[-1]["job_id"])
+        time.sleep(0.02)
+    raise AssertionError(f"no job {name!r}")
