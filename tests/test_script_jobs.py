@@ -355,3 +355,67 @@ def _job_named(ctl: Control, name: str) -> str:
             return str(jobs[-1]["job_id"])
         time.sleep(0.02)
     raise AssertionError(f"no job {name!r}")
+
+
+# ---- REST, the job's log, restarts -------------------------------------------------------------
+@pytest.mark.slow
+def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
+        tmp_path: Path) -> None:
+    """`POST /v1/jobs {"command"}` runs the script with its output in the job's log (REST and
+    `salusd logs`); after `kill -9` and a restart the job that ran with `restart: never` is
+    failed saying why, and the `on-failure` one runs again and goes on from the checkpoint it
+    kept in `salus.resume_dir()`."""
+    from rest_client import connect, job, wait_for
+
+    path = script(tmp_path, """\
+        import os, sys, time
+        import salus.adapters.torch as salus
+        where = os.path.join(salus.resume_dir(), "done")
+        start = int(open(where).read()) if os.path.exists(where) else 0
+        print("from", start, "cwd", os.getcwd(), flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+        for i in range(start, int(sys.argv[1])):
+            time.sleep(0.02)
+            salus.step()
+            with open(where, "w") as f:
+                f.write(str(i + 1))
+        print("ended at", int(open(where).read()))
+    """)
+    body = {"command": ["python", str(path)], "cwd": str(tmp_path),
+            "env": {"PATH": os.environ["PATH"]}}
+    with salusd(tmp_path, "--http", "127.0.0.1:0") as (proc, address):
+        with connect(tmp_path / "state") as client:
+            quick = client.post("/v1/jobs", json={**body, "name": "quick",
+                                                  "command": [*body["command"], "3"]})
+            assert quick.status_code == 201, quick.text
+            quick_id = quick.json()["id"]
+            assert quick.json()["kind"] == "script"
+            wait_for(lambda: job(client, quick_id)["state"] == "finished", "the quick job")
+            log = client.get(f"/v1/jobs/{quick_id}/log", params={"offset": 0}).text
+            assert log == f"from 0 cwd {tmp_path}\nto stderr\nended at 3\n"
+            logs = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "logs",
+                                   str(quick_id), "--socket", address.removeprefix("unix://")],
+                                  capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S)
+            assert logs.stdout == log
+            ids = {}
+            for restart in ("never", "on-failure"):
+                reply = client.post("/v1/jobs", json={
+                    **body, "name": restart, "restart": restart, "cwd": str(tmp_path),
+                    "command": [*body["command"], "100"]})
+                assert reply.status_code == 201, reply.text
+                ids[restart] = reply.json()["id"]
+            wait_for(lambda: all(job(client, i)["iterations_done"] >= 5
+                                 for i in ids.values()), "both jobs running")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with salusd(tmp_path, "--http", "127.0.0.1:0"), connect(tmp_path / "state") as client:
+        failed = wait_for(lambda: (j := job(client, ids["never"]))["state"] == "failed" and j,
+                          "the never job failed")
+        assert "salusd restarted while job" in failed["reason"]
+        assert "--restart on-failure" in failed["reason"]
+        wait_for(lambda: job(client, ids["on-failure"])["state"] == "finished",
+                 "the on-failure job reran to its end")
+        log = client.get(f"/v1/jobs/{ids['on-failure']}/log", params={"offset": 0}).text
+        starts = [int(line.split()[1]) for line in log.splitlines() if line.startswith("from")]
+        assert starts[0] == 0 and starts[1] >= 5, log
+        assert log.endswith("ended at 100\n")

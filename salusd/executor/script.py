@@ -435,8 +435,9 @@ def _writer(fd: int, unbuffered: bool, lines: bool, errors: str) -> TextIO:
 def _become_the_script(message: Script, command: Command) -> None:
     """The caller's environment, argv, import path, signals and fresh random seeds (a forked
     executor would otherwise repeat the zygote's streams)."""
+    who = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if k in os.environ}
     os.environ.clear()
-    os.environ.update(message.env)
+    os.environ.update({**who, **message.env})  # `Become` set who the executor is
     if message.resume_dir is not None:
         os.environ[api.RESUME_ENV] = message.resume_dir
     first = (os.path.dirname(os.path.abspath(command.path)) if command.path is not None
