@@ -176,6 +176,54 @@ def test_two_examples_at_once_under_fair_share_the_lane_and_equal_their_direct_r
         assert_equal(saved(cwd, CASES[name][1]), expected[name], name)
 
 
+# ---- frameworks: Lightning and Hugging Face Trainer -------------------------------------------
+FRAMEWORKS = Path(__file__).parent / "frameworks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file, steps", [("lightning_fit.py", 24), ("hf_trainer.py", 12)])
+def test_framework_trainers_equal_their_direct_runs_with_the_callback_and_without(
+        daemon: str, tmp_path: Path, file: str, steps: int) -> None:
+    """Unchanged, and with the one-line callback that reports the trainer's steps (its
+    max_steps become the job's planned iterations) and its logged loss."""
+    argv = [str(FRAMEWORKS / file), "model.pt"]
+    runs = {}
+    for how in ("direct", "plain", "callback"):
+        cwd = tmp_path / how
+        cwd.mkdir()
+        if how == "direct":
+            proc = direct(argv, cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        else:
+            extra = ["--callback"] if how == "callback" else []
+            proc = salusd_run(daemon, [*argv, *extra], cwd, "--name", f"{file}-{how}",
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        runs[how] = (cwd, proc)
+    for how, (_, proc) in runs.items():
+        code, _, err = finish(proc)
+        assert code == 0, f"{how}: {err}"
+    want = saved(runs["direct"][0], ["model.pt"])
+    for how in ("plain", "callback"):
+        assert_equal(saved(runs[how][0], ["model.pt"]), want, how)
+    with Control(daemon) as ctl:
+        plain, callback = (_ended_job(ctl, f"{file}-{how}") for how in ("plain", "callback"))
+    assert plain["iterations_done"] == callback["iterations_done"] == steps
+    assert plain["last_loss"] is None and plain["iterations_planned"] == 2**53
+    assert callback["iterations_planned"] == steps
+    assert isinstance(callback["last_loss"], float)
+
+
+def _ended_job(ctl: Control, name: str) -> dict[str, Any]:
+    """The info of the job named `name` (ended jobs are not in `status`: by id)."""
+    for job_id in range(1, 1000):
+        try:
+            info = ctl.info(str(job_id))
+        except Exception:  # no such job: the ids end here
+            break
+        if info["name"] == name:
+            return info
+    raise AssertionError(f"no job {name!r}")
+
+
 # ---- the process: output, exit status, signals, stdin, forks ---------------------------------
 def script(tmp_path: Path, body: str, name: str = "s.py") -> Path:
     path = tmp_path / name

@@ -116,8 +116,7 @@ class Replies:
                     "ok": False, "reason": "the executor sent no estimate"})
             return
         if op in ("exited", "progress"):  # a script job's command ended, or reported progress
-            (scripts.exited(core, record, meta) if op == "exited"
-             else scripts.progress(record, meta))
+            (scripts.exited if op == "exited" else scripts.progress)(core, record, meta)
             return
         if op != "ran":
             return

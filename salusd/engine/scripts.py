@@ -18,7 +18,7 @@ from typing import Any
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.outbox import Sent
-from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import Script
 from salus.daemon.wire.frames import RawFrame
@@ -104,15 +104,18 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
                  f"its command exited with status {code}: {_shown(record)}")
 
 
-def progress(record: JobRecord, meta: dict[str, Any]) -> None:
-    """A framework callback's report: its step, planned steps and last logged loss."""
+def progress(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
+    """A framework callback's report: its step, planned steps (the job's planned iterations,
+    which SRTF reads) and last logged loss."""
     loss = meta.get("loss")
     if isinstance(loss, int | float):
         record.last_loss = float(loss)
-    record.spec["framework_step"] = int(meta.get("step", 0))
     max_steps = meta.get("max_steps")
-    if isinstance(max_steps, int) and max_steps > 0:
+    if (isinstance(max_steps, int) and 0 < max_steps <= MAX_ITERATIONS
+            and max_steps != record.planned_iterations):
         record.planned_iterations = max_steps
+        if core.dispatch.job(record.job_id) is not None:
+            core.dispatch.set_total(record.job_id, max_steps)
 
 
 def restored(core: Core, record: JobRecord) -> None:
