@@ -23,7 +23,7 @@ from salus.adapters.torch.script import BOUNDARY_ENV, report, step
 __all__ = ["SalusCallback"]
 
 
-class SalusCallback(TrainerCallback):  # type: ignore[misc]
+class SalusCallback(TrainerCallback):
     """Tells salusd the trainer's step, planned steps and last logged loss."""
 
     def __init__(self) -> None:

@@ -17,19 +17,15 @@ import math
 import os
 from typing import Any
 
-from salus.adapters.torch.script import BOUNDARY_ENV, report, step
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
 
-try:
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.callbacks import Callback
-except ImportError:  # the older package name
-    from pytorch_lightning import LightningModule, Trainer  # type: ignore[no-redef]
-    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+from salus.adapters.torch.script import BOUNDARY_ENV, report, step
 
 __all__ = ["SalusCallback"]
 
 
-class SalusCallback(Callback):  # type: ignore[misc]
+class SalusCallback(Callback):
     """Tells salusd the trainer's step, planned steps and training loss after each batch."""
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
