@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 from collections.abc import Iterator
@@ -356,6 +357,56 @@ def test_an_unsupported_interpreter_option_is_refused_clearly(
                                      stderr=subprocess.PIPE))
     assert code == 125
     assert "the interpreter option '-c' is not supported" in err
+
+
+# ---- the caller's interpreter ----------------------------------------------------------------
+def make_venv(where: Path, *, with_salusd: bool) -> Path:
+    """A virtualenv with a package of its own (`only_here`) that the daemon's lacks; with
+    `with_salusd`, the daemon's packages (salusd, torch) are importable in it too. Its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True,
+                   timeout=TIMEOUT_S)
+    python = where / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; "
+                                "print(sysconfig.get_paths()['purelib'])"], check=True,
+                               capture_output=True, text=True).stdout.strip())
+    (site / "only_here").mkdir()
+    (site / "only_here" / "__init__.py").write_text("VALUE = 42\n")
+    if with_salusd:
+        ours = sysconfig.get_paths()["purelib"]
+        (site / "daemon.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    return python
+
+
+@pytest.mark.slow
+def test_the_script_runs_in_the_callers_interpreter_with_its_packages(
+        daemon: str, tmp_path: Path) -> None:
+    """`python` is the caller's: a package only the caller's virtualenv has is imported; the
+    daemon's interpreter lacks it, as a direct run with that interpreter does; an interpreter
+    that cannot import salusd is refused with what to install."""
+    path = script(tmp_path, """\
+        import sys
+        import only_here
+        import torch
+        print(only_here.VALUE, sys.prefix)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        for _ in range(3):
+            opt.step()
+    """)
+    venv = make_venv(tmp_path / "venv", with_salusd=True)
+    bare = make_venv(tmp_path / "bare", with_salusd=False)
+    code, out, err = finish(subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+         daemon.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path, env=ENV,
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert (code, out) == (0, f"42 {tmp_path / 'venv'}\n"), err
+    code, _, err = finish(salusd_run(daemon, [str(path)], tmp_path, stderr=subprocess.PIPE))
+    assert code == 1 and "No module named 'only_here'" in err
+    code, _, err = finish(subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+         daemon.removeprefix("unix://"), "--", str(bare), str(path)], cwd=tmp_path, env=ENV,
+        text=True, stderr=subprocess.PIPE))
+    assert code == 125
+    assert f"{bare} cannot import salusd" in err and "pip install salusd==" in err
 
 
 # ---- scheduling at the boundaries --------------------------------------------------------------

@@ -91,7 +91,7 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
             core.end(record, "failed", "the script could not start: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
 
-    script = Script(command.command[1:], command.env, resume,
+    script = Script(command.command[0], command.command[1:], command.env, resume,
                     None if frame is not None else False)
     core.outbox.send(record, Sent("script", on_done=started), script, frame)
 

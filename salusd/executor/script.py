@@ -48,6 +48,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from salus.adapters.torch import script as api
+from salus.daemon.executor import interpreter
 from salus.daemon.executor.output import OutputSink
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.wire.channel import Channel, ConnectionClosed
@@ -309,10 +310,17 @@ def run(daemon: Channel, message: Script, request: Any, estimate: bool,
     end; False when it could not start (the daemon was told why), True once it ran."""
     fd = request.get("socket_fd") if isinstance(request, dict) else None
     client = socket.socket(fileno=fd) if isinstance(fd, int) else None
+    env = _caller_env(message)
     try:
         command = parse_command(message.argv, message.env)
         if client is None and message.frame is not False:
             raise ValueError("the script's client sent no socket")
+        python = interpreter.resolve(message.interpreter, env)
+        if interpreter.elsewhere(python, env) and not daemon.buffered():
+            state = {"daemon": daemon.sock.fileno(), "client": fd, "script": encode(message),
+                     "threads": torch.get_num_threads(), "estimate": estimate, "log": log_path}
+            interpreter.become(python, state, [daemon.sock.fileno(), *([fd] if fd else [])],
+                               env)
         stdio = _client_stdio(client) if client is not None else None
     except (ValueError, OSError) as exc:
         if client is not None:
@@ -369,10 +377,14 @@ def _keep_daemon_log() -> TextIO:
     """The executor's own log records keep going where they went (the daemon's stderr), not
     into the script's stderr."""
     stream = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
-    for logger in (logging.getLogger(), logging.getLogger("salusd")):
-        for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler):
-                handler.setStream(stream)
+    handlers = [h for logger in (logging.getLogger(), logging.getLogger("salusd"))
+                for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+    for handler in handlers:
+        handler.setStream(stream)
+    if not handlers:  # in the caller's interpreter (interpreter.py): none was set up yet
+        handler = logging.StreamHandler(stream)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("salusd").addHandler(handler)
     return stream
 
 
@@ -435,11 +447,9 @@ def _writer(fd: int, unbuffered: bool, lines: bool, errors: str) -> TextIO:
 def _become_the_script(message: Script, command: Command) -> None:
     """The caller's environment, argv, import path, signals and fresh random seeds (a forked
     executor would otherwise repeat the zygote's streams)."""
-    who = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if k in os.environ}
+    env = _caller_env(message)
     os.environ.clear()
-    os.environ.update({**who, **message.env})  # `Become` set who the executor is
-    if message.resume_dir is not None:
-        os.environ[api.RESUME_ENV] = message.resume_dir
+    os.environ.update(env)
     first = (os.path.dirname(os.path.abspath(command.path)) if command.path is not None
              else os.getcwd())
     extra = [p for p in message.env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -452,6 +462,14 @@ def _become_the_script(message: Script, command: Command) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+
+
+def _caller_env(message: Script) -> dict[str, str]:
+    """The script's environment: who `Become` made the executor, then the caller's own, and
+    the job's resume directory."""
+    who = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if k in os.environ}
+    resume = {} if message.resume_dir is None else {api.RESUME_ENV: message.resume_dir}
+    return {**who, **message.env, **resume}
 
 
 def _execute(command: Command) -> int:

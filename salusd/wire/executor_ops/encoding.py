@@ -203,7 +203,8 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     SwapOut: lambda m: {"op": "swap_out"},
     Refuse: lambda m: {"op": "refuse", "code": m.code, "message": m.message},
     Exit: lambda m: {"op": "exit", "code": m.code, "message": m.message},
-    Script: lambda m: _with_frame({"op": "script", "argv": list(m.argv), "env": dict(m.env),
+    Script: lambda m: _with_frame({"op": "script", "interpreter": m.interpreter,
+                                   "argv": list(m.argv), "env": dict(m.env),
                                    "resume_dir": m.resume_dir}, m.frame),
     Ack: lambda m: {"ok": True, "forward": m.forward},
     Failed: lambda m: ({"ok": False, "forward": m.forward} if m.message is None else

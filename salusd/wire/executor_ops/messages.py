@@ -241,13 +241,15 @@ class Refuse:
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    """Run a script job's command in this process (`salusd/executor/script.py`): `argv` is
-    what follows the interpreter (`train.py ARGS`, `-m module ARGS`), `env` the caller's
+    """Run a script job's command (`salusd/executor/script.py`): `interpreter` is the command's
+    first word (the caller's `python`; the executor runs the script in that interpreter), `argv`
+    what follows it (`train.py ARGS`, `-m module ARGS`), `env` the caller's
     environment, `resume_dir` the job's directory that survives restarts (None: none). With
     `frame` true or None (left out of the wire) the client's socket follows, on which it sends
     its stdin, stdout and stderr; with `frame` False the output goes to the job's log."""
 
     op: ClassVar[str] = "script"
+    interpreter: str
     argv: tuple[str, ...]
     env: dict[str, str]
     resume_dir: str | None
