@@ -480,7 +480,7 @@ def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
                 f.write(str(i + 1))
         print("ended at", int(open(where).read()))
     """)
-    body = {"command": ["python", str(path)], "cwd": str(tmp_path),
+    body = {"command": [sys.executable, str(path)], "cwd": str(tmp_path),
             "env": {"PATH": os.environ["PATH"]}}
     with salusd(tmp_path, "--http", "127.0.0.1:0") as (proc, address):
         with connect(tmp_path / "state") as client:

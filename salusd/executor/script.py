@@ -8,14 +8,9 @@ too, in order) and reads the caller's stdin; a byte `I` on that socket is a Ctrl
 the script as SIGINT. Without a client (REST) stdin is empty and both streams go, through a
 pipe, to the job's log (bounded and rotated, `salusd/state/job_output.py`).
 
-Iteration boundaries (`Boundaries`): every `torch.optim.Optimizer.step()` (a global step post
-hook; `SALUS_BOUNDARY=explicit` turns it off) and every `salus.step()`. The script's run between
-two boundaries is one of the job's iterations, scheduled as a direct call is: while the job
-holds its lane's lease it goes on at once and what ran is reported in batches (`Ran`);
-otherwise the executor asks (`Ready`) and waits for `Run`, and answers it with `CallDone` at
-the next boundary. The code before the first boundary is the first iteration; what follows the
-last one is not an iteration (a script without a boundary is one iteration). Daemon messages
-are read only at boundaries, so a suspend, a cancel or another job's turn takes effect there.
+Its iteration boundaries are `boundaries.py`'s: every optimizer step and `salus.step()`; the
+code before the first boundary is the first iteration, what follows the last one is not an
+iteration (a script without a boundary is one iteration).
 
 When the script ends the executor reports its exit status (`Exited`: 0, `sys.exit`'s code, 1
 for an uncaught exception, 130 for an uncaught KeyboardInterrupt) to the daemon and the client.
@@ -32,15 +27,13 @@ import logging
 import os
 import random
 import runpy
-import select
 import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -49,35 +42,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from salus.adapters.torch import script as api
 from salus.daemon.executor import interpreter
+from salus.daemon.executor.boundaries import Boundaries, flush
 from salus.daemon.executor.output import OutputSink
-from salus.daemon.executor.peak import PeakMeter
-from salus.daemon.wire.channel import Channel, ConnectionClosed
-from salus.daemon.wire.executor_ops import (
-    Ack,
-    CallDone,
-    EstimateFailed,
-    Exit,
-    Exited,
-    Failed,
-    Lease,
-    Progress,
-    Ran,
-    Ready,
-    Refuse,
-    Reply,
-    Run,
-    Script,
-    client_frame_follows,
-    decode_request,
-    encode,
-)
+from salus.daemon.wire.channel import Channel
+from salus.daemon.wire.executor_ops import Ack, Failed, Script, encode
 
 log = logging.getLogger("salusd.executor")
-REPORT_EVERY_S = 0.02  # leased iterations are reported in batches this often (as direct calls)
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
 INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
-NO_ESTIMATE = ("a script job's iterations run in its own process and are measured as they run, "
-               "not estimated on fake tensors")
 
 
 @dataclass(frozen=True)
@@ -111,198 +83,6 @@ def parse_command(argv: tuple[str, ...], env: dict[str, str]) -> Command:
     return Command(rest[0], None, tuple(rest[1:]), unbuffered)
 
 
-class Boundaries:
-    """The daemon's side of a running script: its turn in the lane at each boundary."""
-
-    def __init__(self, daemon: Channel, estimate: bool) -> None:
-        self.daemon = daemon
-        self.pid = os.getpid()  # a process the script forked has no turn to ask for
-        self.lock = threading.RLock()
-        self.meter = PeakMeter()
-        self.lease = False
-        self.asked = False
-        self.granted = False  # a `Run` was received: its `CallDone` is sent at the boundary
-        self.estimate = estimate  # the first `Ready` says why there is no estimate
-        self.seen = 0  # boundaries so far
-        self.began = time.monotonic()
-        self.ran: _Ran | None = None
-
-    def start(self) -> None:
-        """Before the script's first line: wait for the job's first turn."""
-        self.meter.set_baseline()
-        with self.lock, _stopping():
-            self._wait_turn()
-            self._begin()
-
-    def boundary(self) -> None:
-        """An iteration ended: report it, then go on at once under a lease, or wait for the
-        job's next turn."""
-        if os.getpid() != self.pid:
-            return
-        with self.lock, _interrupts_deferred(), _stopping():
-            self.seen += 1
-            self._end(counted=True)
-            self._poll()
-            self._wait_turn()
-            self._begin()
-
-    def progress(self, step: int, max_steps: int | None, loss: float | None) -> None:
-        if os.getpid() == self.pid:
-            with self.lock:
-                self._send(Progress(step, max_steps, loss))
-
-    def exited(self, code: int) -> None:
-        """The script ended with exit status `code`: report its last part and the status."""
-        with self.lock:
-            self._end(counted=self.seen == 0)
-            self._report_ran()
-            self._send(Exited(code))
-
-    def drain(self) -> None:
-        """Answer the daemon until it says `exit`."""
-        with self.lock:
-            while True:
-                try:
-                    self._handle(self.daemon.recv())
-                except (ConnectionClosed, OSError, _Stop):
-                    return
-
-    # ---- the turn protocol ----------------------------------------------------------------
-    def _begin(self) -> None:
-        self.began = time.monotonic()
-        self.meter.start()
-
-    def _end(self, counted: bool) -> None:
-        ended = time.monotonic()
-        seconds, peak = ended - self.began, self.meter.peak()
-        if self.granted:
-            self.granted = False
-            self._send(CallDone(True, seconds, peak, counted, self.began, ended))
-        elif self.lease:
-            if self.ran is None:
-                self.ran = _Ran(ended, self.began)
-            self.ran.add(counted, seconds, peak, ended)
-            if ended - self.ran.since >= REPORT_EVERY_S:
-                self._report_ran()
-
-    def _poll(self) -> None:
-        """Handle what the daemon sent while the iteration ran (without waiting)."""
-        sock = self.daemon.sock
-        while self.daemon.buffered() or select.select([sock], [], [], 0)[0]:
-            self._report_ran()  # the daemon decides knowing what ran
-            self._handle(self.daemon.recv())
-
-    def _wait_turn(self) -> None:
-        while not (self.lease or self.granted):
-            if not self.asked:
-                self.asked = True
-                estimate = EstimateFailed(NO_ESTIMATE) if self.estimate else None
-                self.estimate = False
-                self._send(Ready(True, estimate))
-            self._report_ran()
-            self._handle(self.daemon.recv())
-
-    def _handle(self, meta: Any) -> None:
-        """One daemon message; a frame that follows it (none is sent to a script job) is read
-        and dropped so the stream stays in step."""
-        if client_frame_follows(meta):
-            self.daemon.recv()
-        try:
-            message = decode_request(meta)
-        except ValueError as exc:
-            self._send(Failed(str(exc)[:2000]))
-            return
-        match message:
-            case Exit():
-                raise _Stop(message.message)
-            case Lease(granted=granted):
-                self.lease = granted
-                self._send(Ack())
-            case Run():
-                self.asked = False
-                if self.lease:  # it went on under a lease granted meanwhile: nothing to run
-                    self._send(CallDone(False, 0.0, None, False, None, None, empty=True))
-                else:
-                    self.granted = True
-            case Refuse(message=text):
-                self._send(Ack())
-                raise _Stop(text)
-            case Script():
-                self._send(Failed("this executor already runs a script"))
-            case _ if message.op in ("place", "swap_out"):
-                # The script owns its tensors and device: nothing is placed or moved for it.
-                self._send(Ack())
-            case _:
-                self._send(Failed(f"a script job cannot {message.op!r}: it keeps its own "
-                                  "state (checkpoints: salus.resume_dir())"))
-
-    def _report_ran(self) -> None:
-        if self.ran is not None:
-            ran, self.ran = self.ran, None
-            self._send(ran.report())
-
-    def _send(self, reply: Reply) -> None:
-        self.daemon.send(encode(reply))
-
-
-class _Stop(BaseException):
-    """The daemon ended the job (cancel, shutdown): the script stops here."""
-
-
-@contextlib.contextmanager
-def _stopping() -> Iterator[None]:
-    """A job the daemon ended while its script ran stops at this boundary: its process
-    exits (the daemon already knows why)."""
-    try:
-        yield
-    except (_Stop, ConnectionClosed) as stop:
-        _flush()
-        log.info("script stopped: %s", stop)
-        os._exit(1)
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """A Ctrl-C that comes during a boundary reaches the script when the boundary returns (as
-    if it came in the optimizer step), never in the middle of a message to the daemon."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    handler = signal.signal(signal.SIGINT, lambda signum, _: pending.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-    if pending and callable(handler):
-        handler(signal.SIGINT, None)
-    elif pending and handler == signal.SIG_DFL:
-        os.kill(os.getpid(), signal.SIGINT)
-
-
-class _Ran:
-    """Iterations run under the lease since the last `Ran`."""
-
-    def __init__(self, since: float, began: float) -> None:
-        self.since = since
-        self.began = self.ended = began
-        self.calls = self.iterations = 0
-        self.seconds = 0.0
-        self.peak: int | None = None
-
-    def add(self, counted: bool, seconds: float, peak: int | None, ended: float) -> None:
-        self.calls += 1
-        self.iterations += counted
-        self.seconds += seconds if counted else 0.0
-        if peak is not None:
-            self.peak = max(self.peak or 0, peak)
-        self.ended = ended
-
-    def report(self) -> Ran:
-        return Ran(self.calls, self.iterations, 0, self.seconds, self.peak, self.began,
-                   self.ended)
-
-
 # ---- the process becomes the script's ---------------------------------------------------------
 def run(daemon: Channel, message: Script, request: Any, estimate: bool,
         log_path: str | None) -> bool:
@@ -316,11 +96,13 @@ def run(daemon: Channel, message: Script, request: Any, estimate: bool,
         if client is None and message.frame is not False:
             raise ValueError("the script's client sent no socket")
         python = interpreter.resolve(message.interpreter, env)
-        if interpreter.elsewhere(python, env) and not daemon.buffered():
+        if interpreter.elsewhere(python, env):
+            if daemon.buffered():  # the daemon spoke before the script started: it ended it
+                raise ValueError("the job ended before its script started")
             state = {"daemon": daemon.sock.fileno(), "client": fd, "script": encode(message),
                      "threads": torch.get_num_threads(), "estimate": estimate, "log": log_path}
-            interpreter.become(python, state, [daemon.sock.fileno(), *([fd] if fd else [])],
-                               env)
+            interpreter.become(python, state, [daemon.sock.fileno(),
+                                               *([] if fd is None else [fd])], env)
         stdio = _client_stdio(client) if client is not None else None
     except (ValueError, OSError) as exc:
         if client is not None:
@@ -328,8 +110,8 @@ def run(daemon: Channel, message: Script, request: Any, estimate: bool,
         daemon.send(encode(Failed(str(exc)[:2000])))
         return False
     daemon.send(encode(Ack()))
-    restore_log = _keep_daemon_log()
-    pump = _pump_to_log(log_path, restore_log) if stdio is None else None
+    daemon_log = _keep_daemon_log()
+    pump = _pump_to_log(log_path, daemon_log) if stdio is None else None
     if stdio is not None:
         _install_stdio(stdio)
     _make_streams(command.unbuffered)
@@ -526,13 +308,7 @@ def _wind_down() -> None:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    _flush()
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+    flush()
 
 
 def _interrupts(client: socket.socket) -> None:

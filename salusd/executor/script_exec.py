@@ -18,6 +18,7 @@ import sys
 import torch
 
 from salus.daemon.executor import script
+from salus.daemon.executor.boundaries import Boundaries
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.executor_ops import Script, decode_request
 
@@ -32,7 +33,7 @@ def main(argv: list[str]) -> int:
     client = state.get("client")
     request = None if client is None else {"socket_fd": int(client)}
     if not script.run(daemon, message, request, bool(state["estimate"]), state.get("log")):
-        script.Boundaries(daemon, False).drain()  # the job failed: until the daemon says exit
+        Boundaries(daemon, False).drain()  # the job failed: until the daemon says exit
     return 0
 
 
