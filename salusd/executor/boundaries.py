@@ -15,11 +15,9 @@ import contextlib
 import logging
 import os
 import select
-import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from salus.daemon.executor.peak import PeakMeter
@@ -65,25 +63,51 @@ class Boundaries:
         self.seen = 0  # boundaries so far
         self.began = time.monotonic()
         self.ran: _Ran | None = None
+        self.main = threading.main_thread().ident
+        self.inside = False  # the main thread is in a boundary: a Ctrl-C waits
+        self.interrupted = False
 
     def start(self) -> None:
         """Before the script's first line: wait for the job's first turn."""
         self.meter.set_baseline()
-        with self.lock, _stopping():
-            self._wait_turn()
-            self._begin()
+        self._turn(first=True)
 
     def boundary(self) -> None:
         """An iteration ended: report it, then go on at once under a lease, or wait for the
         job's next turn."""
-        if os.getpid() != self.pid:
-            return
-        with self.lock, _interrupts_deferred(), _stopping():
-            self.seen += 1
-            self._end(counted=True)
-            self._poll()
-            self._wait_turn()
-            self._begin()
+        if os.getpid() == self.pid:
+            self._turn(first=False)
+
+    def on_sigint(self, signum: int, frame: object) -> None:
+        """The script's SIGINT handler (a Ctrl-C): a KeyboardInterrupt, as the interpreter's
+        own handler raises, except during a boundary, where it is raised when the boundary
+        returns (as if it came in the optimizer step), never in the middle of a message to
+        the daemon."""
+        if self.inside:
+            self.interrupted = True
+        else:
+            raise KeyboardInterrupt
+
+    def _turn(self, first: bool) -> None:
+        main = threading.get_ident() == self.main
+        with self.lock:
+            self.inside = self.inside or main
+            try:
+                if not first:
+                    self.seen += 1
+                    self._end(counted=True)
+                    self._poll()
+                self._wait_turn()
+                self._begin()
+            except (_Stop, ConnectionClosed) as stop:  # the daemon ended the job meanwhile
+                flush()
+                log.info("script stopped: %s", stop)
+                os._exit(1)
+            finally:
+                self.inside = self.inside and not main
+        if main and self.interrupted:
+            self.interrupted = False
+            raise KeyboardInterrupt
 
     def progress(self, step: int, max_steps: int | None, loss: float | None) -> None:
         if os.getpid() == self.pid:
@@ -108,19 +132,24 @@ class Boundaries:
 
     # ---- the turn protocol ----------------------------------------------------------------
     def _begin(self) -> None:
+        """An iteration begins. Its memory peak is measured on its own when it runs on request;
+        under a lease, over each batch reported together (`Ran` says their largest), which
+        spares a reset of the meter per iteration."""
         self.began = time.monotonic()
-        self.meter.start()
+        if not self.lease or self.ran is None:
+            self.meter.start()
 
     def _end(self, counted: bool) -> None:
+        """Report the iteration that ended."""
         ended = time.monotonic()
-        seconds, peak = ended - self.began, self.meter.peak()
+        seconds = ended - self.began
         if self.granted:
             self.granted = False
-            self._send(CallDone(True, seconds, peak, counted, self.began, ended))
+            self._send(CallDone(True, seconds, self.meter.peak(), counted, self.began, ended))
         elif self.lease:
             if self.ran is None:
                 self.ran = _Ran(ended, self.began)
-            self.ran.add(counted, seconds, peak, ended)
+            self.ran.add(counted, seconds, ended)
             if ended - self.ran.since >= REPORT_EVERY_S:
                 self._report_ran()
 
@@ -178,7 +207,7 @@ class Boundaries:
     def _report_ran(self) -> None:
         if self.ran is not None:
             ran, self.ran = self.ran, None
-            self._send(ran.report())
+            self._send(ran.report(self.meter.peak()))
 
     def _send(self, reply: Reply) -> None:
         self.daemon.send(encode(reply))
@@ -186,37 +215,6 @@ class Boundaries:
 
 class _Stop(BaseException):
     """The daemon ended the job (cancel, shutdown): the script stops here."""
-
-
-@contextlib.contextmanager
-def _stopping() -> Iterator[None]:
-    """A job the daemon ended while its script ran stops at this boundary: its process
-    exits (the daemon already knows why)."""
-    try:
-        yield
-    except (_Stop, ConnectionClosed) as stop:
-        flush()
-        log.info("script stopped: %s", stop)
-        os._exit(1)
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """A Ctrl-C that comes during a boundary reaches the script when the boundary returns (as
-    if it came in the optimizer step), never in the middle of a message to the daemon."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    handler = signal.signal(signal.SIGINT, lambda signum, _: pending.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-    if pending and callable(handler):
-        handler(signal.SIGINT, None)
-    elif pending and handler == signal.SIG_DFL:
-        os.kill(os.getpid(), signal.SIGINT)
 
 
 class _Ran:
@@ -227,19 +225,16 @@ class _Ran:
         self.began = self.ended = began
         self.calls = self.iterations = 0
         self.seconds = 0.0
-        self.peak: int | None = None
 
-    def add(self, counted: bool, seconds: float, peak: int | None, ended: float) -> None:
+    def add(self, counted: bool, seconds: float, ended: float) -> None:
         self.calls += 1
         self.iterations += counted
         self.seconds += seconds if counted else 0.0
-        if peak is not None:
-            self.peak = max(self.peak or 0, peak)
         self.ended = ended
 
-    def report(self) -> Ran:
-        return Ran(self.calls, self.iterations, 0, self.seconds, self.peak, self.began,
-                   self.ended)
+    def report(self, peak: int | None) -> Ran:
+        """The report, with the batch's largest memory `peak` (bytes)."""
+        return Ran(self.calls, self.iterations, 0, self.seconds, peak, self.began, self.ended)
 
 
 def flush() -> None:

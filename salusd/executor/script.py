@@ -117,6 +117,7 @@ def run(daemon: Channel, message: Script, request: Any, estimate: bool,
     _make_streams(command.unbuffered)
     _become_the_script(message, command)
     boundaries = Boundaries(daemon, estimate)
+    signal.signal(signal.SIGINT, boundaries.on_sigint)
     if message.env.get(api.BOUNDARY_ENV) != "explicit":
         register_optimizer_step_post_hook(lambda *_: boundaries.boundary())
     api.install(boundaries.boundary, boundaries.progress)
@@ -237,7 +238,6 @@ def _become_the_script(message: Script, command: Command) -> None:
     extra = [p for p in message.env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[0:1] = [first, *extra]
     sys.argv = [command.path or command.module or "", *command.args]
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.set_wakeup_fd(-1)  # the zygote's, closed in this process: a signal would write there
     random.seed()
     torch.seed()
