@@ -37,6 +37,8 @@ from salus.daemon.wire.executor_ops import (
     Reply,
     Run,
     Script,
+    address_of,
+    addressed,
     client_frame_follows,
     decode_request,
     encode,
@@ -51,8 +53,9 @@ NO_ESTIMATE = ("a script job's iterations run in its own process and are measure
 class Boundaries:
     """The daemon's side of a running script: its turn in the lane at each boundary."""
 
-    def __init__(self, daemon: Channel, estimate: bool) -> None:
+    def __init__(self, daemon: Channel, job: int, estimate: bool) -> None:
         self.daemon = daemon
+        self.job = job  # every message names it (`wire/executor_ops/envelope.py`)
         self.pid = os.getpid()  # a process the script forked has no turn to ask for
         self.lock = threading.RLock()
         self.meter = PeakMeter()
@@ -122,11 +125,11 @@ class Boundaries:
             self._send(Exited(code))
 
     def drain(self) -> None:
-        """Answer the daemon until it says `exit`."""
+        """Answer the daemon until it lets the job go (`exit`, answered)."""
         with self.lock:
             while True:
                 try:
-                    self._handle(self.daemon.recv())
+                    self._handle(self.daemon.recv(), ended=True)
                 except (ConnectionClosed, OSError, _Stop):
                     return
 
@@ -170,18 +173,23 @@ class Boundaries:
             self._report_ran()
             self._handle(self.daemon.recv())
 
-    def _handle(self, meta: Any) -> None:
-        """One daemon message; a frame that follows it (none is sent to a script job) is read
-        and dropped so the stream stays in step."""
+    def _handle(self, meta: Any, ended: bool = False) -> None:
+        """One daemon message (`ended`: the script has ended); a frame that follows it (none
+        is sent to a script job) is read and dropped so the stream stays in step."""
         if client_frame_follows(meta):
             self.daemon.recv()
         try:
+            job = address_of(meta) if isinstance(meta, dict) else None
             message = decode_request(meta)
         except ValueError as exc:
             self._send(Failed(str(exc)[:2000]))
             return
         match message:
+            case Exit() if job is None:  # the whole process
+                raise _Stop(message.message)
             case Exit():
+                if ended:  # let go: the supervisor hears it from the answer
+                    self._send(Ack())
                 raise _Stop(message.message)
             case Lease(granted=granted):
                 self.lease = granted
@@ -210,7 +218,7 @@ class Boundaries:
             self._send(ran.report(self.meter.peak()))
 
     def _send(self, reply: Reply) -> None:
-        self.daemon.send(encode(reply))
+        self.daemon.send(addressed(encode(reply), self.job))
 
 
 class _Stop(BaseException):

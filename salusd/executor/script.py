@@ -45,7 +45,7 @@ from salus.daemon.executor import interpreter
 from salus.daemon.executor.boundaries import Boundaries, flush
 from salus.daemon.executor.output import OutputSink
 from salus.daemon.wire.channel import Channel
-from salus.daemon.wire.executor_ops import Ack, Failed, Script, encode
+from salus.daemon.wire.executor_ops import Ack, Failed, Script, addressed, encode
 
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
@@ -84,10 +84,11 @@ def parse_command(argv: tuple[str, ...], env: dict[str, str]) -> Command:
 
 
 # ---- the process becomes the script's ---------------------------------------------------------
-def run(daemon: Channel, message: Script, request: Any, estimate: bool,
-        log_path: str | None) -> bool:
-    """Run the script of `message` (the client's socket in `request`, when it has one) to its
-    end; False when it could not start (the daemon was told why), True once it ran."""
+def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool,
+        log_path: str | None, cwd: str | None) -> bool:
+    """Run the script of job `job`'s `message` (the client's socket in `request`, when it has
+    one) in directory `cwd` to its end; False when it could not start (the daemon was told
+    why), True once it ran."""
     fd = request.get("socket_fd") if isinstance(request, dict) else None
     client = socket.socket(fileno=fd) if isinstance(fd, int) else None
     env = _caller_env(message)
@@ -100,23 +101,24 @@ def run(daemon: Channel, message: Script, request: Any, estimate: bool,
             if daemon.buffered():  # the daemon spoke before the script started: it ended it
                 raise ValueError("the job ended before its script started")
             state = {"daemon": daemon.sock.fileno(), "client": fd, "script": encode(message),
-                     "threads": torch.get_num_threads(), "estimate": estimate, "log": log_path}
+                     "job": job, "threads": torch.get_num_threads(), "estimate": estimate,
+                     "log": log_path, "cwd": cwd}
             interpreter.become(python, state, [daemon.sock.fileno(),
                                                *([] if fd is None else [fd])], env)
         stdio = _client_stdio(client) if client is not None else None
     except (ValueError, OSError) as exc:
         if client is not None:
             client.close()
-        daemon.send(encode(Failed(str(exc)[:2000])))
+        daemon.send(addressed(encode(Failed(str(exc)[:2000])), job))
         return False
-    daemon.send(encode(Ack()))
+    daemon.send(addressed(encode(Ack()), job))
     daemon_log = _keep_daemon_log()
     pump = _pump_to_log(log_path, daemon_log) if stdio is None else None
     if stdio is not None:
         _install_stdio(stdio)
     _make_streams(command.unbuffered)
-    _become_the_script(message, command)
-    boundaries = Boundaries(daemon, estimate)
+    _become_the_script(message, command, cwd)
+    boundaries = Boundaries(daemon, job, estimate)
     signal.signal(signal.SIGINT, boundaries.on_sigint)
     if message.env.get(api.BOUNDARY_ENV) != "explicit":
         register_optimizer_step_post_hook(lambda *_: boundaries.boundary())
@@ -227,12 +229,14 @@ def _writer(fd: int, unbuffered: bool, lines: bool, errors: str) -> TextIO:
                             line_buffering=lines or unbuffered, write_through=unbuffered)
 
 
-def _become_the_script(message: Script, command: Command) -> None:
+def _become_the_script(message: Script, command: Command, cwd: str | None) -> None:
     """The caller's environment, argv, import path, signals and fresh random seeds (a forked
     executor would otherwise repeat the zygote's streams)."""
     env = _caller_env(message)
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     first = (os.path.dirname(os.path.abspath(command.path)) if command.path is not None
              else os.getcwd())
     extra = [p for p in message.env.get("PYTHONPATH", "").split(os.pathsep) if p]

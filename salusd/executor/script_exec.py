@@ -4,8 +4,8 @@ replaced itself with that interpreter goes on with its script job here.
     python -m salus.daemon.executor.script_exec STATE
 
 STATE (JSON) names the daemon's socket and the client's (descriptors kept across the exec),
-the `Script` message, the intra-op thread count, whether the first `ready` says why there is
-no estimate, and the job's log file.
+the `Script` message, the job's id, the intra-op thread count, whether the first `ready` says
+why there is no estimate, the job's log file and its working directory.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"{argv[0]} runs a 'script' message, not {message.op!r}")
     client = state.get("client")
     request = None if client is None else {"socket_fd": int(client)}
-    if not script.run(daemon, message, request, bool(state["estimate"]), state.get("log")):
-        Boundaries(daemon, False).drain()  # the job failed: until the daemon says exit
+    job = int(state["job"])
+    if not script.run(daemon, message, request, job, bool(state["estimate"]), state.get("log"),
+                      state.get("cwd")):
+        Boundaries(daemon, job, False).drain()  # the job failed: until the daemon lets it go
     return 0
 
 
