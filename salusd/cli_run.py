@@ -76,9 +76,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resolve(command: list[str]) -> list[str]:
-    """`command` with its interpreter resolved as the caller's shell would (PATH)."""
+    """`command` with its interpreter resolved as the caller's shell would (a bare name on
+    PATH), its path made absolute."""
     if len(command) < 2:
         raise ValueError("nothing to run: salusd run [OPTIONS] -- python SCRIPT [ARGS...]")
+    if os.sep in command[0]:  # a path: the executor checks what it is
+        return [os.path.abspath(command[0]), *command[1:]]
     found = shutil.which(command[0])
     if found is None:
         raise ValueError(f"{command[0]!r}: command not found")

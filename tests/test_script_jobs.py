@@ -8,13 +8,19 @@ exit statuses, Ctrl-C, stdin, forks and scheduling commands behave as in a direc
 
 from __future__ import annotations
 
+import grp
+import json
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -357,6 +363,53 @@ def test_an_unsupported_interpreter_option_is_refused_clearly(
                                      stderr=subprocess.PIPE))
     assert code == 125
     assert "the interpreter option '-c' is not supported" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
+                    reason="creating a user and running as it needs root and useradd")
+def test_a_root_daemon_runs_the_script_as_its_caller(tmp_path: Path) -> None:
+    """`salusd run` by a user of the socket's group: the script runs with that user's uid,
+    gid and groups in the user's directory, and what it writes is the user's."""
+    tag = uuid.uuid4().hex[:6]
+    group, user = f"saluss{tag}", f"salusr{tag}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    try:
+        subprocess.run(["useradd", "-M", "-G", group, user], check=True, capture_output=True)
+        entry, gid = pwd.getpwnam(user), grp.getgrnam(group).gr_gid
+        root = Path(tempfile.mkdtemp(prefix="salusd-caller-"))
+        root.chmod(0o755)
+        home = root / "home"
+        home.mkdir()
+        os.chown(home, entry.pw_uid, entry.pw_gid)
+        path = script(home, """\
+            import json, os
+            with open("made.txt", "w") as f:
+                f.write("mine")
+            print(json.dumps({"uid": os.getuid(), "gid": os.getgid(),
+                              "groups": sorted(os.getgroups()), "cwd": os.getcwd()}))
+        """)
+        with salusd(root, "--group", group) as (_, address):
+            # The interpreter's files are root's here: it starts as root, then becomes the user.
+            become = ("import os, sys; from salus.daemon import cli, cli_run; "
+                      "args = cli.build_parser().parse_args(sys.argv[1:]); "
+                      f"os.setgroups([{entry.pw_gid}, {gid}]); os.setgid({entry.pw_gid}); "
+                      f"os.setuid({entry.pw_uid}); sys.exit(cli_run.run(args))")
+            proc = subprocess.Popen(
+                [sys.executable, "-c", become, "run", "--socket",
+                 address.removeprefix("unix://"), "--", sys.executable, str(path)],
+                cwd=home, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin", "HOME": str(home), "OMP_NUM_THREADS": "1"})
+            code, out, err = finish(proc)
+        assert code == 0, err
+        seen = json.loads(out)
+        assert (seen["uid"], seen["gid"], seen["cwd"]) == (entry.pw_uid, entry.pw_gid, str(home))
+        assert gid in seen["groups"]
+        assert (home / "made.txt").stat().st_uid == entry.pw_uid
+    finally:
+        subprocess.run(["userdel", user], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # ---- the caller's interpreter ----------------------------------------------------------------

@@ -50,6 +50,8 @@ def ours() -> str:
 def resolve(interpreter: str, env: dict[str, str]) -> str:
     """The interpreter's absolute path, found as a shell would (the job's `PATH`); ValueError
     when there is none."""
+    if os.path.abspath(interpreter) == sys.executable:
+        return sys.executable  # this very interpreter (the owner may not see its path)
     found = shutil.which(interpreter, path=env.get("PATH", os.defpath))
     if found is None:
         raise ValueError(f"{interpreter}: command not found (PATH {env.get('PATH', '')!r})")
