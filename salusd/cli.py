@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from salus.daemon import cli_logs
+from salus.daemon import cli_logs, cli_run
 
 EPILOG = """\
 examples:
+  salusd run -- python train.py --epochs 3       # an unchanged script as a job, on this terminal
   salusd serve                                   # CPU devices (or every GPU), default socket
   salusd serve --cpu-devices 2 --cpu-memory 4G --policy srtf
   SALUS_ADDRESS=unix:///tmp/s.sock salusd serve  # clients find it through the same variable
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "job's own run time with a unit: 90s, 10m (default 10m)")
     _control_commands(sub)
     cli_logs.add_parser(sub)
+    cli_run.add_parser(sub)
     return parser
 
 
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "logs":
         return cli_logs.run(args)
+    if args.command == "run":
+        return cli_run.run(args)
     if args.command == "token" and args.action in ("add", "revoke") and not args.name:
         parser.error(f"token {args.action} needs the token's name")
     from salus.daemon.cli_rest import run

@@ -10,11 +10,12 @@ alone in its process, so that process serves the lane from now on; else the job 
 its client's socket; `Adopt` to the new one) and the old process exits once it hosts nothing.
 So the jobs of one owner in one lane share one CUDA context and one caching allocator, which
 holds the largest of their ephemeral peaks, as admission books it. Jobs of different owners
-never share a process. A gang's replicas, batch jobs, a job whose state cannot be pickled again
-(the reply says why, and `salusd status` shows it) and every job under `--isolation job` keep a
-process of their own. Where a lane holds processes of several owners, each returns its cached
-device memory at the end of each call (`Place.shared`), so the lane holds only the running
-process's blocks: what is booked is what the device holds.
+never share a process. A gang's replicas, batch jobs, script jobs (the process runs the
+script), a job whose state cannot be pickled again (the reply says why, and `salusd status`
+shows it) and every job under `--isolation job` keep a process of their own. Where a lane
+holds processes of several owners, each returns its cached device memory at the end of each
+call (`Place.shared`), so the lane holds only the running process's blocks: what is booked is
+what the device holds.
 
 The engine sees one `ExecutorHandle` per job (per replica of a gang); messages to a handle go
 to its process addressed to its job (`wire/executor_ops/envelope.py`), and the process's
@@ -305,12 +306,14 @@ class Supervisor:
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
         proc = self._new_process(record.owner)
+        script = "command" in record.spec  # a script job: the process runs its script
         sharable = (self.isolation == "lane" and record.kind == "interactive"
-                    and record.gang == 1)
+                    and record.gang == 1 and not script)
         handle = ExecutorHandle(proc, record, replica, sharable)
         if not sharable:
             handle.why_alone = ("--isolation job" if self.isolation == "job" else
-                                "a gang's replica" if record.gang > 1 else "a batch job")
+                                "a gang's replica" if record.gang > 1 else
+                                "a script job" if script else "a batch job")
         proc.jobs[record.job_id] = handle
         log_file = (None if record.checkpoint_dir is None
                     else output_path(record.checkpoint_dir, replica))

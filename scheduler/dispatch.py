@@ -189,6 +189,12 @@ class Dispatcher:
     def set_priority(self, job_id: int, priority: float) -> None:
         self._sched.set_priority(job_id, priority)
 
+    def set_total(self, job_id: int, total_iterations: int) -> None:
+        """An open-ended job now says how many iterations it plans (a script's framework
+        knows its steps): SRTF reads them at the next decision."""
+        job = self._sched.jobs[job_id]
+        job.total_iterations = max(total_iterations, job.done_iterations)
+
     def set_policy(self, policy: Policy) -> Update:
         """Switch policy; call only when no lane is busy (lanes may be made anew)."""
         assert not self._busy, "the policy changes only when no call runs"

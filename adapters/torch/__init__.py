@@ -58,6 +58,10 @@ now, or the others wait for it in a collective). Calls go through salusd (no dir
 `train_step` averages the gradients over the gang and returns the whole batch's mean loss;
 `inference` returns the whole batch's outputs.
 
+**Unchanged scripts** run under `salusd run python train.py`: there `step()` marks an iteration
+boundary beside the optimizer steps and `resume_dir()` is the job's directory that survives
+restarts (`script.py`); in a direct run `step()` does nothing.
+
 The daemon is found at `address=` (`unix:///path`), else `$SALUS_ADDRESS`, else the default
 socket. Imports only torch, cloudpickle and the wire package of salusd.
 
@@ -69,6 +73,7 @@ that refuse what `pull` could not bring back, and changes made on the client).
 
 from salus.adapters.torch.job import Job, connect
 from salus.adapters.torch.remote import Remote, RemoteFunction, per_replica, whole
+from salus.adapters.torch.script import resume_dir, step
 from salus.adapters.torch.transport import RECONNECT_TRIES, Future
 from salus.daemon.wire.channel import FrameError
 from salus.daemon.wire.errors import (
@@ -82,4 +87,4 @@ from salus.daemon.wire.replicas import MAX_REPLICAS, PerReplica, Whole
 
 __all__ = ["MAX_REPLICAS", "RECONNECT_TRIES", "CallFailed", "DaemonUnavailable", "FrameError",
            "Future", "Job", "JobCancelled", "JobFailed", "PerReplica", "Remote", "RemoteFunction",
-           "SalusError", "Whole", "connect", "per_replica", "whole"]
+           "SalusError", "Whole", "connect", "per_replica", "resume_dir", "step", "whole"]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
-from salus.daemon.engine import admission, checkpoints
+from salus.daemon.engine import admission, checkpoints, scripts
 from salus.daemon.engine.core import Config, Core, error_frame, ok_frame
 from salus.daemon.engine.events import EventStream
 from salus.daemon.engine.leases import Leases
@@ -145,7 +145,7 @@ class Engine:
         if core.stopping:
             raise ShuttingDown("salusd is shutting down")
         checked, planned = check_name(name), check_iterations(iterations)
-        if kind == "interactive" and job_id is None:
+        if kind == "interactive" and job_id is None and "command" not in (spec or {}):
             gang = self.check_devices(devices)
             waiting = next((r for r in core.registry if r.awaiting_client
                             and r.owner.uid == owner.uid and r.name == checked), None)
@@ -196,6 +196,21 @@ class Engine:
         self._step()
         return record
 
+    def run_script(self, owner: Owner, name: object, iterations: object,
+                   command: scripts.ScriptCommand, frame: RawFrame | None, *,
+                   priority: float = 1.0, devices: object = 1) -> JobRecord:
+        """A script job: an executor runs `command` unchanged as `owner`, its optimizer steps
+        its iteration boundaries (`scripts.py`); `frame` carries the client's socket (None:
+        the output goes to the job's log)."""
+        if self.check_devices(devices) != 1:
+            raise BadRequest("a script job runs on one device; for several, run the script "
+                             "once per device or use salus.connect(devices=N)")
+        record = self.open(owner, name, iterations, command.cwd, spec=scripts.spec(command),
+                           priority=priority)
+        scripts.start(self.core, record, command, frame)
+        self._step()
+        return record
+
     def check_devices(self, devices: object) -> int:
         """`devices` when this node has that many devices; BadRequest says what it has."""
         count = len(self.core.ledgers)
@@ -221,6 +236,8 @@ class Engine:
                           "this salusd restarted without --cluster")
         elif kind == "batch":
             load(self.core, record, restore=True)
+        elif scripts.is_script(record):
+            scripts.restored(self.core, record)
         elif checkpoint_iteration is None:
             self.core.end(record, "failed", f"salusd restarted before job {job_id}'s first "
                           "checkpoint, so its state was lost; connect a new job")

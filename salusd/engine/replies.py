@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from salus.daemon.engine import admission, checkpoints, gang_failures
+from salus.daemon.engine import admission, checkpoints, gang_failures, scripts
 from salus.daemon.engine.core import Core, LaneKey, error_frame
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
@@ -114,6 +114,9 @@ class Replies:
                 estimate = meta.get("estimate")
                 admission.estimated(core, record, estimate if isinstance(estimate, dict) else {
                     "ok": False, "reason": "the executor sent no estimate"})
+            return
+        if op in ("exited", "progress"):  # a script job's command ended, or reported progress
+            (scripts.exited if op == "exited" else scripts.progress)(core, record, meta)
             return
         if op != "ran":
             return

@@ -50,6 +50,7 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "replica_lanes": [[p.device, p.lane_id] for p in sorted(placed, key=lambda p: p.device)],
         "comm": record.comm,  # a gang's: bytes and calls of s.comm, the last "auto" pick
         "threads": record.threads,
+        "last_loss": record.last_loss,  # a batch job's, or what a script's framework logged
         "executor_pid": getattr(record.executor, "pid", None),
         "executor": describe() if callable(describe := getattr(record.executor, "describe",
                                                                  None)) else None,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from salus.daemon.executor import output
+from salus.daemon.executor import output, script
 from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
 from salus.daemon.executor.slot import RanSoFar, Slot, process_cap
@@ -66,6 +66,7 @@ from salus.daemon.wire.executor_ops import (
     Request,
     Restore,
     Run,
+    Script,
     Step,
     SwapOut,
     address_of,
@@ -272,6 +273,9 @@ class Executor:
                 self._open_channel(slot, request)
             case Handover():
                 self._handover(slot)
+            case Script():  # a script job: this process runs it to its end
+                return script.run(self.daemon, message, request, job, not slot.estimated,
+                                  slot.log, slot.cwd)
             case Run() if request is None:
                 slot.asked = False
                 self._refuse_busy_at_head(slot)

@@ -26,6 +26,11 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     suspend    job, swap?                              daemon        None
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
+    run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
+               priority?, devices?, restart? (+ the                  a script job; its executor
+               client's end of a socket pair)                        runs `command` as the
+                                                                     caller, its stdio the
+                                                                     client's (sent on the pair)
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
                                                                      output file from byte
@@ -40,6 +45,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from salus.daemon.engine import scripts
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.engine.report import job_info, snapshot
@@ -72,7 +78,8 @@ _WHILE_STOPPING = frozenset({"ping", "status", "close"})
 
 def _segment_bytes(frame: RawFrame, op: str) -> int | None:
     """The size of the shared-memory segment `frame` carries (None: it carries none), checked as
-    the executor will map it. Only `channel` carries a socket instead."""
+    the executor will map it. Only `channel` (and `run`, not forwarded) carries a socket
+    instead."""
     if frame.flags & FLAG_SOCKET:
         if op != "channel" or frame.compact or frame.flags & FLAG_SEGMENT:
             raise BadRequest("only a 'channel' request carries a socket, and nothing else")
@@ -120,6 +127,9 @@ class Handlers:
         if op in _FORWARDED:
             self._forward(client, op, request, frame, answer)
             return
+        if op == "run":
+            self._run(client, request, frame, answer)
+            return
         frame.close_fd()
         fn = self._ops.get(op)
         if fn is None:
@@ -163,6 +173,22 @@ class Handlers:
             self.engine.channel(record, frame, answer)
         else:
             self.engine.pull(record, frame, answer)
+
+    def _run(self, client: Client, request: dict[str, Any], frame: RawFrame,
+             answer: Answer) -> None:
+        """A script job (`salusd run`): the frame carries the client's end of a socket pair,
+        on which the client sends its stdin, stdout and stderr to the job's executor."""
+        if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
+            raise BadRequest("'run' carries the client's end of a socket pair, on which it "
+                             "sends its stdin, stdout and stderr")
+        command = scripts.check(request.get("command"), request.get("cwd"),
+                                request.get("env"), request.get("restart", "never"))
+        record = self.engine.run_script(
+            client.owner, request.get("name"), request.get("iterations"), command, frame,
+            priority=check_priority(request.get("priority", 1.0)),
+            devices=request.get("devices", 1))
+        client.jobs.add(record.job_id)
+        answer(ok_frame({"job": str(record.job_id), "threads": record.threads}))
 
     # ---- answered by the daemon --------------------------------------------------------------
     def _check_allowed(self, client: Client, op: str) -> None:
@@ -235,3 +261,11 @@ class Handlers:
 
     def _priority(self, client: Client, request: dict[str, Any]) -> None:
         self.engine.set_priority(self._record(client, request), request.get("priority"))
+
+
+def check_priority(priority: object) -> float:
+    """A job's scheduling weight: a number in (0, 1e12)."""
+    if isinstance(priority, bool) or not isinstance(priority, int | float) or not (
+            0 < priority < 1e12):
+        raise BadRequest(f"priority must be a number in (0, 1e12), got {priority!r}")
+    return float(priority)

@@ -41,7 +41,7 @@ class JobOut(BaseModel):
     id: int
     name: str
     owner: str
-    kind: Literal["interactive", "batch"]
+    kind: Literal["interactive", "batch", "script"]
     state: str
     reason: str
     iterations_done: int
@@ -59,6 +59,7 @@ class JobOut(BaseModel):
     resumed_from: int | None
     swapped: bool = Field(default=False, description="its state was moved to host memory")
     entrypoint: str | None = None
+    command: list[str] | None = Field(default=None, description="a script job's command")
     last_loss: float | None = None
     last_evaluation: float | str | None = None
     cache: dict[str, Any] | None = Field(default=None, description="counters of the job's "
@@ -74,11 +75,25 @@ class JobOut(BaseModel):
 
 class JobSubmit(Strict):
     name: str = Field(min_length=1, max_length=200)
-    entrypoint: str = Field(min_length=4, max_length=1024,
-                            pattern=r"^[^:\x00-\x1f\x7f]+\.py:[A-Za-z_]\w*$",
-                            description="file.py:function, the file under the daemon's "
-                            "--job-root (no control characters)")
-    iterations: int = Field(ge=1, le=MAX_ITERATIONS)
+    entrypoint: str | None = Field(
+        default=None, min_length=4, max_length=1024,
+        pattern=r"^[^:\x00-\x1f\x7f]+\.py:[A-Za-z_]\w*$",
+        description="a batch job: file.py:function, the file under the daemon's --job-root (no "
+        "control characters)")
+    command: list[str] | None = Field(
+        default=None, min_length=2, max_length=4096,
+        description="a script job instead: the interpreter and its arguments, [\"python\", "
+        "\"train.py\", ...], run unchanged as the token's owner; its output is the job's log")
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096,
+                            description="a script job's working directory (absolute)")
+    env: dict[str, str] | None = Field(default=None, description="a script job's environment "
+                                       "(default: HOME, USER, LOGNAME and a default PATH)")
+    restart: Literal["never", "on-failure"] = Field(
+        default="never", description="a script job's policy when salusd restarts while it "
+        "runs: fail it, or run its command again")
+    iterations: int | None = Field(default=None, ge=1, le=MAX_ITERATIONS,
+                                   description="required for a batch job; a script job's "
+                                   "planned iterations (optimizer steps), for SRTF")
     priority: float = Field(default=1.0, gt=0, lt=1e12)
     devices: int = Field(default=1, ge=1, le=1024, description="replicas on this node, one "
                          "per device (a data-parallel gang when above 1)")
@@ -98,6 +113,17 @@ class JobSubmit(Strict):
 
     @model_validator(mode="after")
     def _pipeline_options(self) -> JobSubmit:
+        if (self.entrypoint is None) == (self.command is None):
+            raise ValueError("give either 'entrypoint' (a batch job) or 'command' (a script "
+                             "job)")
+        if self.command is None and (self.cwd is not None or self.env is not None):
+            raise ValueError("'cwd' and 'env' are a script job's: give 'command' too")
+        if self.command is not None and self.cwd is None:
+            raise ValueError("a script job needs 'cwd', the absolute directory it runs in")
+        if self.entrypoint is not None and self.iterations is None:
+            raise ValueError("a batch job needs 'iterations'")
+        if self.command is not None and (self.pipeline or self.devices != 1 or self.nodes != 1):
+            raise ValueError("a script job runs on one device: no pipeline, devices or nodes")
         if not self.pipeline and (self.placement is not None or self.microbatches is not None):
             raise ValueError("'placement' and 'microbatches' are options of pipeline jobs: "
                              "add \"pipeline\": true")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +13,12 @@ from fastapi import APIRouter, Depends, Path, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
+from salus.daemon.engine import scripts
 from salus.daemon.rest.auth import Principal, principal
 from salus.daemon.rest.context import Context, check_owner, context
 from salus.daemon.rest.models import (
     ERRORS,
+    MAX_ITERATIONS,
     Checkpoint,
     CheckpointDone,
     JobOut,
@@ -94,13 +97,30 @@ async def get_log(job_id: int = JobId,
                              headers={"X-Salus-Next-Offset": str(next_offset)})
 
 
-@router.post("", response_model=JobOut, status_code=201, summary="Submit a batch job")
+@router.post("", response_model=JobOut, status_code=201,
+             summary="Submit a batch job or a script job")
 async def submit(body: JobSubmit, who: Principal = Depends(principal),
                  ctx: Context = Depends(context)) -> JobOut:
-    """The daemon imports `entrypoint` (a file under its `--job-root`) in an executor running
-    as the token's owner and drives the loop itself for `iterations` iterations; with
-    `devices` > 1 it runs as a gang of that many replicas, one per device (data-parallel);
-    with `nodes` > 1 the gang spans that many nodes of the cluster (submitted to each)."""
+    """A script job (`command`): an executor running as the token's owner runs the command
+    unchanged in `cwd` (what `salusd run` does), its optimizer steps the iteration boundaries
+    and its output the job's log (`GET /v1/jobs/{id}/log`).
+
+    A batch job (`entrypoint`): the daemon imports `entrypoint` (a file under its
+    `--job-root`) in an executor running as the token's owner and drives the loop itself for
+    `iterations` iterations; with `devices` > 1 it runs as a gang of that many replicas, one
+    per device (data-parallel); with `nodes` > 1 the gang spans that many nodes of the
+    cluster (submitted to each)."""
+    if body.command is not None:
+        command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
+                                body.restart)
+
+        def run() -> JobOut:
+            record = ctx.engine.run_script(who.owner, body.name,
+                                           body.iterations or MAX_ITERATIONS, command, None,
+                                           priority=body.priority)
+            return job_out(ctx.engine, record)
+        return await ctx.bridge.run(run)
+    assert body.entrypoint is not None and body.iterations is not None
     path, function = resolve_entrypoint(ctx.job_root, body.entrypoint)
 
     def start() -> JobOut:
@@ -110,6 +130,18 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
                                          pipeline=body.pipeline_options())
         return job_out(ctx.engine, record)
     return await ctx.bridge.run(start)
+
+
+def _script_env(who: Principal, env: dict[str, str] | None) -> dict[str, str]:
+    """A REST script job's environment: the owner's name and home and a default PATH, then
+    what the request gives."""
+    try:
+        entry = pwd.getpwuid(who.owner.uid)
+        home = entry.pw_dir
+    except KeyError:
+        home = "/"
+    name = who.owner.name
+    return {"HOME": home, "USER": name, "LOGNAME": name, "PATH": os.defpath, **(env or {})}
 
 
 def resolve_entrypoint(job_root: str, entrypoint: str) -> tuple[str, str]:

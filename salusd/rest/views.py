@@ -25,7 +25,8 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
                                 time=record.checkpoint_time, bytes=record.checkpoint_bytes)
     evaluation = record.last_evaluation
     return JobOut(
-        id=record.job_id, name=record.name, owner=record.owner.name, kind=record.kind,
+        id=record.job_id, name=record.name, owner=record.owner.name,
+        kind="script" if "command" in record.spec else record.kind,
         state=state, reason=record.reason,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
@@ -35,7 +36,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
             "ephemeral_estimate_bytes"],
         lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
         resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
-        entrypoint=record.spec.get("entrypoint"),
+        entrypoint=record.spec.get("entrypoint"), command=record.spec.get("command"),
         last_loss=record.last_loss, cache=record.cache, comm=record.comm,
         pipeline=record.spec.get("pipeline"), executor=info["executor"],
         last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
@@ -49,10 +50,12 @@ def row_out(row: JobRow) -> JobOut:
                                 bytes=row.checkpoint_bytes or 0, path=row.checkpoint_path)
     return JobOut(
         id=row.id, name=row.name, owner=row.owner,
-        kind="batch" if row.kind == "batch" else "interactive", state=row.state,
+        kind="batch" if row.kind == "batch" else "script" if "command" in row.spec
+        else "interactive", state=row.state,
         reason=row.reason, iterations_done=row.iterations_done,
         iterations_total=row.iterations_total or 0, device=None, lane=None,
         devices=spec_devices(row.spec), nodes=spec_nodes(row.spec),
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
-        entrypoint=row.spec.get("entrypoint"), pipeline=row.spec.get("pipeline"))
+        entrypoint=row.spec.get("entrypoint"), command=row.spec.get("command"),
+        pipeline=row.spec.get("pipeline"))

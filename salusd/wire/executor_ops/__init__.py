@@ -33,6 +33,12 @@ to the client as its answer. The executor also speaks unasked (`unsolicited`), b
   and before the executor reads any message from the daemon, so every decision sees them):
   calls, iterations, seconds, the largest peak. The daemon takes the lease back (`Lease` false,
   answered once any running call has returned) as soon as the job must share its lane or stop.
+- `Exited` (a script job's command ended, with its exit status) and `Progress` (what a
+  script's framework callback reports: its step, planned steps and loss).
+
+A script job (`Script`, `salusd/executor/script.py`) speaks the same `Ready` / `Run` /
+`Lease` / `Ran` protocol, with its iteration boundaries (optimizer steps, `salus.step()`) in
+place of direct calls.
 
 Whether a call is one of the job's iterations is decided by the executor (`is_iteration` in
 `salusd/executor/runtime.py`), which says so in each `CallDone`, `StepDone`, `Ready` and `Ran`;
@@ -63,6 +69,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Estimated,
     EstimateFailed,
     Exit,
+    Exited,
     Failed,
     GangPlace,
     HandedOver,
@@ -74,6 +81,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Message,
     PipelineOptions,
     Place,
+    Progress,
     Pull,
     Ran,
     Ready,
@@ -82,6 +90,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Request,
     Restore,
     Run,
+    Script,
     Step,
     StepDone,
     SwapOut,
@@ -110,6 +119,7 @@ __all__ = [
     "EstimateFailed",
     "Estimated",
     "Exit",
+    "Exited",
     "Failed",
     "GangPlace",
     "HandedOver",
@@ -121,6 +131,7 @@ __all__ = [
     "Message",
     "PipelineOptions",
     "Place",
+    "Progress",
     "Pull",
     "Ran",
     "Ready",
@@ -129,6 +140,7 @@ __all__ = [
     "Request",
     "Restore",
     "Run",
+    "Script",
     "Step",
     "StepDone",
     "SwapOut",

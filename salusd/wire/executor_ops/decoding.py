@@ -21,6 +21,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Estimated,
     EstimateFailed,
     Exit,
+    Exited,
     Failed,
     GangPlace,
     HandedOver,
@@ -31,6 +32,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Loaded,
     PipelineOptions,
     Place,
+    Progress,
     Pull,
     Ran,
     Ready,
@@ -39,6 +41,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Request,
     Restore,
     Run,
+    Script,
     Step,
     StepDone,
     SwapOut,
@@ -308,6 +311,19 @@ def _coded(cls: type[Refuse | Exit]) -> Callable[[Wire], Request]:
     return decode
 
 
+def _script(d: Wire) -> Script:
+    w = "'script'"
+    _only(d, w, _keys("op", "interpreter", "argv", "env", "resume_dir", "frame"))
+    argv = d.get("argv", _MISSING)
+    if type(argv) is not list or not all(type(a) is str for a in argv):
+        raise _bad(w, "argv", "a list of strings", argv)
+    env = d.get("env", _MISSING)
+    if type(env) is not dict or not all(type(v) is str for v in env.values()):
+        raise _bad(w, "env", "an object of strings", env)
+    return Script(_str(d, w, "interpreter"), tuple(argv), env, _str_or_none(d, w, "resume_dir"),
+                  _maybe_bool(d, w, "frame"))
+
+
 _REQUESTS: dict[str, Callable[[Wire], Request]] = {
     "become": _become, "host": _host, "handover": _bare(Handover), "adopt": _adopt,
     "attach": _attach, "define": _bare(Define), "pull": _bare(Pull),
@@ -315,7 +331,7 @@ _REQUESTS: dict[str, Callable[[Wire], Request]] = {
     "step": _bare(Step),
     "lease": _lease, "place": _place, "load": _load, "restore": _restore,
     "checkpoint": _checkpoint, "swap_out": _bare(SwapOut), "refuse": _coded(Refuse),
-    "exit": _coded(Exit),
+    "exit": _coded(Exit), "script": _script,
 }
 
 
@@ -414,6 +430,15 @@ def _ran_reply(d: Wire) -> Ran:
                _float(d, w, "ended"), _oom(d, w))
 
 
+def _progress_reply(d: Wire) -> Progress:
+    w = "'progress'"
+    _only(d, w, _keys("op", "unsolicited", "step", "max_steps", "loss", "forward"))
+    _false(d, w, "forward")
+    loss = d.get("loss", _MISSING)
+    return Progress(_int(d, w, "step"), _int_or_none(d, w, "max_steps"),
+                    None if loss is None else _float(d, w, "loss"))
+
+
 def _plain_reply(d: Wire, w: str, keys: frozenset[str]) -> bool:
     """Checks a reply's fields against `keys` (with ok and forward) and its ok: the forward
     flag."""
@@ -434,6 +459,12 @@ def decode_reply(d: object) -> Reply:
             return _ready_reply(d)
         if op == "ran":
             return _ran_reply(d)
+        if op == "exited":
+            _only(d, "'exited'", _keys("op", "unsolicited", "code", "forward"))
+            _false(d, "'exited'", "forward")
+            return Exited(_int(d, "'exited'", "code"))
+        if op == "progress":
+            return _progress_reply(d)
         raise ValueError(f"unknown unsolicited executor message {op!r}")
     if "handed_over" in d:
         w = "'handover' reply"

@@ -20,6 +20,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Estimated,
     EstimateFailed,
     Exit,
+    Exited,
     Failed,
     GangPlace,
     HandedOver,
@@ -30,19 +31,22 @@ from salus.daemon.wire.executor_ops.messages import (
     Loaded,
     Message,
     Place,
+    Progress,
     Pull,
     Ran,
     Ready,
     Refuse,
     Restore,
     Run,
+    Script,
     Step,
     StepDone,
     SwapOut,
     Wire,
 )
 
-_FRAME_OPS = frozenset({"attach", "define", "pull", "estimate", "run", "channel", "adopt"})
+_FRAME_OPS = frozenset({"attach", "define", "pull", "estimate", "run", "channel", "adopt",
+                        "script"})
 
 
 def client_frame_follows(meta: object) -> bool:
@@ -199,6 +203,9 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     SwapOut: lambda m: {"op": "swap_out"},
     Refuse: lambda m: {"op": "refuse", "code": m.code, "message": m.message},
     Exit: lambda m: {"op": "exit", "code": m.code, "message": m.message},
+    Script: lambda m: _with_frame({"op": "script", "interpreter": m.interpreter,
+                                   "argv": list(m.argv), "env": dict(m.env),
+                                   "resume_dir": m.resume_dir}, m.frame),
     Ack: lambda m: {"ok": True, "forward": m.forward},
     Failed: lambda m: ({"ok": False, "forward": m.forward} if m.message is None else
                        {"ok": False, "message": m.message, "forward": m.forward}),
@@ -216,4 +223,7 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     StepDone: _step_done,
     Ready: _ready,
     Ran: _ran,
+    Exited: lambda m: {"op": "exited", "unsolicited": True, "code": m.code, "forward": False},
+    Progress: lambda m: {"op": "progress", "unsolicited": True, "step": m.step,
+                         "max_steps": m.max_steps, "loss": m.loss, "forward": False},
 }

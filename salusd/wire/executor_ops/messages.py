@@ -240,6 +240,23 @@ class Refuse:
 
 
 @dataclass(frozen=True, slots=True)
+class Script:
+    """Run a script job's command (`salusd/executor/script.py`): `interpreter` is the command's
+    first word (the caller's `python`; the executor runs the script in that interpreter), `argv`
+    what follows it (`train.py ARGS`, `-m module ARGS`), `env` the caller's
+    environment, `resume_dir` the job's directory that survives restarts (None: none). With
+    `frame` true or None (left out of the wire) the client's socket follows, on which it sends
+    its stdin, stdout and stderr; with `frame` False the output goes to the job's log."""
+
+    op: ClassVar[str] = "script"
+    interpreter: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    resume_dir: str | None
+    frame: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Exit:
     """Exit now; direct calls still waiting get the error `code` with `message`."""
 
@@ -249,7 +266,8 @@ class Exit:
 
 
 Request = (Become | Host | Attach | Define | Pull | DirectChannel | Estimate | Run | Step | Lease
-           | Place | Load | Restore | Checkpoint | SwapOut | Refuse | Exit | Handover | Adopt)
+           | Place | Load | Restore | Checkpoint | SwapOut | Refuse | Exit | Handover | Adopt
+           | Script)
 
 
 # ---- executor → daemon ----------------------------------------------------------------------
@@ -403,6 +421,25 @@ class HandedOver:
     forward: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """Unsolicited: a script job's command ended with exit status `code` (a signal N that
+    the script died of in its own process is 128 + N, as a shell reports it)."""
+
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Unsolicited: what a script's framework callback knows (`salus.lightning`,
+    `salus.hf`): its own `step` count, its planned `max_steps` (None: unknown) and the last
+    logged `loss` (None: none)."""
+
+    step: int
+    max_steps: int | None
+    loss: float | None
+
+
 Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loaded | Checkpointed
-         | CallDone | StepDone | Ready | Ran)
+         | CallDone | StepDone | Ready | Ran | Exited | Progress)
 Message = Request | Reply

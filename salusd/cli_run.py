@@ -1,0 +1,227 @@
+"""`salusd run [OPTIONS] -- python train.py ARGS...`: run an unchanged script as a salusd job.
+
+The script runs in a salusd executor as the caller (uid, groups, working directory,
+environment, `sys.argv`), its iterations scheduled at its optimizer steps
+(`salusd/executor/script.py`). This process hands the executor its own stdin, stdout and stderr
+(on a socket pair whose other end travels to the executor through the daemon), so the script
+reads and writes the terminal as a direct run does; it then waits for the script's exit status
+and exits with it. The first Ctrl-C is raised in the script (SIGINT, as in a direct run); a
+second cancels the job. Exit statuses of its own: 125 when the job could not be run, 128 + N
+when the script died of signal N, 1 when the job ended otherwise (cancelled, the daemon went
+away), with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from types import FrameType
+from typing import Any
+
+from salus.daemon.wire.address import connect_unix, default_socket_path
+from salus.daemon.wire.errors import DaemonUnavailable, SalusError
+from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
+
+CANNOT_RUN = 125  # as `env` and container runners say "the command did not run"
+INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py)
+MAX_ITERATIONS = 2**53
+ENDED = ("finished", "failed", "cancelled")
+ENDED_WAIT_S = 10.0
+
+
+def add_parser(sub: Any) -> None:
+    text = "run an unchanged training script as a salusd job (like srun python train.py)"
+    cmd = sub.add_parser(
+        "run", help=text, description=text[0].upper() + text[1:] + ". Its optimizer steps are "
+        "the job's iteration boundaries; salus.step() adds more (SALUS_BOUNDARY=explicit: only "
+        "those). Output goes to this terminal; the exit status is the script's.",
+        usage="salusd run [OPTIONS] -- python SCRIPT [ARGS...]")
+    cmd.add_argument("--name", help="the job's name (default: the script's file name)")
+    cmd.add_argument("--iterations", type=int, default=None,
+                     help="planned iterations (optimizer steps), which SRTF uses (default: "
+                     "unknown)")
+    cmd.add_argument("--priority", type=float, default=1.0,
+                     help="the job's weight under the fair policy (default 1)")
+    cmd.add_argument("--devices", type=int, default=1, help="devices (a script job runs on 1)")
+    cmd.add_argument("--restart", choices=["never", "on-failure"], default="never",
+                     help="on-failure: if salusd restarts while the script runs, run it again "
+                     "(output to `salusd logs JOB`; keep checkpoints in salus.resume_dir())")
+    cmd.add_argument("--socket", metavar="PATH", default=None,
+                     help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
+    cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
+                     help="the interpreter and its arguments: python train.py ARGS...")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    try:
+        resolved = resolve(command)
+        path = os.path.abspath(args.socket) if args.socket else default_socket_path()
+        with contextlib.closing(_Link(connect_unix(path, 30.0))) as link:
+            return _run(link, resolved, args)
+    except (SalusError, ValueError, OSError) as exc:
+        print(f"salusd run: {exc}", file=sys.stderr)
+        return CANNOT_RUN
+
+
+def resolve(command: list[str]) -> list[str]:
+    """`command` with its interpreter resolved as the caller's shell would (a bare name on
+    PATH), its path made absolute."""
+    if len(command) < 2:
+        raise ValueError("nothing to run: salusd run [OPTIONS] -- python SCRIPT [ARGS...]")
+    if os.sep in command[0]:  # a path: the executor checks what it is
+        return [os.path.abspath(command[0]), *command[1:]]
+    found = shutil.which(command[0])
+    if found is None:
+        raise ValueError(f"{command[0]!r}: command not found")
+    return [os.path.abspath(found), *command[1:]]
+
+
+class _Link:
+    """Requests to salusd and their replies, in order, as JSON frames (without torch, which
+    the wire's tensor codec would import: this process starts in a fraction of a second)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(None)
+        self.sock = sock
+        self.reader = FrameReader(sock)
+        self.frames: deque[Any] = deque()
+
+    def send(self, request: dict[str, Any], fd: int | None = None) -> None:
+        frame = json_frame(request)
+        if fd is None:
+            self.sock.sendall(b"".join(frame.buffers()))
+            return
+        frame.flags |= FLAG_SOCKET
+        socket.send_fds(self.sock, [b"".join(frame.buffers())], [fd])
+
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.send(request)
+        return self.reply()
+
+    def reply(self) -> dict[str, Any]:
+        """The next reply's result; SalusError for an error reply."""
+        while not self.frames:
+            frames, closed = self.reader.read(0.0)
+            self.frames.extend(frames)
+            if closed and not self.frames:
+                raise DaemonUnavailable("salusd closed the connection")
+        frame = self.frames.popleft()
+        frame.close_fd()
+        result = reply_result(frame.json())
+        return result if isinstance(result, dict) else {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
+    hello = channel.call({"op": "ping"})
+    if hello.get("version") != VERSION:
+        raise ValueError("salusd speaks another protocol version: install matching versions")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours:
+        socket.send_fds(ours, [b"stdio"], _stdio())
+        request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
+                   "name": args.name or _name(command),
+                   "iterations": args.iterations or MAX_ITERATIONS,
+                   "priority": args.priority, "devices": args.devices, "restart": args.restart}
+        try:
+            channel.send(request, theirs.fileno())
+        finally:
+            theirs.close()
+        job = str(channel.reply()["job"])
+        return _wait(channel, ours, job)
+
+
+def _stdio() -> list[int]:
+    """This process's stdin, stdout and stderr (/dev/null for one that is closed)."""
+    fds = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            fds.append(os.open(os.devnull, os.O_RDWR))
+    return fds
+
+
+def _name(command: list[str]) -> str:
+    for arg in command[1:]:
+        if not arg.startswith("-"):
+            return os.path.basename(arg)[:200] or "script"
+    return "script"
+
+
+def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
+    """Forward Ctrl-C until the script's exit status comes; the status to exit with."""
+    interrupts = 0
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            with contextlib.suppress(OSError):
+                ours.send(INTERRUPT)
+        elif interrupts == 2:
+            print(f"\nsalusd run: cancelling job {job}", file=sys.stderr)
+            with contextlib.suppress(OSError):
+                channel.send({"op": "cancel", "job": job})
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        data = b""
+        while not data.endswith(b"\n"):
+            try:
+                chunk = ours.recv(4096)
+            except ConnectionResetError:  # closed with our descriptors unread: never started
+                chunk = b""
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if data.endswith(b"\n"):
+        _ended_info(channel, job)  # so that what follows sees the job ended
+        return int(json.loads(data)["exit"])
+    return _ended(channel, job)
+
+
+def _ended(channel: _Link, job: str) -> int:
+    """The script's executor went away without an exit status: say why, from the daemon."""
+    try:
+        info = _ended_info(channel, job)
+    except (SalusError, OSError) as exc:
+        print(f"salusd run: job {job}'s script was lost: {exc}", file=sys.stderr)
+        return 1
+    reason = str(info.get("reason") or info.get("state"))
+    print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
+    if reason.startswith("the script could not start"):
+        return CANNOT_RUN
+    died = re.search(r"died: signal (\d+)", reason)
+    if died:
+        return 128 + int(died.group(1))
+    status = re.search(r"died: exit status (\d+)", reason)
+    return int(status.group(1)) if status else 1
+
+
+def _ended_info(channel: _Link, job: str) -> dict[str, Any]:
+    """The job's info once the daemon has ended it (it learns of an exit or a death within
+    moments), or as it stands after ENDED_WAIT_S seconds."""
+    for _ in range(int(ENDED_WAIT_S / 0.02)):
+        info = channel.call({"op": "info", "job": job})
+        if info.get("state") in ENDED:
+            break
+        time.sleep(0.02)
+    return info

@@ -1,0 +1,335 @@
+"""A script job's executor: `python train.py ARGS` run unchanged in this process, as its caller.
+
+The executor has become the caller (uid, groups, working directory: `Become`); `Script` adds
+the caller's environment and arguments. With a client (`salusd run`) the client's own stdin,
+stdout and stderr descriptors arrive on its socket and become this process's 0, 1 and 2, so
+the script writes to the caller's terminal as a direct run does (C output and child processes
+too, in order) and reads the caller's stdin; a byte `I` on that socket is a Ctrl-C, raised in
+the script as SIGINT. Without a client (REST) stdin is empty and both streams go, through a
+pipe, to the job's log (bounded and rotated, `salusd/state/job_output.py`).
+
+Its iteration boundaries are `boundaries.py`'s: every optimizer step and `salus.step()`; the
+code before the first boundary is the first iteration, what follows the last one is not an
+iteration (a script without a boundary is one iteration).
+
+When the script ends the executor reports its exit status (`Exited`: 0, `sys.exit`'s code, 1
+for an uncaught exception, 130 for an uncaught KeyboardInterrupt) to the daemon and the client.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import io
+import json
+import logging
+import os
+import random
+import runpy
+import signal
+import socket
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from salus.adapters.torch import script as api
+from salus.daemon.executor import interpreter
+from salus.daemon.executor.boundaries import Boundaries, flush
+from salus.daemon.executor.output import OutputSink
+from salus.daemon.wire.channel import Channel
+from salus.daemon.wire.executor_ops import Ack, Failed, Script, addressed, encode
+
+log = logging.getLogger("salusd.executor")
+STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
+INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
+
+
+@dataclass(frozen=True)
+class Command:
+    """What the interpreter was asked to run: a script `path` or a `module` (`-m`), its
+    arguments, and whether output is unbuffered (`-u`, or `PYTHONUNBUFFERED`)."""
+
+    path: str | None
+    module: str | None
+    args: tuple[str, ...]
+    unbuffered: bool
+
+
+def parse_command(argv: tuple[str, ...], env: dict[str, str]) -> Command:
+    """`train.py ARGS`, `-u train.py ARGS` or `-m module ARGS`; ValueError for anything else
+    (salusd runs scripts, not an interactive interpreter)."""
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    rest = list(argv)
+    while rest and rest[0] == "-u":
+        unbuffered = True
+        rest.pop(0)
+    usage = "salusd runs `python [-u] SCRIPT ARGS...` or `python [-u] -m MODULE ARGS...`"
+    if not rest:
+        raise ValueError(f"no script to run: {usage}")
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            raise ValueError(f"-m needs a module name: {usage}")
+        return Command(None, rest[1], tuple(rest[2:]), unbuffered)
+    if rest[0].startswith("-"):
+        raise ValueError(f"the interpreter option {rest[0]!r} is not supported: {usage}")
+    return Command(rest[0], None, tuple(rest[1:]), unbuffered)
+
+
+# ---- the process becomes the script's ---------------------------------------------------------
+def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool,
+        log_path: str | None, cwd: str | None) -> bool:
+    """Run the script of job `job`'s `message` (the client's socket in `request`, when it has
+    one) in directory `cwd` to its end; False when it could not start (the daemon was told
+    why), True once it ran."""
+    fd = request.get("socket_fd") if isinstance(request, dict) else None
+    client = socket.socket(fileno=fd) if isinstance(fd, int) else None
+    env = _caller_env(message)
+    try:
+        command = parse_command(message.argv, message.env)
+        if client is None and message.frame is not False:
+            raise ValueError("the script's client sent no socket")
+        python = interpreter.resolve(message.interpreter, env)
+        if interpreter.elsewhere(python, env):
+            if daemon.buffered():  # the daemon spoke before the script started: it ended it
+                raise ValueError("the job ended before its script started")
+            state = {"daemon": daemon.sock.fileno(), "client": fd, "script": encode(message),
+                     "job": job, "threads": torch.get_num_threads(), "estimate": estimate,
+                     "log": log_path, "cwd": cwd}
+            interpreter.become(python, state, [daemon.sock.fileno(),
+                                               *([] if fd is None else [fd])], env)
+        stdio = _client_stdio(client) if client is not None else None
+    except (ValueError, OSError) as exc:
+        if client is not None:
+            client.close()
+        daemon.send(addressed(encode(Failed(str(exc)[:2000])), job))
+        return False
+    daemon.send(addressed(encode(Ack()), job))
+    daemon_log = _keep_daemon_log()
+    pump = _pump_to_log(log_path, daemon_log) if stdio is None else None
+    if stdio is not None:
+        _install_stdio(stdio)
+    _make_streams(command.unbuffered)
+    _become_the_script(message, command, cwd)
+    boundaries = Boundaries(daemon, job, estimate)
+    signal.signal(signal.SIGINT, boundaries.on_sigint)
+    if message.env.get(api.BOUNDARY_ENV) != "explicit":
+        register_optimizer_step_post_hook(lambda *_: boundaries.boundary())
+    api.install(boundaries.boundary, boundaries.progress)
+    if client is not None:
+        threading.Thread(target=_interrupts, args=(client,), daemon=True).start()
+    boundaries.start()
+    code = _execute(command)
+    _wind_down()
+    if pump is not None:
+        pump()
+    boundaries.exited(code)
+    _tell_client(client, code)
+    boundaries.drain()
+    return True
+
+
+def _client_stdio(client: socket.socket) -> list[int]:
+    """The client's stdin, stdout and stderr descriptors, sent on its socket."""
+    client.settimeout(STDIO_WAIT_S)
+    try:
+        _, fds, _, _ = socket.recv_fds(client, 16, 3)
+    except TimeoutError:
+        raise ValueError("the client sent no stdin, stdout and stderr") from None
+    client.settimeout(None)
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"the client sent {len(fds)} descriptors, not its stdin, stdout and "
+                         "stderr")
+    return fds
+
+
+def _install_stdio(fds: list[int]) -> None:
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _keep_daemon_log() -> TextIO:
+    """The executor's own log records keep going where they went (the daemon's stderr), not
+    into the script's stderr."""
+    stream = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    handlers = [h for logger in (logging.getLogger(), logging.getLogger("salusd"))
+                for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+    for handler in handlers:
+        handler.setStream(stream)
+    if not handlers:  # in the caller's interpreter (interpreter.py): none was set up yet
+        handler = logging.StreamHandler(stream)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("salusd").addHandler(handler)
+    return stream
+
+
+def _pump_to_log(path: str | None, fallback: TextIO) -> Callable[[], None] | None:
+    """Without a client: stdin is empty, and fds 1 and 2 are one pipe whose lines go to the
+    job's log file (`path`; None: the daemon's log, where they went before). Returns what
+    waits for the pipe's last lines once the script is done."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if path is None:
+        return None
+    sink = OutputSink(path, {"stdout": fallback, "stderr": fallback})
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump() -> None:
+        with open(read, "rb", buffering=0) as pipe:
+            partial = b""
+            while chunk := pipe.read(65536):
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    sink.line("stdout", line.decode("utf-8", "replace") + "\n")
+            if partial:
+                sink.line("stdout", partial.decode("utf-8", "replace"))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+
+    def drain() -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        thread.join(2.0)  # what the script's own children still write is not waited for
+
+    return drain
+
+
+def _make_streams(unbuffered: bool) -> None:
+    """`sys.stdin`, `sys.stdout`, `sys.stderr` over fds 0-2, buffered as the interpreter
+    makes them: stdout line-buffered on a terminal and in blocks otherwise, stderr by lines,
+    both written through with `-u`."""
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                 line_buffering=True)
+    sys.stdout = _writer(1, unbuffered, os.isatty(1), "strict")
+    sys.stderr = _writer(2, unbuffered, True, "backslashreplace")
+
+
+def _writer(fd: int, unbuffered: bool, lines: bool, errors: str) -> TextIO:
+    raw = io.FileIO(fd, "w", closefd=False)
+    size = os.fstat(fd).st_blksize
+    binary = raw if unbuffered else io.BufferedWriter(raw, size if size > 1 else 8192)
+    return io.TextIOWrapper(binary, errors=errors,
+                            line_buffering=lines or unbuffered, write_through=unbuffered)
+
+
+def _become_the_script(message: Script, command: Command, cwd: str | None) -> None:
+    """The caller's environment, argv, import path, signals and fresh random seeds (a forked
+    executor would otherwise repeat the zygote's streams)."""
+    env = _caller_env(message)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    first = (os.path.dirname(os.path.abspath(command.path)) if command.path is not None
+             else os.getcwd())
+    extra = [p for p in message.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:1] = [first, *extra]
+    sys.argv = [command.path or command.module or "", *command.args]
+    signal.set_wakeup_fd(-1)  # the zygote's, closed in this process: a signal would write there
+    random.seed()
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _caller_env(message: Script) -> dict[str, str]:
+    """The script's environment: who `Become` made the executor, then the caller's own, and
+    the job's resume directory."""
+    who = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if k in os.environ}
+    resume = {} if message.resume_dir is None else {api.RESUME_ENV: message.resume_dir}
+    return {**who, **message.env, **resume}
+
+
+def _execute(command: Command) -> int:
+    """Run the script as `__main__`: its exit status."""
+    try:
+        if command.module is not None:
+            runpy.run_module(command.module, run_name="__main__", alter_sys=True)
+        else:
+            assert command.path is not None
+            _run_path(command.path)
+    except SystemExit as exc:
+        return _exit_status(exc.code)
+    except BaseException as exc:
+        _print_exception(exc)
+        return 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+    return 0
+
+
+def _run_path(path: str) -> None:
+    """Run the file at `path` as the interpreter runs a script: as module `__main__` (so that
+    its classes pickle by reference to it), `__file__` absolute, `sys.argv[0]` as typed."""
+    path = os.path.abspath(path)
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def _exit_status(code: object) -> int:
+    """As the interpreter turns `sys.exit(code)` into a status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _print_exception(exc: BaseException) -> None:
+    """The traceback as a direct run prints it: from the script's own frames."""
+    tb = exc.__traceback__
+    ours = {__file__, runpy.__file__}
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+
+
+def _wind_down() -> None:
+    """What the interpreter does at exit: wait for the script's threads, run its `atexit`
+    functions, flush the streams."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    flush()
+
+
+def _interrupts(client: socket.socket) -> None:
+    """Raise SIGINT in the script for each Ctrl-C the client forwards."""
+    while True:
+        try:
+            data = client.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        for _ in range(data.count(INTERRUPT)):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def _tell_client(client: socket.socket | None, code: int) -> None:
+    if client is None:
+        return
+    with contextlib.suppress(OSError):  # the client went away; the daemon knows the status
+        client.sendall(json.dumps({"exit": code}).encode() + b"\n")

@@ -1,0 +1,573 @@
+"""`salusd run -- python train.py`: unchanged scripts as jobs of a real daemon.
+
+Every expected value comes from running the same script directly (`OMP_NUM_THREADS=1`; the
+daemon runs one intra-op thread per job): five public example scripts (`tests/examples/`, copies
+of pytorch/examples) end with bit-equal parameters, alone and two at once under `fair`; output,
+exit statuses, Ctrl-C, stdin, forks and scheduling commands behave as in a direct run.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from daemon_proc import salusd
+
+from salus.daemon.control import Control
+
+EXAMPLES = Path(__file__).parent / "examples"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One CPU device under `fair`: jobs that run at once share its one lane."""
+    tmp = tmp_path_factory.mktemp("salusd")
+    with salusd(tmp, "--policy", "fair", devices=1, memory="2G") as (_, address):
+        yield address
+
+
+def salusd_run(address: str, argv: list[str], cwd: Path, *options: str,
+               **popen: Any) -> subprocess.Popen[str]:
+    """`salusd run [options] -- python ARGV...` in `cwd` (the test's interpreter, as the
+    caller's shell would find it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+         address.removeprefix("unix://"), *options, "--", sys.executable, *argv],
+        cwd=cwd, text=True, **{"env": ENV, **popen})
+
+
+def direct(argv: list[str], cwd: Path, **popen: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, text=True,
+                            **{"env": ENV, **popen})
+
+
+def finish(proc: subprocess.Popen[str], stdin: str | None = None) -> tuple[int, str, str]:
+    out, err = proc.communicate(stdin, timeout=TIMEOUT_S)
+    return proc.returncode, out or "", err or ""
+
+
+# ---- five public examples ---------------------------------------------------------------------
+def write_data(cwd: Path) -> None:
+    """Synthetic, seeded data in the formats the examples read: Cora's two files (for gcn,
+    gat) and a word-level corpus (for word_language_model)."""
+    rng = np.random.default_rng(0)
+    (cwd / "cora").mkdir()
+    nodes, features, classes = 1700, 32, 7
+    with open(cwd / "cora" / "cora.content", "w") as f:
+        for i in range(nodes):
+            bits = " ".join(map(str, rng.integers(0, 2, features)))
+            f.write(f"{1000 + i} {bits} class{rng.integers(0, classes)}\n")
+    with open(cwd / "cora" / "cora.cites", "w") as f:
+        for a, b in rng.integers(0, nodes, (4000, 2)):
+            f.write(f"{1000 + a} {1000 + b}\n")
+    (cwd / "corpus").mkdir()
+    words = [f"w{i}" for i in range(60)]
+    for name, lines in (("train", 120), ("valid", 30), ("test", 30)):
+        with open(cwd / "corpus" / f"{name}.txt", "w") as f:
+            for _ in range(lines):
+                f.write(" ".join(rng.choice(words, rng.integers(3, 12))) + "\n")
+
+
+STATE = str(EXAMPLES / "run_saving_state.py")
+# name: (arguments after `python`, the files it saves that are compared)
+CASES: dict[str, tuple[list[str], list[str]]] = {
+    "mnist": ([str(EXAMPLES / "mnist" / "main.py"), "--epochs", "1", "--save-model",
+               "--no-accel", "--log-interval", "2"], ["mnist_cnn.pt"]),
+    "mnist_rnn": ([str(EXAMPLES / "mnist_rnn" / "main.py"), "--epochs", "1", "--save-model",
+                   "--log-interval", "2"], ["mnist_rnn.pt"]),
+    # No optimizer (it steps its parameters by hand): one iteration, the whole script.
+    "word_language_model": ([STATE, "state.pt", str(EXAMPLES / "word_language_model" /
+                                                    "main.py"),
+                             "--data", "corpus", "--epochs", "1", "--emsize", "16", "--nhid",
+                             "16", "--nlayers", "1", "--bptt", "8", "--batch_size", "4",
+                             "--save", "model.pt"], ["state.pt"]),
+    "gcn": ([STATE, "state.pt", str(EXAMPLES / "gcn" / "main.py"), "--epochs", "10",
+             "--no-accel"], ["state.pt"]),
+    "gat": ([STATE, "state.pt", str(EXAMPLES / "gat" / "main.py"), "--epochs", "2",
+             "--hidden-dim", "8", "--num-heads", "2", "--no-accel"], ["state.pt"]),
+}
+
+
+def saved(cwd: Path, names: list[str]) -> dict[str, Any]:
+    return {name: torch.load(cwd / name, weights_only=True) for name in names}
+
+
+def assert_equal(got: Any, want: Any, where: str = "") -> None:
+    """Every tensor bit-equal (max difference 0) and everything else equal."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_equal(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_equal(g, w, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), f"{where}: max difference {(got - want).abs().max()}"
+    else:
+        assert got == want, where
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """What each example saves when run directly (two at a time: the machine has 2 cores)."""
+    results: dict[str, dict[str, Any]] = {}
+    names = list(CASES)
+    for pair in (names[i:i + 2] for i in range(0, len(names), 2)):
+        runs = {}
+        for name in pair:
+            cwd = tmp_path_factory.mktemp(f"direct-{name}")
+            write_data(cwd)
+            runs[name] = (cwd, direct(CASES[name][0], cwd, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+        for name, (cwd, proc) in runs.items():
+            code, _, err = finish(proc)
+            assert code == 0, err
+            results[name] = saved(cwd, CASES[name][1])
+    return results
+
+
+@pytest.mark.slow
+def test_five_public_examples_end_bit_equal_to_their_direct_runs(
+        daemon: str, expected: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    for name, (argv, files) in CASES.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        write_data(cwd)
+        code, _, err = finish(salusd_run(daemon, argv, cwd, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE))
+        assert code == 0, f"{name}: {err}"
+        assert_equal(saved(cwd, files), expected[name], name)
+
+
+@pytest.mark.slow
+def test_two_examples_at_once_under_fair_share_the_lane_and_equal_their_direct_runs(
+        daemon: str, expected: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    runs = {}
+    for name in ("mnist", "gcn"):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        write_data(cwd)
+        runs[name] = (cwd, salusd_run(daemon, CASES[name][0], cwd, "--name", name,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    lanes = set()
+    with Control(daemon) as ctl:
+        while any(proc.poll() is None for _, proc in runs.values()) and len(lanes) < 2:
+            jobs = [j for j in ctl.status()["jobs"] if j["name"] in runs]
+            lanes |= {(j["name"], j["device"], j["lane"]) for j in jobs
+                      if j["lane"] is not None and len(jobs) == 2}
+            time.sleep(0.05)
+    assert len({(d, lane) for _, d, lane in lanes}) == 1, lanes  # both in one lane at once
+    for name, (cwd, proc) in runs.items():
+        code, _, err = finish(proc)
+        assert code == 0, f"{name}: {err}"
+        assert_equal(saved(cwd, CASES[name][1]), expected[name], name)
+
+
+# ---- frameworks: Lightning and Hugging Face Trainer -------------------------------------------
+FRAMEWORKS = Path(__file__).parent / "frameworks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file, steps", [("lightning_fit.py", 24), ("hf_trainer.py", 12)])
+def test_framework_trainers_equal_their_direct_runs_with_the_callback_and_without(
+        daemon: str, tmp_path: Path, file: str, steps: int) -> None:
+    """Unchanged, and with the one-line callback that reports the trainer's steps (its
+    max_steps become the job's planned iterations) and its logged loss."""
+    argv = [str(FRAMEWORKS / file), "model.pt"]
+    runs = {}
+    for how in ("direct", "plain", "callback"):
+        cwd = tmp_path / how
+        cwd.mkdir()
+        if how == "direct":
+            proc = direct(argv, cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        else:
+            extra = ["--callback"] if how == "callback" else []
+            proc = salusd_run(daemon, [*argv, *extra], cwd, "--name", f"{file}-{how}",
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        runs[how] = (cwd, proc)
+    for how, (_, proc) in runs.items():
+        code, _, err = finish(proc)
+        assert code == 0, f"{how}: {err}"
+    want = saved(runs["direct"][0], ["model.pt"])
+    for how in ("plain", "callback"):
+        assert_equal(saved(runs[how][0], ["model.pt"]), want, how)
+    with Control(daemon) as ctl:
+        plain, callback = (_ended_job(ctl, f"{file}-{how}") for how in ("plain", "callback"))
+    assert plain["iterations_done"] == callback["iterations_done"] == steps
+    assert plain["last_loss"] is None and plain["iterations_planned"] == 2**53
+    assert callback["iterations_planned"] == steps
+    assert isinstance(callback["last_loss"], float)
+
+
+def _ended_job(ctl: Control, name: str) -> dict[str, Any]:
+    """The info of the job named `name` (ended jobs are not in `status`: by id)."""
+    for job_id in range(1, 1000):
+        try:
+            info = ctl.info(str(job_id))
+        except Exception:  # no such job: the ids end here
+            break
+        if info["name"] == name:
+            return info
+    raise AssertionError(f"no job {name!r}")
+
+
+# ---- the process: output, exit status, signals, stdin, forks ---------------------------------
+def script(tmp_path: Path, body: str, name: str = "s.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+@pytest.mark.parametrize("ending, status", [
+    ("sys.exit(0)", 0),
+    ("sys.exit(3)", 3),
+    ("raise ValueError('bad value')", 1),
+    ("os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL),
+])
+def test_output_order_and_exit_status_are_a_direct_runs(
+        daemon: str, tmp_path: Path, ending: str, status: int) -> None:
+    path = script(tmp_path, f"""\
+        import os, signal, subprocess, sys
+        print("one", sys.argv[1:])
+        print("two to stderr", file=sys.stderr)
+        sys.stdout.flush()
+        subprocess.run(["echo", "three from a child"])
+        print("four", os.getcwd() == {str(tmp_path)!r}, os.environ["MARK"])
+        sys.stdout.flush()
+        {ending}
+    """)
+    env = {**ENV, "MARK": "caller's"}
+    want = finish(direct([str(path), "a b", "c"], tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT))
+    got = finish(salusd_run(daemon, [str(path), "a b", "c"], tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    assert got[0] == status
+    assert want[0] in (status, -signal.SIGKILL)
+    if status == 128 + signal.SIGKILL:  # salusd run says how the job ended, after the output
+        assert got[1].startswith(want[1]), got[1]
+        assert "signal 9 (SIGKILL)" in got[1][len(want[1]):]
+    else:
+        assert got[1] == want[1]
+
+
+def test_ctrl_c_is_the_scripts_keyboard_interrupt(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import time
+        try:
+            print("ready", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise SystemExit(5)
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    code, out, _ = finish(proc)
+    assert (code, out) == (5, "interrupted\n")
+
+
+def test_a_second_ctrl_c_cancels_the_job(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import time
+        import salus.adapters.torch as salus
+        print("ready", flush=True)
+        while True:
+            try:
+                time.sleep(0.01)
+                salus.step()
+            except KeyboardInterrupt:
+                print("ignored", flush=True)
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline() == "ignored\n"
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    assert code == 1
+    assert "cancelled" in err
+
+
+def test_stdin_is_the_callers(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import sys
+        for line in sys.stdin:
+            print(line.strip().upper())
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE)
+    assert finish(proc, "alpha\nbeta\n")[:2] == (0, "ALPHA\nBETA\n")
+
+
+def test_a_script_that_forks_and_steps_optimizers_in_both_processes(
+        daemon: str, tmp_path: Path) -> None:
+    """The child's optimizer steps are not boundaries of the job (only its executor asks for
+    turns); the parent's are, and both end as in a direct run."""
+    path = script(tmp_path, """\
+        import os, sys, torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        def train(steps):
+            for _ in range(steps):
+                opt.zero_grad()
+                model(torch.randn(8, 3)).pow(2).mean().backward()
+                opt.step()
+        pid = os.fork()
+        train(5)
+        who = "child" if pid == 0 else "parent"
+        torch.save(model.state_dict(), f"{who}.pt")
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("done")
+    """)
+    (tmp_path / "direct").mkdir()
+    (tmp_path / "job").mkdir()
+    assert finish(direct([str(path)], tmp_path / "direct", stdout=subprocess.PIPE)) == (
+        0, "done\n", "")
+    assert finish(salusd_run(daemon, [str(path)], tmp_path / "job",
+                             stdout=subprocess.PIPE)) == (0, "done\n", "")
+    for who in ("parent", "child"):
+        assert_equal(saved(tmp_path / "job", [f"{who}.pt"]),
+                     saved(tmp_path / "direct", [f"{who}.pt"]), who)
+
+
+def test_an_unsupported_interpreter_option_is_refused_clearly(
+        daemon: str, tmp_path: Path) -> None:
+    code, _, err = finish(salusd_run(daemon, ["-c", "print(1)"], tmp_path,
+                                     stderr=subprocess.PIPE))
+    assert code == 125
+    assert "the interpreter option '-c' is not supported" in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
+                    reason="creating a user and running as it needs root and useradd")
+def test_a_root_daemon_runs_the_script_as_its_caller(tmp_path: Path) -> None:
+    """`salusd run` by a user of the socket's group: the script runs with that user's uid,
+    gid and groups in the user's directory, and what it writes is the user's."""
+    tag = uuid.uuid4().hex[:6]
+    group, user = f"saluss{tag}", f"salusr{tag}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    try:
+        subprocess.run(["useradd", "-M", "-G", group, user], check=True, capture_output=True)
+        entry, gid = pwd.getpwnam(user), grp.getgrnam(group).gr_gid
+        root = Path(tempfile.mkdtemp(prefix="salusd-caller-"))
+        root.chmod(0o755)
+        home = root / "home"
+        home.mkdir()
+        os.chown(home, entry.pw_uid, entry.pw_gid)
+        path = script(home, """\
+            import json, os
+            with open("made.txt", "w") as f:
+                f.write("mine")
+            print(json.dumps({"uid": os.getuid(), "gid": os.getgid(),
+                              "groups": sorted(os.getgroups()), "cwd": os.getcwd()}))
+        """)
+        with salusd(root, "--group", group) as (_, address):
+            # The interpreter's files are root's here: it starts as root, then becomes the user.
+            become = ("import os, sys; from salus.daemon import cli, cli_run; "
+                      "args = cli.build_parser().parse_args(sys.argv[1:]); "
+                      f"os.setgroups([{entry.pw_gid}, {gid}]); os.setgid({entry.pw_gid}); "
+                      f"os.setuid({entry.pw_uid}); sys.exit(cli_run.run(args))")
+            proc = subprocess.Popen(
+                [sys.executable, "-c", become, "run", "--socket",
+                 address.removeprefix("unix://"), "--", sys.executable, str(path)],
+                cwd=home, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin", "HOME": str(home), "OMP_NUM_THREADS": "1"})
+            code, out, err = finish(proc)
+        assert code == 0, err
+        seen = json.loads(out)
+        assert (seen["uid"], seen["gid"], seen["cwd"]) == (entry.pw_uid, entry.pw_gid, str(home))
+        assert gid in seen["groups"]
+        assert (home / "made.txt").stat().st_uid == entry.pw_uid
+    finally:
+        subprocess.run(["userdel", user], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- the caller's interpreter ----------------------------------------------------------------
+def make_venv(where: Path, *, with_salusd: bool) -> Path:
+    """A virtualenv with a package of its own (`only_here`) that the daemon's lacks; with
+    `with_salusd`, the daemon's packages (salusd, torch) are importable in it too. Its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True,
+                   timeout=TIMEOUT_S)
+    python = where / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; "
+                                "print(sysconfig.get_paths()['purelib'])"], check=True,
+                               capture_output=True, text=True).stdout.strip())
+    (site / "only_here").mkdir()
+    (site / "only_here" / "__init__.py").write_text("VALUE = 42\n")
+    if with_salusd:
+        ours = sysconfig.get_paths()["purelib"]
+        (site / "daemon.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    return python
+
+
+@pytest.mark.slow
+def test_the_script_runs_in_the_callers_interpreter_with_its_packages(
+        daemon: str, tmp_path: Path) -> None:
+    """`python` is the caller's: a package only the caller's virtualenv has is imported; the
+    daemon's interpreter lacks it, as a direct run with that interpreter does; an interpreter
+    that cannot import salusd is refused with what to install."""
+    path = script(tmp_path, """\
+        import sys
+        import only_here
+        import torch
+        print(only_here.VALUE, sys.prefix)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        for _ in range(3):
+            opt.step()
+    """)
+    venv = make_venv(tmp_path / "venv", with_salusd=True)
+    bare = make_venv(tmp_path / "bare", with_salusd=False)
+    code, out, err = finish(subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+         daemon.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path, env=ENV,
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert (code, out) == (0, f"42 {tmp_path / 'venv'}\n"), err
+    code, _, err = finish(salusd_run(daemon, [str(path)], tmp_path, stderr=subprocess.PIPE))
+    assert code == 1 and "No module named 'only_here'" in err
+    code, _, err = finish(subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+         daemon.removeprefix("unix://"), "--", str(bare), str(path)], cwd=tmp_path, env=ENV,
+        text=True, stderr=subprocess.PIPE))
+    assert code == 125
+    assert f"{bare} cannot import salusd" in err and "pip install salusd==" in err
+
+
+# ---- scheduling at the boundaries --------------------------------------------------------------
+def test_suspend_resume_priority_and_status_act_at_boundaries(
+        daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import time
+        import salus.adapters.torch as salus
+        for i in range(400):
+            time.sleep(0.005)
+            salus.step()
+        print("done")
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, "--name", "boundaries",
+                      "--iterations", "400", stdout=subprocess.PIPE,
+                      env={**ENV, "SALUS_BOUNDARY": "explicit"})
+    with Control(daemon) as ctl:
+        job = _job_named(ctl, "boundaries")
+        while ctl.info(job)["iterations_done"] < 20:
+            time.sleep(0.02)
+        ctl.suspend(job)
+        time.sleep(0.3)  # the iteration running when suspended ends at its boundary
+        held = ctl.info(job)["iterations_done"]
+        time.sleep(0.3)
+        assert ctl.info(job)["iterations_done"] == held
+        assert ctl.info(job)["state"] == "suspended"
+        ctl.priority(job, 3.0)
+        ctl.resume(job)
+        while ctl.info(job)["iterations_done"] <= held:
+            time.sleep(0.02)
+        info = ctl.info(job)
+        assert info["iterations_planned"] == 400
+        assert info["mean_iteration_s"] > 0.004
+    assert finish(proc)[:2] == (0, "done\n")
+    with Control(daemon) as ctl:
+        info = ctl.info(job)
+    assert (info["state"], info["iterations_done"]) == ("finished", 400)
+    assert info["reason"].startswith("its command exited with status 0")
+
+
+def _job_named(ctl: Control, name: str) -> str:
+    for _ in range(500):
+        jobs = [j for j in ctl.status()["jobs"] if j["name"] == name]
+        if jobs:
+            return str(jobs[-1]["job_id"])
+        time.sleep(0.02)
+    raise AssertionError(f"no job {name!r}")
+
+
+# ---- REST, the job's log, restarts -------------------------------------------------------------
+@pytest.mark.slow
+def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
+        tmp_path: Path) -> None:
+    """`POST /v1/jobs {"command"}` runs the script with its output in the job's log (REST and
+    `salusd logs`); after `kill -9` and a restart the job that ran with `restart: never` is
+    failed saying why, and the `on-failure` one runs again and goes on from the checkpoint it
+    kept in `salus.resume_dir()`."""
+    from rest_client import connect, job, wait_for
+
+    path = script(tmp_path, """\
+        import os, sys, time
+        import salus.adapters.torch as salus
+        where = os.path.join(salus.resume_dir(), "done")
+        start = int(open(where).read()) if os.path.exists(where) else 0
+        print("from", start, "cwd", os.getcwd(), flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+        for i in range(start, int(sys.argv[1])):
+            time.sleep(0.02)
+            salus.step()
+            with open(where, "w") as f:
+                f.write(str(i + 1))
+        print("ended at", int(open(where).read()))
+    """)
+    body = {"command": [sys.executable, str(path)], "cwd": str(tmp_path),
+            "env": {"PATH": os.environ["PATH"]}}
+    with salusd(tmp_path, "--http", "127.0.0.1:0") as (proc, address):
+        with connect(tmp_path / "state") as client:
+            quick = client.post("/v1/jobs", json={**body, "name": "quick",
+                                                  "command": [*body["command"], "3"]})
+            assert quick.status_code == 201, quick.text
+            quick_id = quick.json()["id"]
+            assert quick.json()["kind"] == "script"
+            wait_for(lambda: job(client, quick_id)["state"] == "finished", "the quick job")
+            log = client.get(f"/v1/jobs/{quick_id}/log", params={"offset": 0}).text
+            assert log == f"from 0 cwd {tmp_path}\nto stderr\nended at 3\n"
+            logs = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "logs",
+                                   str(quick_id), "--socket", address.removeprefix("unix://")],
+                                  capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S)
+            assert logs.stdout == log
+            ids = {}
+            for restart in ("never", "on-failure"):
+                reply = client.post("/v1/jobs", json={
+                    **body, "name": restart, "restart": restart, "cwd": str(tmp_path),
+                    "command": [*body["command"], "100"]})
+                assert reply.status_code == 201, reply.text
+                ids[restart] = reply.json()["id"]
+            wait_for(lambda: all(job(client, i)["iterations_done"] >= 5
+                                 for i in ids.values()), "both jobs running")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with salusd(tmp_path, "--http", "127.0.0.1:0"), connect(tmp_path / "state") as client:
+        failed = wait_for(lambda: (j := job(client, ids["never"]))["state"] == "failed" and j,
+                          "the never job failed")
+        assert "salusd restarted while job" in failed["reason"]
+        assert "--restart on-failure" in failed["reason"]
+        wait_for(lambda: job(client, ids["on-failure"])["state"] == "finished",
+                 "the on-failure job reran to its end")
+        log = client.get(f"/v1/jobs/{ids['on-failure']}/log", params={"offset": 0}).text
+        starts = [int(line.split()[1]) for line in log.splitlines() if line.startswith("from")]
+        assert starts[0] == 0 and starts[1] >= 5, log
+        assert log.endswith("ended at 100\n")
