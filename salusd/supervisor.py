@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.engine.registry import JobRecord, Owner, may_share_executor
 from salus.daemon.loop import Link, Loop
 from salus.daemon.state.job_output import output_path
 from salus.daemon.wire.executor_ops import (
@@ -307,8 +307,7 @@ class Supervisor:
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
         proc = self._new_process(record.owner)
         script = "command" in record.spec  # a script job: the process runs its script
-        sharable = (self.isolation == "lane" and record.kind == "interactive"
-                    and record.gang == 1 and not script)
+        sharable = self.isolation == "lane" and may_share_executor(record)
         handle = ExecutorHandle(proc, record, replica, sharable)
         if not sharable:
             handle.why_alone = ("--isolation job" if self.isolation == "job" else

@@ -8,7 +8,7 @@ from typing import Any
 
 from salus.daemon.engine.core import Core, LaneKey
 from salus.daemon.engine.ledger import aligned
-from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.registry import JobRecord, may_share_executor
 from salus.daemon.wire.errors import DoesNotFit
 from salus.scheduler import Job
 from salus.scheduler.dispatch import Ready
@@ -43,8 +43,7 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
               name=record.name, priority=record.priority,
               done_iterations=record.done_before, gang=record.gang,
               exclusive=record.nodes > 1, inference=record.inference,
-              shares=core.config.share_lanes and record.kind == "interactive"
-              and record.gang == 1)
+              shares=core.config.share_lanes and may_share_executor(record))
     try:
         update = core.dispatch.submit(job, driven=record.kind == "batch",
                                       open_ended=record.kind == "interactive")

@@ -156,6 +156,14 @@ def check_iterations(iterations: object) -> int:
     return iterations
 
 
+
+def may_share_executor(record: JobRecord) -> bool:
+    """Whether the job's executor process may host its owner's other jobs of its lane: an
+    interactive job of one replica whose state lives in objects it attached (not a gang's
+    replica, a batch job, or a script job, whose process runs the script)."""
+    return record.kind == "interactive" and record.gang == 1 and "command" not in record.spec
+
+
 class Registry:
     """Live jobs by id, and ended ones for `retention_s` seconds (at most `keep_ended`)."""
 
