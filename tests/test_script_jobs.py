@@ -292,9 +292,12 @@ def test_a_second_ctrl_c_cancels_the_job(daemon: str, tmp_path: Path) -> None:
     path = script(tmp_path, """\
         import time
         import salus.adapters.torch as salus
-        print("ready", flush=True)
+        ready = True
         while True:
-            try:
+            try:  # a Ctrl-C right after the ready line is caught too
+                if ready:
+                    ready = False
+                    print("ready", flush=True)
                 time.sleep(0.01)
                 salus.step()
             except KeyboardInterrupt:

@@ -17,10 +17,13 @@ import unicodedata
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
+
+if TYPE_CHECKING:
+    from salus.daemon.engine.scripts import ScriptState
 
 Phase = Literal["open", "attached", "estimating", "submitted", "ended"]
 EndState = Literal["finished", "cancelled", "failed"]
@@ -103,6 +106,7 @@ class JobRecord:
     last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
     comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
+    script: ScriptState | None = None  # a script job's reruns and client (engine/scripts.py)
 
     @property
     def live(self) -> bool:

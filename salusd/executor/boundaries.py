@@ -124,14 +124,17 @@ class Boundaries:
             self._report_ran()
             self._send(Exited(code))
 
-    def drain(self) -> None:
-        """Answer the daemon until it lets the job go (`exit`, answered)."""
+    def drain(self) -> str | None:
+        """Answer the daemon until it lets the job go (`exit`, answered): the `Exit`'s code
+        (`restarting`: the command runs again elsewhere), None when the daemon went away."""
         with self.lock:
             while True:
                 try:
                     self._handle(self.daemon.recv(), ended=True)
-                except (ConnectionClosed, OSError, _Stop):
-                    return
+                except _Stop as stop:
+                    return stop.code
+                except (ConnectionClosed, OSError):
+                    return None
 
     # ---- the turn protocol ----------------------------------------------------------------
     def _begin(self) -> None:
@@ -186,17 +189,18 @@ class Boundaries:
             return
         match message:
             case Exit() if job is None:  # the whole process
-                raise _Stop(message.message)
+                raise _Stop(message.message, message.code)
             case Exit():
                 if ended:  # let go: the supervisor hears it from the answer
                     self._send(Ack())
-                raise _Stop(message.message)
+                raise _Stop(message.message, message.code)
             case Lease(granted=granted):
                 self.lease = granted
                 self._send(Ack())
             case Run():
                 self.asked = False
-                if self.lease:  # it went on under a lease granted meanwhile: nothing to run
+                if self.lease or ended:  # it went on under a lease granted meanwhile, or the
+                    # script ended: nothing to run
                     self._send(CallDone(False, 0.0, None, False, None, None, empty=True))
                 else:
                     self.granted = True
@@ -222,7 +226,12 @@ class Boundaries:
 
 
 class _Stop(BaseException):
-    """The daemon ended the job (cancel, shutdown): the script stops here."""
+    """The daemon ended the job (cancel, shutdown): the script stops here. `code`: the
+    `Exit`'s."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Ran:

@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -50,6 +51,8 @@ from salus.daemon.wire.executor_ops import Ack, Failed, Script, addressed, encod
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
 INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
+STDIO_AGAIN = b'{"stdio": true}\n'  # executor -> client: a rerun asks for the descriptors
+RESTARTING = "restarting"  # the `Exit` code of a run whose command runs again (engine/scripts.py)
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
                      "log": log_path, "cwd": cwd}
             interpreter.become(python, state, [daemon.sock.fileno(),
                                                *([] if fd is None else [fd])], env)
-        stdio = _client_stdio(client) if client is not None else None
+        stdio = _client_stdio(client, message.restart > 0) if client is not None else None
     except (ValueError, OSError) as exc:
         if client is not None:
             client.close()
@@ -123,21 +126,25 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     if message.env.get(api.BOUNDARY_ENV) != "explicit":
         register_optimizer_step_post_hook(lambda *_: boundaries.boundary())
     api.install(boundaries.boundary, boundaries.progress)
-    if client is not None:
-        threading.Thread(target=_interrupts, args=(client,), daemon=True).start()
+    stop_interrupts = _forward_interrupts(client) if client is not None else None
     boundaries.start()
     code = _execute(command)
     _wind_down()
     if pump is not None:
         pump()
+    if stop_interrupts is not None:  # before the daemon may hand the client to a rerun
+        stop_interrupts()
     boundaries.exited(code)
-    _tell_client(client, code)
-    boundaries.drain()
+    if boundaries.drain() != RESTARTING:  # a rerun tells the client its own status
+        _tell_client(client, code)
     return True
 
 
-def _client_stdio(client: socket.socket) -> list[int]:
-    """The client's stdin, stdout and stderr descriptors, sent on its socket."""
+def _client_stdio(client: socket.socket, ask: bool) -> list[int]:
+    """The client's stdin, stdout and stderr descriptors, sent on its socket (once unasked,
+    right after it connects; `ask`: a rerun asks for them again)."""
+    if ask:
+        client.sendall(STDIO_AGAIN)
     client.settimeout(STDIO_WAIT_S)
     try:
         _, fds, _, _ = socket.recv_fds(client, 16, 3)
@@ -315,17 +322,35 @@ def _wind_down() -> None:
     flush()
 
 
-def _interrupts(client: socket.socket) -> None:
-    """Raise SIGINT in the script for each Ctrl-C the client forwards."""
-    while True:
-        try:
-            data = client.recv(64)
-        except OSError:
-            return
-        if not data:
-            return
-        for _ in range(data.count(INTERRUPT)):
-            os.kill(os.getpid(), signal.SIGINT)
+def _forward_interrupts(client: socket.socket) -> Callable[[], None]:
+    """Raise SIGINT in the script for each Ctrl-C the client forwards, on a thread; returns
+    what stops that thread (no byte the client sends to a rerun is read here after it)."""
+    stop_read, stop_write = os.pipe()
+
+    def forward() -> None:
+        while True:
+            ready = select.select([client.fileno(), stop_read], [], [])[0]
+            if stop_read in ready:
+                return
+            try:
+                data = client.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for _ in range(data.count(INTERRUPT)):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        os.write(stop_write, b"x")
+        thread.join()
+        os.close(stop_read)
+        os.close(stop_write)
+
+    return stop
 
 
 def _tell_client(client: socket.socket | None, code: int) -> None:

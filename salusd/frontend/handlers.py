@@ -27,9 +27,9 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
     run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
-               priority?, devices?, restart? (+ the                  a script job; its executor
-               client's end of a socket pair)                        runs `command` as the
-                                                                     caller, its stdio the
+               priority?, devices?, restart?,          a script job; its executor
+               max_restarts? (+ the client's end of    runs `command` as the
+               a socket pair)                                        caller, its stdio the
                                                                      client's (sent on the pair)
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
@@ -182,7 +182,8 @@ class Handlers:
             raise BadRequest("'run' carries the client's end of a socket pair, on which it "
                              "sends its stdin, stdout and stderr")
         command = scripts.check(request.get("command"), request.get("cwd"),
-                                request.get("env"), request.get("restart", "never"))
+                                request.get("env"), request.get("restart", "never"),
+                                request.get("max_restarts", scripts.MAX_RESTARTS))
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),

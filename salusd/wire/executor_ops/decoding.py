@@ -313,15 +313,18 @@ def _coded(cls: type[Refuse | Exit]) -> Callable[[Wire], Request]:
 
 def _script(d: Wire) -> Script:
     w = "'script'"
-    _only(d, w, _keys("op", "interpreter", "argv", "env", "resume_dir", "frame"))
+    _only(d, w, _keys("op", "interpreter", "argv", "env", "resume_dir", "frame", "restart"))
     argv = d.get("argv", _MISSING)
     if type(argv) is not list or not all(type(a) is str for a in argv):
         raise _bad(w, "argv", "a list of strings", argv)
     env = d.get("env", _MISSING)
     if type(env) is not dict or not all(type(v) is str for v in env.values()):
         raise _bad(w, "env", "an object of strings", env)
+    restart = d.get("restart", 0)
+    if type(restart) is not int or restart < 0:
+        raise _bad(w, "restart", "a non-negative integer", restart)
     return Script(_str(d, w, "interpreter"), tuple(argv), env, _str_or_none(d, w, "resume_dir"),
-                  _maybe_bool(d, w, "frame"))
+                  _maybe_bool(d, w, "frame"), restart)
 
 
 _REQUESTS: dict[str, Callable[[Wire], Request]] = {

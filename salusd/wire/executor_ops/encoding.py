@@ -205,7 +205,8 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Exit: lambda m: {"op": "exit", "code": m.code, "message": m.message},
     Script: lambda m: _with_frame({"op": "script", "interpreter": m.interpreter,
                                    "argv": list(m.argv), "env": dict(m.env),
-                                   "resume_dir": m.resume_dir}, m.frame),
+                                   "resume_dir": m.resume_dir,
+                                   **({"restart": m.restart} if m.restart else {})}, m.frame),
     Ack: lambda m: {"ok": True, "forward": m.forward},
     Failed: lambda m: ({"ok": False, "forward": m.forward} if m.message is None else
                        {"ok": False, "message": m.message, "forward": m.forward}),

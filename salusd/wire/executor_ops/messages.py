@@ -246,7 +246,9 @@ class Script:
     what follows it (`train.py ARGS`, `-m module ARGS`), `env` the caller's
     environment, `resume_dir` the job's directory that survives restarts (None: none). With
     `frame` true or None (left out of the wire) the client's socket follows, on which it sends
-    its stdin, stdout and stderr; with `frame` False the output goes to the job's log."""
+    its stdin, stdout and stderr; with `frame` False the output goes to the job's log.
+    `restart`: how many times the command ran before (`--restart on-failure`); a rerun asks
+    its client for the stdin, stdout and stderr again (`{"stdio": true}` on its socket)."""
 
     op: ClassVar[str] = "script"
     interpreter: str
@@ -254,6 +256,7 @@ class Script:
     env: dict[str, str]
     resume_dir: str | None
     frame: bool | None = None
+    restart: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,172 @@
+"""Script jobs under the daemon's control: reruns after a failure (`--restart on-failure`),
+`suspend --swap`, metrics and policy switches while scripts run.
+
+One real daemon (one CPU device under `fair`, REST on); the expected parameters come from the
+same script run directly, uninterrupted (`OMP_NUM_THREADS=1`, as the daemon's executors run).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemon_proc import salusd
+from rest_client import connect, job, wait_for
+from test_script_jobs import ENV, assert_equal, direct, finish, salusd_run
+
+TRAIN = """\
+import os, sys, time
+import torch
+import salus.adapters.torch as salus
+
+# crash: none | die-once (os._exit(1)) | exit-once (sys.exit(3)) | exit-always
+crash, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+ckpt = os.path.join(salus.resume_dir(), "ckpt.pt")
+marker = os.path.join(salus.resume_dir(), "crashed")
+start = 0
+if os.path.exists(ckpt):
+    state = torch.load(ckpt)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    torch.set_rng_state(state["rng"])
+    start = state["step"]
+print("from", start, flush=True)
+for step in range(start, steps):
+    x = torch.randn(32, 8)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(pause)
+    if (step + 1) % 5 == 0:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                    "rng": torch.get_rng_state(), "step": step + 1}, ckpt)
+    if step == 12 and (crash == "exit-always" or crash.endswith("-once")
+                       and not os.path.exists(marker)):
+        open(marker, "w").close()
+        if crash == "die-once":
+            os._exit(1)
+        sys.exit(3)
+torch.save(model.state_dict(), out)
+print("done", flush=True)
+"""
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """One CPU device under `fair`, with REST; yields its address and state dir."""
+    tmp = tmp_path_factory.mktemp("salusd")
+    with salusd(tmp, "--policy", "fair", "--http", "127.0.0.1:0", devices=1,
+                memory="2G") as (_, address):
+        yield address, tmp / "state"
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The parameters of a direct, uninterrupted run."""
+    cwd = tmp_path_factory.mktemp("direct")
+    (cwd / "train.py").write_text(TRAIN)
+    code, _, err = finish(direct(["train.py", "none", str(STEPS), "out.pt"], cwd,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert code == 0, err
+    return dict(torch.load(cwd / "out.pt"))
+
+
+def _train_in(tmp_path: Path) -> Path:
+    (tmp_path / "train.py").write_text(TRAIN)
+    return tmp_path
+
+
+def _ended(daemon: tuple[str, Path], name: str) -> dict[str, Any]:
+    """The REST view of the last job named `name` (live or recently ended)."""
+    with connect(daemon[1]) as client:
+        jobs = [j for j in client.get("/v1/jobs").json() if j["name"] == name]
+    assert jobs, name
+    return dict(jobs[-1])
+
+
+# ---- --restart on-failure ---------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("crash", ["die-once", "exit-once"])
+def test_a_script_that_fails_once_reruns_from_its_checkpoint_and_ends_equal_to_a_direct_run(
+        daemon: tuple[str, Path], expected: dict[str, torch.Tensor], tmp_path: Path,
+        crash: str) -> None:
+    """Its process dies (`os._exit(1)`) or exits 3 at step 13, after a checkpoint at step 10;
+    the rerun goes on from that checkpoint, still attached to the caller's terminal, and ends
+    bit-equal to the uninterrupted direct run."""
+    cwd = _train_in(tmp_path)
+    code, out, err = finish(salusd_run(
+        daemon[0], ["train.py", crash, str(STEPS), "out.pt"], cwd, "--name", crash,
+        "--restart", "on-failure", stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert (code, out) == (0, "from 0\nfrom 10\ndone\n"), err
+    assert_equal(dict(torch.load(cwd / "out.pt")), expected)
+    info = _ended(daemon, crash)
+    assert info["state"] == "finished"
+    assert info["script"]["restarts"] == 1 and info["script"]["max_restarts"] == 3
+    why = "died: exit status 1" if crash == "die-once" else "exited with status 3"
+    assert why in info["script"]["last_failure"]
+
+
+@pytest.mark.slow
+def test_reruns_are_bounded_and_the_last_status_is_the_callers(
+        daemon: tuple[str, Path], tmp_path: Path) -> None:
+    cwd = _train_in(tmp_path)
+    code, out, err = finish(salusd_run(
+        daemon[0], ["train.py", "exit-always", str(STEPS), "out.pt"], cwd, "--name", "always",
+        "--restart", "on-failure", "--max-restarts", "2", stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE))
+    assert (code, out) == (3, "from 0\nfrom 10\nfrom 10\n"), err
+    info = _ended(daemon, "always")
+    assert info["state"] == "failed"
+    assert info["reason"].startswith("its command exited with status 3")
+    assert info["reason"].endswith("(after 2 of at most 2 restarts)")
+    (tmp_path / "never").mkdir()
+    code, out, _ = finish(salusd_run(
+        daemon[0], ["train.py", "exit-once", str(STEPS), "out.pt"], _train_in(tmp_path / "never"),
+        "--name", "never", stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert (code, out) == (3, "from 0\n")  # without --restart: no rerun
+    assert _ended(daemon, "never")["script"]["restarts"] == 0
+
+
+@pytest.mark.slow
+def test_rest_restart_on_failure_reruns_with_the_output_in_the_jobs_log(
+        daemon: tuple[str, Path], expected: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    cwd = _train_in(tmp_path)
+    with connect(daemon[1]) as client:
+        reply = client.post("/v1/jobs", json={
+            "name": "rest", "command": [sys.executable, "train.py", "die-once", str(STEPS),
+                                        "out.pt"],
+            "cwd": str(cwd), "env": {"PATH": os.environ["PATH"], **_threads()},
+            "restart": "on-failure", "max_restarts": 1})
+        assert reply.status_code == 201, reply.text
+        ident = reply.json()["id"]
+        done = wait_for(lambda: (j := job(client, ident))["state"] in (
+            "finished", "failed") and j, "the job's end")
+        assert done["state"] == "finished", done["reason"]
+        assert done["script"]["restarts"] == 1 and done["script"]["max_restarts"] == 1
+        log = client.get(f"/v1/jobs/{ident}/log", params={"offset": 0}).text
+    assert log == "from 0\nfrom 10\ndone\n"
+    assert_equal(dict(torch.load(cwd / "out.pt")), expected)
+
+
+def _threads() -> dict[str, str]:
+    return {"OMP_NUM_THREADS": ENV["OMP_NUM_THREADS"]}
+
+
+def _wait_until(check: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
