@@ -19,7 +19,9 @@ import pytest
 import torch
 from daemon_proc import salusd
 from rest_client import connect, job, wait_for
-from test_script_jobs import ENV, assert_equal, direct, finish, salusd_run
+from test_script_jobs import ENV, _job_named, assert_equal, direct, finish, salusd_run
+
+from salus.daemon.control import Control
 
 TRAIN = """\
 import os, sys, time
@@ -31,6 +33,7 @@ crash, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+teacher = torch.nn.Linear(8, 1).requires_grad_(False)  # no optimizer steps it
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 ckpt = os.path.join(salus.resume_dir(), "ckpt.pt")
 marker = os.path.join(salus.resume_dir(), "crashed")
@@ -44,7 +47,7 @@ if os.path.exists(ckpt):
 print("from", start, flush=True)
 for step in range(start, steps):
     x = torch.randn(32, 8)
-    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).sin())
+    loss = torch.nn.functional.mse_loss(model(x), teacher(x).sin())
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -159,6 +162,68 @@ def test_rest_restart_on_failure_reruns_with_the_output_in_the_jobs_log(
         log = client.get(f"/v1/jobs/{ident}/log", params={"offset": 0}).text
     assert log == "from 0\nfrom 10\ndone\n"
     assert_equal(dict(torch.load(cwd / "out.pt")), expected)
+
+
+# ---- suspend --swap ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_suspend_swap_reaches_the_stepped_optimizer_and_its_modules_and_the_script_ends_equal(
+        daemon: tuple[str, Path], expected: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """At a boundary the swap reaches the optimizer the step hook saw, its parameters,
+    gradients and momentum buffers, and the two Linear layers owning them; it leaves the
+    frozen teacher. On the CPU it moves no byte (the state is in host memory already), and
+    the script, resumed, ends bit-equal to its direct run."""
+    cwd = _train_in(tmp_path)
+    proc = salusd_run(daemon[0], ["train.py", "none", str(STEPS), "out.pt", "0.05"], cwd,
+                      "--name", "swap", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with Control(daemon[0]) as ctl:
+        ident = _job_named(ctl, "swap")
+        _wait_until(lambda: ctl.info(ident)["iterations_done"] >= 5, "five iterations")
+        ctl.suspend(ident, swap=True)
+        _wait_until(lambda: (ctl.info(ident)["script"]["swap"] or {}).get("swapped_out"),
+                    "the swap")
+        info = ctl.info(ident)
+        held = info["iterations_done"]
+        assert info["state"] == "suspended" and info["memory"]["swapped_out"]
+        floats = (8 * 16 + 16) + (16 * 1 + 1)  # the model's parameters
+        assert info["script"]["swap"] == {
+            "optimizers": 1, "modules": 2, "tensors": 3 * 4, "bytes": 3 * 4 * floats,
+            "moved_bytes": 0, "left_modules": info["script"]["swap"]["left_modules"],
+            "left_tensors": info["script"]["swap"]["left_tensors"],
+            "left_bytes": info["script"]["swap"]["left_bytes"], "device_bytes_left": None,
+            "note": info["script"]["swap"]["note"], "swapped_out": True}
+        swap = info["script"]["swap"]
+        assert swap["left_modules"] >= 1 and swap["left_tensors"] >= 2  # the teacher
+        assert swap["left_bytes"] >= 4 * (8 + 1)
+        time.sleep(0.3)
+        assert ctl.info(ident)["iterations_done"] == held
+        ctl.resume(ident)
+        _wait_until(lambda: not ctl.info(ident)["script"]["swap"]["swapped_out"], "the swap in")
+        assert ctl.info(ident)["script"]["swap"]["moved_back_bytes"] == 0
+    code, out, err = finish(proc)
+    assert (code, out) == (0, "from 0\ndone\n"), err
+    assert_equal(dict(torch.load(cwd / "out.pt")), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_swap_moves_the_reached_state_to_the_host_and_back_in_place() -> None:
+    from salus.daemon.executor.script_swap import ScriptSwap
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weight = model[0].weight
+    swap = ScriptSwap()
+    out = swap.out([opt])
+    floats = 64 * 64 + 64 + 64 + 1
+    assert out["moved_bytes"] == 4 * 4 * floats  # parameters, gradients, exp_avg, exp_avg_sq
+    assert out["bytes"] == out["moved_bytes"] + 4 * 4  # and Adam's steps, kept on the host
+    assert weight.device.type == "cpu" and opt.state[weight]["exp_avg"].device.type == "cpu"
+    assert swap.back()["moved_back_bytes"] == out["moved_bytes"]
+    assert model[0].weight is weight and weight.device.type == "cuda"
+    assert_equal(model.state_dict(), before)
 
 
 def _threads() -> dict[str, str]:

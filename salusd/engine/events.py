@@ -30,6 +30,8 @@ class Event:
       and ended while the job is live);
     - finish / cancelled / failed (reason, iterations_done): the job ended;
       executor_died (reason);
+    - restart (reason, restarts): a script job's command runs again (`--restart on-failure`);
+      script_swap (what a script job's `suspend --swap` moved and left, or moved back);
     - reject (reason): admission found the job can never fit (a `failed` follows);
     - checkpoint (iteration, seconds, bytes, path, time in Unix seconds): the job's state was
       written;

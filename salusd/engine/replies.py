@@ -91,6 +91,8 @@ class Replies:
             self._loaded(record, meta)
         elif sent.kind == "checkpoint":
             checkpoints.written(core, record, meta)
+        elif sent.kind in ("swap_out", "place") and isinstance(meta.get("swap"), dict):
+            scripts.swapped(core, record, meta["swap"])
         elif sent.kind == "place" and not ok and record.live:
             core.end(record, "failed", f"job {record.job_id} could not be placed: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")

@@ -200,6 +200,17 @@ def view(record: JobRecord) -> dict[str, Any] | None:
             "swap": state.swap or None}
 
 
+def swapped(core: Core, record: JobRecord, swap: dict[str, Any]) -> None:
+    """The executor moved what `suspend --swap` reaches of the script to host memory, or back
+    (`salusd/executor/script_swap.py`): kept for the job's views."""
+    state = record.script
+    if state is None:
+        return
+    back = "moved_back_bytes" in swap
+    state.swap = {**(state.swap if back else {}), **swap, "swapped_out": not back}
+    core.event("script_swap", record.job_id, **swap)
+
+
 def failed_reason(record: JobRecord, why: str) -> str:
     """`why` a job failed, with its reruns counted when it is a script job run with
     `on-failure`."""

@@ -6,7 +6,8 @@ boundaries is one of the job's iterations, scheduled as a direct call is: while 
 its lane's lease it goes on at once and what ran is reported in batches (`Ran`); otherwise the
 executor asks (`Ready`), waits for `Run`, and answers it with `CallDone` at the next boundary.
 Daemon messages are read at boundaries only, so a suspend, a cancel or another job's turn takes
-effect there; a job the daemon ended stops its script at its next boundary.
+effect there; a job the daemon ended stops its script at its next boundary. A `suspend --swap`
+moves what the optimizers seen so far reach to host memory there (`script_swap.py`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import select
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 from salus.daemon.executor.peak import PeakMeter
+from salus.daemon.executor.script_swap import ScriptSwap
 from salus.daemon.wire.channel import Channel, ConnectionClosed
 from salus.daemon.wire.executor_ops import (
     Ack,
@@ -30,6 +33,7 @@ from salus.daemon.wire.executor_ops import (
     Exited,
     Failed,
     Lease,
+    Place,
     Progress,
     Ran,
     Ready,
@@ -37,6 +41,8 @@ from salus.daemon.wire.executor_ops import (
     Reply,
     Run,
     Script,
+    SwapOut,
+    Swapped,
     address_of,
     addressed,
     client_frame_follows,
@@ -69,6 +75,8 @@ class Boundaries:
         self.main = threading.main_thread().ident
         self.inside = False  # the main thread is in a boundary: a Ctrl-C waits
         self.interrupted = False
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # stepped so far
+        self.swap = ScriptSwap()
 
     def start(self) -> None:
         """Before the script's first line: wait for the job's first turn."""
@@ -80,6 +88,13 @@ class Boundaries:
         job's next turn."""
         if os.getpid() == self.pid:
             self._turn(first=False)
+
+    def stepped(self, optimizer: Any, boundary: bool) -> None:
+        """An optimizer stepped (the global step post hook): `suspend --swap` reaches it from
+        now on; with `boundary`, its step ends an iteration."""
+        self.optimizers.add(optimizer)
+        if boundary:
+            self.boundary()
 
     def on_sigint(self, signum: int, frame: object) -> None:
         """The script's SIGINT handler (a Ctrl-C): a KeyboardInterrupt, as the interpreter's
@@ -209,8 +224,11 @@ class Boundaries:
                 raise _Stop(text)
             case Script():
                 self._send(Failed("this executor already runs a script"))
-            case _ if message.op in ("place", "swap_out"):
-                # The script owns its tensors and device: nothing is placed or moved for it.
+            case SwapOut():  # suspend --swap: what the stepped optimizers reach, to the host
+                self._send(Swapped(self.swap.out(list(self.optimizers))))
+            case Place() if self.swap.home:  # placed again after a swap: moved back
+                self._send(Swapped(self.swap.back()))
+            case Place():  # the script chose its device itself: nothing is placed for it
                 self._send(Ack())
             case _:
                 self._send(Failed(f"a script job cannot {message.op!r}: it keeps its own "

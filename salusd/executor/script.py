@@ -123,8 +123,8 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     _become_the_script(message, command, cwd)
     boundaries = Boundaries(daemon, job, estimate)
     signal.signal(signal.SIGINT, boundaries.on_sigint)
-    if message.env.get(api.BOUNDARY_ENV) != "explicit":
-        register_optimizer_step_post_hook(lambda *_: boundaries.boundary())
+    automatic = message.env.get(api.BOUNDARY_ENV) != "explicit"
+    register_optimizer_step_post_hook(lambda opt, *_: boundaries.stepped(opt, automatic))
     api.install(boundaries.boundary, boundaries.progress)
     stop_interrupts = _forward_interrupts(client) if client is not None else None
     boundaries.start()

@@ -45,6 +45,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Step,
     StepDone,
     SwapOut,
+    Swapped,
     Wire,
 )
 
@@ -477,6 +478,14 @@ def decode_reply(d: object) -> Reply:
                           _bool(d, w, "forward"))
     if "seconds" in d and "path" not in d:
         return _step_done_reply(d) if "iteration" in d else _call_done_reply(d)
+    if "swap" in d:
+        w = "'swap' reply"
+        forward = _plain_reply(d, w, _keys("swap"))
+        swap = d["swap"]
+        if type(swap) is not dict or not all(
+                type(v) in (int, str) or v is None for v in swap.values()):
+            raise _bad(w, "swap", "an object of ints, strings and nulls", swap)
+        return Swapped(swap, forward)
     if "path" in d:
         w = "'checkpoint' reply"
         forward = _plain_reply(d, w, _keys("iteration", "bytes", "seconds", "path", "time"))

@@ -42,6 +42,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Step,
     StepDone,
     SwapOut,
+    Swapped,
     Wire,
 )
 
@@ -227,4 +228,5 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Exited: lambda m: {"op": "exited", "unsolicited": True, "code": m.code, "forward": False},
     Progress: lambda m: {"op": "progress", "unsolicited": True, "step": m.step,
                          "max_steps": m.max_steps, "loss": m.loss, "forward": False},
+    Swapped: lambda m: {"ok": True, "swap": dict(m.swap), "forward": m.forward},
 }

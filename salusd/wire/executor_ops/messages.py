@@ -443,6 +443,15 @@ class Progress:
     loss: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Swapped:
+    """Done (a script job's `swap_out`, or its `place` after one): what the move reached and
+    what it left (`salusd/executor/script_swap.py`: counts, bytes, a note)."""
+
+    swap: dict[str, int | str | None]
+    forward: bool = False
+
+
 Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loaded | Checkpointed
-         | CallDone | StepDone | Ready | Ran | Exited | Progress)
+         | CallDone | StepDone | Ready | Ran | Exited | Progress | Swapped)
 Message = Request | Reply
