@@ -204,6 +204,84 @@ def test_suspend_swap_reaches_the_stepped_optimizer_and_its_modules_and_the_scri
     assert_equal(dict(torch.load(cwd / "out.pt")), expected)
 
 
+# ---- metrics, status and policy switches --------------------------------------------------------
+REPORTING = """\
+import os, time
+import torch
+from salus.adapters.torch import script as salus
+
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(10):
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    salus.report(i + 1, 10, 0.5 * (i + 1))  # as a framework callback does
+    time.sleep(0.03)
+while not os.path.exists("go"):  # no boundary: the job's figures stay as they are
+    time.sleep(0.01)
+"""
+
+
+def _metric(text: str, name: str, job_id: str) -> float | None:
+    """One sample of the exposition `text` (None: no such sample)."""
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{job_id="{job_id}"}} '):
+            return float(line.split()[-1])
+    return None
+
+
+@pytest.mark.slow
+def test_a_script_jobs_iterations_step_and_loss_show_in_metrics_and_status(
+        daemon: tuple[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "report.py").write_text(REPORTING)
+    proc = salusd_run(daemon[0], ["report.py"], tmp_path, "--name", "metrics",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with Control(daemon[0]) as ctl, connect(daemon[1]) as client:
+        ident = _job_named(ctl, "metrics")
+        _wait_until(lambda: ctl.info(ident)["iterations_done"] >= 9, "nine iterations")
+        _wait_until(lambda: _metric(client.get("/metrics").text, "salusd_job_step",
+                                    ident) == 10, "the tenth step's report")
+        time.sleep(0.1)  # what the executor sent is accounted
+        text = client.get("/metrics").text
+        done = next(j for j in ctl.status()["jobs"] if str(j["job_id"]) == ident)
+        # The last iteration under the lease is reported at the next boundary (the exit).
+        assert done["iterations_done"] in (9, 10)
+        assert _metric(text, "salusd_job_iterations_total", ident) == done["iterations_done"]
+        assert _metric(text, "salusd_job_loss", ident) == 5.0
+        assert _metric(text, "salusd_job_restarts_total", ident) == 0
+        assert f'salusd_job_info{{job_id="{ident}",kind="script",name="metrics"' in text
+        assert done["last_loss"] == 5.0 and done["iterations_planned"] == 10
+        (tmp_path / "go").touch()
+        assert finish(proc)[0] == 0
+        assert ctl.info(ident)["iterations_done"] == 10
+
+
+@pytest.mark.slow
+def test_policy_switches_while_two_scripts_run_under_fair_leave_both_equal_to_direct_runs(
+        daemon: tuple[str, Path], expected: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    runs = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        cwd = _train_in(tmp_path / name)
+        runs[name] = (cwd, salusd_run(daemon[0], ["train.py", "none", str(STEPS), "out.pt",
+                                                  "0.08"], cwd, "--name", f"policy-{name}",
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    with Control(daemon[0]) as ctl, connect(daemon[1]) as client:
+        idents = [_job_named(ctl, f"policy-{name}") for name in runs]
+        _wait_until(lambda: all(ctl.info(i)["iterations_done"] >= 3 for i in idents),
+                    "both scripts running")
+        for policy in ("srtf", "pack", "fifo", "fair"):
+            assert client.put("/v1/policy", json={"policy": policy}).status_code == 200
+            _wait_until(lambda p=policy: client.get("/v1/policy").json() == {  # type: ignore
+                "policy": p, "pending": None}, f"the switch to {policy}")
+        states = [ctl.info(i)["state"] for i in idents]
+        assert all(s in ("admitted", "running") for s in states), states  # switched meanwhile
+    for name, (cwd, proc) in runs.items():
+        code, out, err = finish(proc)
+        assert (code, out) == (0, "from 0\ndone\n"), f"{name}: {err}"
+        assert_equal(dict(torch.load(cwd / "out.pt")), expected, name)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_swap_moves_the_reached_state_to_the_host_and_back_in_place() -> None:

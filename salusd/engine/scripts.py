@@ -226,6 +226,9 @@ def progress(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     loss = meta.get("loss")
     if isinstance(loss, int | float):
         record.last_loss = float(loss)
+    step = meta.get("step")
+    core.event("progress", record.job_id, step=step if isinstance(step, int) else None,
+               max_steps=meta.get("max_steps"), loss=record.last_loss)
     max_steps = meta.get("max_steps")
     if (isinstance(max_steps, int) and 0 < max_steps <= MAX_ITERATIONS
             and max_steps != record.planned_iterations):
