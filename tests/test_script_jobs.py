@@ -436,25 +436,34 @@ def make_venv(where: Path, *, with_salusd: bool) -> Path:
 @pytest.mark.slow
 def test_the_script_runs_in_the_callers_interpreter_with_its_packages(
         daemon: str, tmp_path: Path) -> None:
-    """`python` is the caller's: a package only the caller's virtualenv has is imported; the
-    daemon's interpreter lacks it, as a direct run with that interpreter does; an interpreter
-    that cannot import salusd is refused with what to install."""
+    """`python` is the caller's: a package only the caller's virtualenv has is imported, in an
+    executor forked by a zygote of that interpreter, which stays warm for the next job; the
+    daemon's interpreter lacks the package, as a direct run with that interpreter does; an
+    interpreter that cannot import salusd is refused with what to install."""
     path = script(tmp_path, """\
-        import sys
+        import os, sys
         import only_here
         import torch
         print(only_here.VALUE, sys.prefix)
+        with open(f"/proc/{os.getppid()}/cmdline") as f:
+            print(os.getppid(), *f.read().split("\\0")[:3])
         opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         for _ in range(3):
             opt.step()
     """)
     venv = make_venv(tmp_path / "venv", with_salusd=True)
     bare = make_venv(tmp_path / "bare", with_salusd=False)
-    code, out, err = finish(subprocess.Popen(
-        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
-         daemon.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path, env=ENV,
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    assert (code, out) == (0, f"42 {tmp_path / 'venv'}\n"), err
+    parents = []
+    for _ in range(2):
+        code, out, err = finish(subprocess.Popen(
+            [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+             daemon.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path,
+            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        first, parent = out.splitlines()
+        assert (code, first) == (0, f"42 {tmp_path / 'venv'}"), err
+        parents.append(parent)
+    zygote = f"{venv} -m salus.daemon.executor.zygote"
+    assert parents[0] == parents[1] and parents[0].split(" ", 1)[1] == zygote, parents
     code, _, err = finish(salusd_run(daemon, [str(path)], tmp_path, stderr=subprocess.PIPE))
     assert code == 1 and "No module named 'only_here'" in err
     code, _, err = finish(subprocess.Popen(
