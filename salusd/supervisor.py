@@ -338,7 +338,7 @@ class Supervisor:
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
         script = "command" in record.spec  # a script job: the process runs its script
-        python = None
+        python = record.spec.get("python")  # a contract job's client's, when not ours
         if script and record.script is not None:
             command = record.script.command
             python = other_interpreter(command.command[0], command.env)
@@ -348,7 +348,9 @@ class Supervisor:
         if not sharable:
             handle.why_alone = ("--isolation job" if self.isolation == "job" else
                                 "a gang's replica" if record.gang > 1 else
-                                "a script job" if script else "a batch job")
+                                "a script job" if script else
+                                "an interactive job of another interpreter than the "
+                                "daemon's" if python is not None else "a batch job")
         proc.jobs[record.job_id] = handle
         log_file = (None if record.checkpoint_dir is None
                     else output_path(record.checkpoint_dir, replica))

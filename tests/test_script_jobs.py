@@ -464,6 +464,28 @@ def test_the_script_runs_in_the_callers_interpreter_with_its_packages(
         parents.append(parent)
     zygote = f"{venv} -m salus.daemon.executor.zygote"
     assert parents[0] == parents[1] and parents[0].split(" ", 1)[1] == zygote, parents
+    # A contract job's functions run under its client's interpreter: a function that uses
+    # the virtualenv's own package unpickles in an executor of the same warm zygote.
+    client = script(tmp_path, """\
+        import os
+        import only_here
+        import torch
+        import salus.adapters.torch as salus
+        with salus.connect("contract", 10) as job:
+            remote = job.attach(w=torch.ones(2))
+
+            @remote.function
+            def value(s):
+                return only_here.VALUE + int(s.w.sum()), os.getppid()
+
+            print(*value(), job.info()["executor"]["why"])
+    """, "client.py")
+    done = subprocess.run([str(venv), str(client)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**ENV, "SALUS_ADDRESS": daemon})
+    assert done.returncode == 0, done.stderr
+    value, parent, why = done.stdout.strip().split(" ", 2)
+    assert (int(value), parent) == (44, parents[0].split()[0])
+    assert why == "its own process: an interactive job of another interpreter than the daemon's"
     code, _, err = finish(salusd_run(daemon, [str(path)], tmp_path, stderr=subprocess.PIPE))
     assert code == 1 and "No module named 'only_here'" in err
     code, _, err = finish(subprocess.Popen(

@@ -164,8 +164,10 @@ def check_iterations(iterations: object) -> int:
 def may_share_executor(record: JobRecord) -> bool:
     """Whether the job's executor process may host its owner's other jobs of its lane: an
     interactive job of one replica whose state lives in objects it attached (not a gang's
-    replica, a batch job, or a script job, whose process runs the script)."""
-    return record.kind == "interactive" and record.gang == 1 and "command" not in record.spec
+    replica, a batch job, a script job, whose process runs the script, or a job whose client
+    runs another interpreter than the daemon's, whose executor runs that one)."""
+    return (record.kind == "interactive" and record.gang == 1
+            and "command" not in record.spec and "python" not in record.spec)
 
 
 class Registry:

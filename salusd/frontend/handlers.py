@@ -7,8 +7,8 @@ functions and arguments it carries stay pickled and go to the job's executor unt
 
     op         fields                                  answered by   result
     ping       max_frame_bytes?                        daemon        version, limits, owner
-    open       name, iterations, cwd?, devices?        daemon        {"job": id, "threads": n,
-                                                                     "devices": replicas}
+    open       name, iterations, cwd?, devices?,       daemon        {"job": id, "threads": n,
+               python? (the client's interpreter)                    "devices": replicas}
     attach     job, objects (pickled dict), rng?       executor      persistent bytes, threads
     define     job, fid, kind, fn (pickled)            executor      None
     call       job, fid | fn (pickled), args, rng?     executor      the pickled result (+ rng)
@@ -64,6 +64,7 @@ from salus.daemon.wire.frames import (
 )
 from salus.daemon.wire.refs import check_compact, check_json
 from salus.daemon.wire.segment import sealed_size
+from salus.daemon.zygotes import other_interpreter
 
 if TYPE_CHECKING:
     from salus.daemon.frontend.server import Client
@@ -208,8 +209,15 @@ class Handlers:
         cwd = request.get("cwd")
         if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= 4096):
             raise BadRequest("'cwd' must be a path of at most 4096 characters")
+        python = request.get("python")
+        if python is not None and not (isinstance(python, str) and os.path.isabs(python)
+                                       and len(python) <= 4096 and "\0" not in python):
+            raise BadRequest("'python' must be the client's interpreter, an absolute path of "
+                             "at most 4096 characters")
+        other = other_interpreter(python, {}) if python is not None else None
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
-                                  cwd, devices=request.get("devices", 1))
+                                  cwd, devices=request.get("devices", 1),
+                                  spec={"python": other} if other is not None else None)
         client.jobs.add(record.job_id)
         return {"job": str(record.job_id), "threads": record.threads,
                 "resumed_from": record.resumed_from, "devices": record.gang}
