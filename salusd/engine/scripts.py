@@ -25,13 +25,12 @@ from salus.daemon.engine.core import Core
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord
 from salus.daemon.wire.errors import BadRequest
-from salus.daemon.wire.executor_ops import Script
+from salus.daemon.wire.executor_ops import RESTARTING, Script
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
 
 RESTART_POLICIES = ("never", "on-failure")
 MAX_RESTARTS = 3  # as many as a Kubernetes Job's default backoffLimit would allow, about
 MAX_RESTARTS_LIMIT = 1000
-RESTARTING = "restarting"  # the code of the `Exit` that lets a failed run's executor go
 MAX_ARGS = 4096
 MAX_ENV_BYTES = 1 << 20
 

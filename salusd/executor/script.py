@@ -13,7 +13,10 @@ code before the first boundary is the first iteration, what follows the last one
 iteration (a script without a boundary is one iteration).
 
 When the script ends the executor reports its exit status (`Exited`: 0, `sys.exit`'s code, 1
-for an uncaught exception, 130 for an uncaught KeyboardInterrupt) to the daemon and the client.
+for an uncaught exception, 130 for an uncaught KeyboardInterrupt) to the daemon, and to the
+client once the daemon lets the job go, unless the command runs again (`--restart
+on-failure`): then the client's socket goes to the rerun's executor, which asks the client for
+its stdin, stdout and stderr again (`Script.restart`).
 """
 
 from __future__ import annotations
@@ -46,13 +49,12 @@ from salus.daemon.executor import interpreter
 from salus.daemon.executor.boundaries import Boundaries, flush
 from salus.daemon.executor.output import OutputSink
 from salus.daemon.wire.channel import Channel
-from salus.daemon.wire.executor_ops import Ack, Failed, Script, addressed, encode
+from salus.daemon.wire.executor_ops import RESTARTING, Ack, Failed, Script, addressed, encode
 
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
 INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
 STDIO_AGAIN = b'{"stdio": true}\n'  # executor -> client: a rerun asks for the descriptors
-RESTARTING = "restarting"  # the `Exit` code of a run whose command runs again (engine/scripts.py)
 
 
 @dataclass(frozen=True)

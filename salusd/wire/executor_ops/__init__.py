@@ -55,6 +55,7 @@ from salus.daemon.wire.executor_ops.decoding import decode_reply, decode_request
 from salus.daemon.wire.executor_ops.encoding import client_frame_follows, encode
 from salus.daemon.wire.executor_ops.envelope import address_of, addressed
 from salus.daemon.wire.executor_ops.messages import (
+    RESTARTING,
     Ack,
     Adopt,
     Attach,
@@ -137,6 +138,7 @@ __all__ = [
     "Pull",
     "Ran",
     "Ready",
+    "RESTARTING",
     "Refuse",
     "Reply",
     "Request",

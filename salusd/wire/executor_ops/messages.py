@@ -259,9 +259,13 @@ class Script:
     restart: int = 0
 
 
+RESTARTING = "restarting"  # the `Exit` code that lets a script job's failed run go: it reruns
+
+
 @dataclass(frozen=True, slots=True)
 class Exit:
-    """Exit now; direct calls still waiting get the error `code` with `message`."""
+    """Exit now; direct calls still waiting get the error `code` with `message` (a script
+    job's executor tells its client the exit status unless `code` is `RESTARTING`)."""
 
     op: ClassVar[str] = "exit"
     code: str
