@@ -496,6 +496,36 @@ def test_the_script_runs_in_the_callers_interpreter_with_its_packages(
     assert f"{bare} cannot import salusd" in err and "pip install salusd==" in err
 
 
+@pytest.mark.slow
+def test_the_zygote_of_another_interpreter_stops_with_the_daemon(tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import os
+        print(os.getppid())
+    """)
+    venv = make_venv(tmp_path / "venv", with_salusd=True)
+    with salusd(tmp_path) as (proc, address):
+        code, out, err = finish(subprocess.Popen(
+            [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+             address.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path,
+            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        assert code == 0, err
+        zygote = int(out)
+        with open(f"/proc/{zygote}/cmdline") as f:
+            assert f.read().split("\0")[:3] == [str(venv), "-m", "salus.daemon.executor.zygote"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    assert not os.path.exists(f"/proc/{zygote}") or _zombie_or_gone(zygote)
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie awaiting its parent's wait, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 # ---- scheduling at the boundaries --------------------------------------------------------------
 def test_suspend_resume_priority_and_status_act_at_boundaries(
         daemon: str, tmp_path: Path) -> None:
