@@ -6,9 +6,10 @@ environment, `sys.argv`), its iterations scheduled at its optimizer steps
 (on a socket pair whose other end travels to the executor through the daemon), so the script
 reads and writes the terminal as a direct run does; it then waits for the script's exit status
 and exits with it. The first Ctrl-C is raised in the script (SIGINT, as in a direct run); a
-second cancels the job. Exit statuses of its own: 125 when the job could not be run, 128 + N
-when the script died of signal N, 1 when the job ended otherwise (cancelled, the daemon went
-away), with the reason on stderr.
+second cancels the job. With `--restart on-failure` a failed run's command runs again, still
+attached to this terminal, and the status is the last run's. Exit statuses of its own: 125
+when the job could not be run, 128 + N when the script died of signal N, 1 when the job ended
+otherwise (cancelled, the daemon went away), with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py
 MAX_ITERATIONS = 2**53
 ENDED = ("finished", "failed", "cancelled")
 ENDED_WAIT_S = 10.0
+MAX_RESTARTS = 3  # as salusd/engine/scripts.py (not imported: it would load the engine)
 
 
 def add_parser(sub: Any) -> None:
@@ -53,8 +55,11 @@ def add_parser(sub: Any) -> None:
                      help="the job's weight under the fair policy (default 1)")
     cmd.add_argument("--devices", type=int, default=1, help="devices (a script job runs on 1)")
     cmd.add_argument("--restart", choices=["never", "on-failure"], default="never",
-                     help="on-failure: if salusd restarts while the script runs, run it again "
-                     "(output to `salusd logs JOB`; keep checkpoints in salus.resume_dir())")
+                     help="on-failure: when the script exits non-zero, its process dies or "
+                     "salusd restarts, run it again (keep checkpoints in salus.resume_dir())")
+    cmd.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, metavar="N",
+                     help=f"with --restart on-failure, at most N reruns (default "
+                     f"{MAX_RESTARTS})")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -136,7 +141,8 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
         request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
                    "name": args.name or _name(command),
                    "iterations": args.iterations or MAX_ITERATIONS,
-                   "priority": args.priority, "devices": args.devices, "restart": args.restart}
+                   "priority": args.priority, "devices": args.devices, "restart": args.restart,
+                   "max_restarts": args.max_restarts}
         try:
             channel.send(request, theirs.fileno())
         finally:
@@ -181,21 +187,34 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        data = b""
-        while not data.endswith(b"\n"):
-            try:
-                chunk = ours.recv(4096)
-            except ConnectionResetError:  # closed with our descriptors unread: never started
-                chunk = b""
-            if not chunk:
-                break
-            data += chunk
+        status = _status(ours)
     finally:
         signal.signal(signal.SIGINT, previous)
-    if data.endswith(b"\n"):
+    if status is not None:
         _ended_info(channel, job)  # so that what follows sees the job ended
-        return int(json.loads(data)["exit"])
+        return status
     return _ended(channel, job)
+
+
+def _status(ours: socket.socket) -> int | None:
+    """The script's exit status, once its (last) run sends it; None when the socket closed
+    without one. A rerun (`--restart on-failure`) asks for the descriptors again first."""
+    data = b""
+    while True:
+        try:
+            chunk = ours.recv(4096)
+        except ConnectionResetError:  # closed with our descriptors unread: never started
+            chunk = b""
+        if not chunk:
+            return None
+        data += chunk
+        while b"\n" in data:
+            line, data = data.split(b"\n", 1)
+            message = json.loads(line)
+            if "exit" in message:
+                return int(message["exit"])
+            if message.get("stdio"):
+                socket.send_fds(ours, [b"stdio"], _stdio())
 
 
 def _ended(channel: _Link, job: str) -> int:

@@ -10,11 +10,13 @@ Exposed (seconds and bytes; `job_id` series exist only while the job is live):
 | metric | labels | from |
 |---|---|---|
 | salusd_build_info | version | the installed package |
-| salusd_job_info (1) | job_id, name, owner, kind (interactive, batch) | open |
+| salusd_job_info (1) | job_id, name, owner, kind (interactive, batch, script) | open |
 | salusd_job_state (1 for the current state, else 0) | job_id, state | see `JOB_STATES` |
 | salusd_job_iterations_total | job_id | end, ran |
 | salusd_job_iteration_seconds (histogram) | job_id | end (1 iteration), ran (mean) |
 | salusd_job_persistent_bytes, salusd_job_ephemeral_bytes | job_id | submit, requeue |
+| salusd_job_restarts_total | job_id | restart (a script job's reruns) |
+| salusd_job_step, salusd_job_loss | job_id | progress (a script's framework callback) |
 | salusd_iterations_total | | end, ran |
 | salusd_jobs_total | state (finished, cancelled, failed) | finish, cancelled, failed |
 | salusd_device_{capacity,persistent,ephemeral,free}_bytes, salusd_device_lanes | device | memory |
@@ -98,6 +100,9 @@ class _Job:
     persistent_bytes: int = 0
     ephemeral_bytes: int = 0
     cache: dict[str, Any] | None = None  # the data cache's counters, as last reported
+    restarts: int = 0
+    step: int | None = None  # a script's framework step and loss, as last reported
+    loss: float | None = None
 
 
 def _version() -> str:
@@ -153,6 +158,12 @@ class Metrics(Collector):
                 job.ephemeral_bytes = int(d.get("peak", job.ephemeral_bytes))
             case "admit":
                 self._admissions += 1
+            case "restart" if job is not None:
+                job.restarts += 1
+            case "progress" if job is not None:
+                step, loss = d.get("step"), d.get("loss")
+                job.step = step if isinstance(step, int) else job.step
+                job.loss = float(loss) if isinstance(loss, int | float) else job.loss
             case "end" | "ran":
                 self._iterations_ran(e, job, max(0, int(d.get("iterations", 0))),
                                      max(0.0, float(d.get("seconds", 0.0))))
@@ -238,8 +249,21 @@ class Metrics(Collector):
         ephemeral = GaugeMetricFamily("salusd_job_ephemeral_bytes", "A live job's memory per "
                                       "call: its estimate, or its measured peak once it "
                                       "outgrew its lane.", labels=["job_id"])
+        restarts = CounterMetricFamily("salusd_job_restarts", "Times a live script job's "
+                                       "command ran again (--restart on-failure).",
+                                       labels=["job_id"])
+        step = GaugeMetricFamily("salusd_job_step", "A script's step as its framework "
+                                 "callback last reported it.", labels=["job_id"])
+        loss = GaugeMetricFamily("salusd_job_loss", "The loss a script's framework callback "
+                                 "last logged.", labels=["job_id"])
         for job_id, job in sorted(self._jobs.items()):
             jid = str(job_id)
+            if job.kind == "script":
+                restarts.add_metric([jid], job.restarts)
+            if job.step is not None:
+                step.add_metric([jid], job.step)
+            if job.loss is not None:
+                loss.add_metric([jid], job.loss)
             info.add_metric([jid, job.name, job.owner, job.kind], 1)
             now = job.state.state
             for s in JOB_STATES:
@@ -248,7 +272,8 @@ class Metrics(Collector):
             seconds.add_metric([jid], job.seconds.cumulative(), job.seconds.sum)
             persistent.add_metric([jid], job.persistent_bytes)
             ephemeral.add_metric([jid], job.ephemeral_bytes)
-        yield from (info, state, iterations, seconds, persistent, ephemeral)
+        yield from (info, state, iterations, seconds, persistent, ephemeral, restarts, step,
+                    loss)
         yield from self._cache_families()
 
         yield CounterMetricFamily("salusd_iterations", "Iterations run by all jobs.",

@@ -68,6 +68,7 @@ from salus.daemon.wire.executor_ops import (
     encode,
 )
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
+from salus.daemon.zygotes import OtherZygotes, Zygote, other_interpreter
 
 log = logging.getLogger("salusd.supervisor")
 
@@ -88,6 +89,7 @@ class ExecutorProcess:
     reported: bool = False
     kill_when_forked: bool = False
     pending: _Pending | None = None  # a reply whose frames are still to come
+    zygote: Zygote | None = None  # forked by a zygote of another interpreter (zygotes.py)
 
 
 @dataclass(eq=False)
@@ -218,6 +220,9 @@ class Supervisor:
         #: device index -> (its MPS server's pipe directory, the device's budget in bytes), for
         #: the GPUs with an MPS control daemon (`salusd/mps.py`), set by the daemon
         self.mps_clients: dict[int, tuple[str, int]] = {}
+        self.others = OtherZygotes(
+            loop, lambda: executor_environment(os.environ, self.gpu_uuids),
+            self._zygote_message, self._other_zygote_failed)
 
     # ---- zygote -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -251,7 +256,13 @@ class Supervisor:
         if op == "ready":
             self.zygote_ready = True
             log.info("executor zygote ready (pid %s)", message.get("pid"))
-        elif op == "forked":
+        else:
+            self._zygote_message(message)
+
+    def _zygote_message(self, message: dict[str, Any]) -> None:
+        """A zygote forked an executor (`forked`) or reaped one (`exited`)."""
+        op = message.get("op")
+        if op == "forked":
             proc = self._by_token.get(int(message.get("token", -1)))
             pid = int(message.get("pid", -1))
             if proc is not None and pid > 0:
@@ -277,24 +288,45 @@ class Supervisor:
             self._zygote.wait()
         self.start()
 
-    def _fork(self) -> ExecutorProcess:
+    def _fork(self, zygote: Zygote | None = None) -> ExecutorProcess:
+        """A new executor forked by the daemon's zygote, or by `zygote`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         token = next(self._tokens)
         proc = ExecutorProcess(token, Link(ours, self._executor_frame, self._executor_closed))
+        proc.zygote = zygote
         self.loop.add(proc.link)
         self._by_token[token] = proc
         self._by_link[id(proc.link)] = proc
-        assert self._zygote_link is not None
+        link = self._zygote_link if zygote is None else zygote.link
+        assert link is not None
         request = json_frame({"op": "fork", "token": token})
         request.flags |= FLAG_SEGMENT  # the descriptor that travels is the executor's socket
         request.fd = theirs.detach()
-        self.loop.send(self._zygote_link, request)
+        self.loop.send(link, request)
         return proc
 
-    def _new_process(self, owner: Owner) -> ExecutorProcess:
-        """A process of the standby pool, become `owner`."""
-        proc = self._standby.popleft() if self._standby else self._fork()
+    def _other_zygote_failed(self, zygote: Zygote, why: str) -> None:
+        """A zygote of another interpreter cannot serve: the jobs of the executors it never
+        forked fail with `why`."""
+        for proc in [p for p in self._by_token.values() if p.zygote is zygote and p.pid is None]:
+            proc.reported = proc.closed = True
+            self._by_token.pop(proc.token, None)
+            self._by_link.pop(id(proc.link), None)
+            self.loop.close(proc.link, why)
+            for handle in list(proc.jobs.values()):
+                script = "command" in handle.record.spec
+                self.on_died(handle, f"the {'script' if script else 'job'} could not start: "
+                                     f"{why}")
+            proc.jobs.clear()
+
+    def _new_process(self, owner: Owner, python: str | None = None) -> ExecutorProcess:
+        """A process of the standby pool (`python`: forked by that interpreter's zygote for
+        the owner), become `owner`."""
         who = identity(owner)
+        if python is not None:
+            proc = self._fork(self.others.get(python, who))
+        else:
+            proc = self._standby.popleft() if self._standby else self._fork()
         proc.uid = owner.uid
         self.loop.send(proc.link, json_frame(encode(Become(
             who["uid"], who["gid"], tuple(who["groups"]), who["user"], who["home"],
@@ -305,14 +337,20 @@ class Supervisor:
 
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
-        proc = self._new_process(record.owner)
         script = "command" in record.spec  # a script job: the process runs its script
+        python = record.spec.get("python")  # a contract job's client's, when not ours
+        if script and record.script is not None:
+            command = record.script.command
+            python = other_interpreter(command.command[0], command.env)
+        proc = self._new_process(record.owner, python)
         sharable = self.isolation == "lane" and may_share_executor(record)
         handle = ExecutorHandle(proc, record, replica, sharable)
         if not sharable:
             handle.why_alone = ("--isolation job" if self.isolation == "job" else
                                 "a gang's replica" if record.gang > 1 else
-                                "a script job" if script else "a batch job")
+                                "a script job" if script else
+                                "an interactive job of another interpreter than the "
+                                "daemon's" if python is not None else "a batch job")
         proc.jobs[record.job_id] = handle
         log_file = (None if record.checkpoint_dir is None
                     else output_path(record.checkpoint_dir, replica))
@@ -580,6 +618,7 @@ class Supervisor:
             self.loop.close(proc.link, "salusd stopped")
             if proc.status is None:
                 self._kill_process(proc)
+        self.others.stop()
         if self._zygote_link is not None:
             self.loop.close(self._zygote_link, "salusd stopped")
         if self._zygote is not None:

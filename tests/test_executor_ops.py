@@ -64,9 +64,11 @@ from salus.daemon.wire.executor_ops import (
     Request,
     Restore,
     Run,
+    Script,
     Step,
     StepDone,
     SwapOut,
+    Swapped,
     addressed,
     client_frame_follows,
     decode_reply,
@@ -106,6 +108,9 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Checkpoint, maybe(texts), ints),
     st.builds(Refuse, texts, texts),
     st.builds(Exit, texts, texts),
+    st.builds(Script, texts, st.lists(texts, max_size=3).map(tuple),
+              st.dictionaries(texts, texts, max_size=3), maybe(texts), maybe(st.booleans()),
+              st.integers(0, 2**31)),
 )
 
 
@@ -134,6 +139,8 @@ replies: st.SearchStrategy[Reply] = st.one_of(
     step_replies(),
     st.builds(Ready, st.booleans(), maybe(estimates)),
     st.builds(Ran, ints, ints, ints, floats, maybe(ints), floats, floats, st.booleans()),
+    st.builds(Swapped, st.dictionaries(texts, maybe(ints | texts), max_size=4),
+              st.booleans()),
 )
 
 

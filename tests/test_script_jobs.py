@@ -292,9 +292,12 @@ def test_a_second_ctrl_c_cancels_the_job(daemon: str, tmp_path: Path) -> None:
     path = script(tmp_path, """\
         import time
         import salus.adapters.torch as salus
-        print("ready", flush=True)
+        ready = True
         while True:
-            try:
+            try:  # a Ctrl-C right after the ready line is caught too
+                if ready:
+                    ready = False
+                    print("ready", flush=True)
                 time.sleep(0.01)
                 salus.step()
             except KeyboardInterrupt:
@@ -433,25 +436,56 @@ def make_venv(where: Path, *, with_salusd: bool) -> Path:
 @pytest.mark.slow
 def test_the_script_runs_in_the_callers_interpreter_with_its_packages(
         daemon: str, tmp_path: Path) -> None:
-    """`python` is the caller's: a package only the caller's virtualenv has is imported; the
-    daemon's interpreter lacks it, as a direct run with that interpreter does; an interpreter
-    that cannot import salusd is refused with what to install."""
+    """`python` is the caller's: a package only the caller's virtualenv has is imported, in an
+    executor forked by a zygote of that interpreter, which stays warm for the next job; the
+    daemon's interpreter lacks the package, as a direct run with that interpreter does; an
+    interpreter that cannot import salusd is refused with what to install."""
     path = script(tmp_path, """\
-        import sys
+        import os, sys
         import only_here
         import torch
         print(only_here.VALUE, sys.prefix)
+        with open(f"/proc/{os.getppid()}/cmdline") as f:
+            print(os.getppid(), *f.read().split("\\0")[:3])
         opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         for _ in range(3):
             opt.step()
     """)
     venv = make_venv(tmp_path / "venv", with_salusd=True)
     bare = make_venv(tmp_path / "bare", with_salusd=False)
-    code, out, err = finish(subprocess.Popen(
-        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
-         daemon.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path, env=ENV,
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    assert (code, out) == (0, f"42 {tmp_path / 'venv'}\n"), err
+    parents = []
+    for _ in range(2):
+        code, out, err = finish(subprocess.Popen(
+            [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+             daemon.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path,
+            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        first, parent = out.splitlines()
+        assert (code, first) == (0, f"42 {tmp_path / 'venv'}"), err
+        parents.append(parent)
+    zygote = f"{venv} -m salus.daemon.executor.zygote"
+    assert parents[0] == parents[1] and parents[0].split(" ", 1)[1] == zygote, parents
+    # A contract job's functions run under its client's interpreter: a function that uses
+    # the virtualenv's own package unpickles in an executor of the same warm zygote.
+    client = script(tmp_path, """\
+        import os
+        import only_here
+        import torch
+        import salus.adapters.torch as salus
+        with salus.connect("contract", 10) as job:
+            remote = job.attach(w=torch.ones(2))
+
+            @remote.function
+            def value(s):
+                return only_here.VALUE + int(s.w.sum()), os.getppid()
+
+            print(*value(), job.info()["executor"]["why"])
+    """, "client.py")
+    done = subprocess.run([str(venv), str(client)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env={**ENV, "SALUS_ADDRESS": daemon})
+    assert done.returncode == 0, done.stderr
+    value, parent, why = done.stdout.strip().split(" ", 2)
+    assert (int(value), parent) == (44, parents[0].split()[0])
+    assert why == "its own process: an interactive job of another interpreter than the daemon's"
     code, _, err = finish(salusd_run(daemon, [str(path)], tmp_path, stderr=subprocess.PIPE))
     assert code == 1 and "No module named 'only_here'" in err
     code, _, err = finish(subprocess.Popen(
@@ -460,6 +494,36 @@ def test_the_script_runs_in_the_callers_interpreter_with_its_packages(
         text=True, stderr=subprocess.PIPE))
     assert code == 125
     assert f"{bare} cannot import salusd" in err and "pip install salusd==" in err
+
+
+@pytest.mark.slow
+def test_the_zygote_of_another_interpreter_stops_with_the_daemon(tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import os
+        print(os.getppid())
+    """)
+    venv = make_venv(tmp_path / "venv", with_salusd=True)
+    with salusd(tmp_path) as (proc, address):
+        code, out, err = finish(subprocess.Popen(
+            [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+             address.removeprefix("unix://"), "--", str(venv), str(path)], cwd=tmp_path,
+            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        assert code == 0, err
+        zygote = int(out)
+        with open(f"/proc/{zygote}/cmdline") as f:
+            assert f.read().split("\0")[:3] == [str(venv), "-m", "salus.daemon.executor.zygote"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    assert not os.path.exists(f"/proc/{zygote}") or _zombie_or_gone(zygote)
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie awaiting its parent's wait, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 # ---- scheduling at the boundaries --------------------------------------------------------------

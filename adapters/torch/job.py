@@ -4,6 +4,7 @@ objects, and `close()` ends it."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -200,6 +201,7 @@ class Job(Connection):
         self.owner = reply.get("owner")
         self._compact = reply.get("compact") == compact.REVISION
         opened = self._request({"op": "open", "name": self.name, "iterations": self.iterations,
-                                "cwd": os.getcwd(), "devices": self.devices}).result()
+                                "cwd": os.getcwd(), "devices": self.devices,
+                                "python": sys.executable}).result()
         self.id, self.threads = str(opened["job"]), opened.get("threads")
         self.resumed_from = int(opened.get("resumed_from") or 0)

@@ -170,7 +170,8 @@ class Engine:
             record.checkpoint_dir = os.path.join(core.config.checkpoints.root,
                                                  str(record.job_id))
             core.config.checkpoints.make_dir(record.checkpoint_dir, owner)
-        core.event("open", record.job_id, owner=owner.name, name=record.name, job_kind=kind)
+        core.event("open", record.job_id, owner=owner.name, name=record.name,
+                   job_kind="script" if scripts.is_script(record) else kind)
         log.info("job %d %r opened by %s (%s, %d iterations planned)", record.job_id,
                  record.name, owner.name, kind, record.planned_iterations)
         return record

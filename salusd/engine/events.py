@@ -20,16 +20,19 @@ class Event:
     """One change: `kind`, the job (-1 for none), where, and details; `t` is seconds on the
     engine's clock. Kinds and their details (times in seconds, sizes in bytes):
 
-    - open (owner, name, job_kind), reattach (iteration: a restored job's client is back),
-      attach (persistent_bytes, and resumed_from after a restore), submit (persistent,
-      ephemeral, method), admit (device, lane), requeue (device, lane, peak), suspend (swap),
-      resume, swap_out, priority (priority);
+    - open (owner, name, job_kind: interactive, batch or script), reattach (iteration: a
+      restored job's client is back), attach (persistent_bytes, and resumed_from after a
+      restore), submit (persistent, ephemeral, method), admit (device, lane), requeue (device,
+      lane, peak), suspend (swap), resume, swap_out, priority (priority);
     - end: one call ended in a lane (seconds, iterations 0 or 1, ok, began and ended on the
       executor's monotonic clock; cache, the data cache's counters, when the job uses one);
     - ran: calls a leased job ran on its own (calls, iterations, seconds; with the lane, began
       and ended while the job is live);
     - finish / cancelled / failed (reason, iterations_done): the job ended;
       executor_died (reason);
+    - restart (reason, restarts): a script job's command runs again (`--restart on-failure`);
+      script_swap (what a script job's `suspend --swap` moved and left, or moved back);
+      progress (step, max_steps, loss): what a script's framework callback reported;
     - reject (reason): admission found the job can never fit (a `failed` follows);
     - checkpoint (iteration, seconds, bytes, path, time in Unix seconds): the job's state was
       written;

@@ -17,10 +17,13 @@ import unicodedata
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
+
+if TYPE_CHECKING:
+    from salus.daemon.engine.scripts import ScriptState
 
 Phase = Literal["open", "attached", "estimating", "submitted", "ended"]
 EndState = Literal["finished", "cancelled", "failed"]
@@ -103,6 +106,7 @@ class JobRecord:
     last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
     comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
+    script: ScriptState | None = None  # a script job's reruns and client (engine/scripts.py)
 
     @property
     def live(self) -> bool:
@@ -160,8 +164,10 @@ def check_iterations(iterations: object) -> int:
 def may_share_executor(record: JobRecord) -> bool:
     """Whether the job's executor process may host its owner's other jobs of its lane: an
     interactive job of one replica whose state lives in objects it attached (not a gang's
-    replica, a batch job, or a script job, whose process runs the script)."""
-    return record.kind == "interactive" and record.gang == 1 and "command" not in record.spec
+    replica, a batch job, a script job, whose process runs the script, or a job whose client
+    runs another interpreter than the daemon's, whose executor runs that one)."""
+    return (record.kind == "interactive" and record.gang == 1
+            and "command" not in record.spec and "python" not in record.spec)
 
 
 class Registry:

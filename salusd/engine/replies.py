@@ -91,6 +91,8 @@ class Replies:
             self._loaded(record, meta)
         elif sent.kind == "checkpoint":
             checkpoints.written(core, record, meta)
+        elif sent.kind in ("swap_out", "place") and isinstance(meta.get("swap"), dict):
+            scripts.swapped(core, record, meta["swap"])
         elif sent.kind == "place" and not ok and record.live:
             core.end(record, "failed", f"job {record.job_id} could not be placed: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
@@ -231,10 +233,14 @@ class Replies:
             where = f"while job {record.job_id} was between calls"
         error: SalusError
         was_live = record.live
-        if record.live:
+        again = scripts.executor_gone(core, record, f"{reason} {where}")
+        if again:  # a script job run with --restart on-failure: its command runs again
+            error = JobFailed(f"{reason} {where}")
+        elif record.live:
             error = JobFailed(f"{reason} {where}")
             log.warning("%s", error)
-            core.end(record, "failed", str(error), executor_gone=True)
+            core.end(record, "failed", scripts.failed_reason(record, str(error)),
+                     executor_gone=True)
         else:
             ended = JobFailed if record.end_state == "failed" else JobCancelled
             error = ended(f"job {record.job_id} ended: {record.reason}")
@@ -248,6 +254,8 @@ class Replies:
                 record.checkpointing -= 1
             if sent.on_done is not None:
                 sent.on_done({"ok": False, "message": str(error)})
-        if was_live:  # a gang without one replica cannot go on; an ended one's replicas
-            core.outbox.kill_all(record)  # were retired and may still be writing checkpoints
         core.event("executor_died", record.job_id, reason=reason)
+        if again:
+            scripts.rerun(core, record)
+        elif was_live:  # a gang without one replica cannot go on; an ended one's replicas
+            core.outbox.kill_all(record)  # were retired and may still be writing checkpoints

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from salus.daemon.engine import scripts
 from salus.daemon.engine.admission import RSS_NOISE_BYTES
 from salus.daemon.engine.jobstate import live_state
 from salus.daemon.engine.registry import JobRecord
@@ -51,6 +52,7 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "comm": record.comm,  # a gang's: bytes and calls of s.comm, the last "auto" pick
         "threads": record.threads,
         "last_loss": record.last_loss,  # a batch job's, or what a script's framework logged
+        "script": scripts.view(record),  # a script job's reruns and swap; None for others
         "executor_pid": getattr(record.executor, "pid", None),
         "executor": describe() if callable(describe := getattr(record.executor, "describe",
                                                                  None)) else None,

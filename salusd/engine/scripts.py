@@ -4,26 +4,33 @@ A script job is an interactive job whose one executor runs the caller's command 
 (`salusd/executor/script.py`) instead of serving a client's calls. Its iteration boundaries
 reach the engine as direct calls do (`Ready` / `Run` / `Lease` / `Ran`), so admission, leases,
 policies, suspend, resume, cancel and priority treat it as any interactive job. It ends when
-its command exits (`Exited`): finished with status 0, failed otherwise. Its process cannot
-outlive the daemon: after a restart the job is reported failed, saying so, or with
-`--restart on-failure` its command runs again (output to the job's log); its checkpoints are
-its own, in `salus.resume_dir()`.
+its command exits (`Exited`): finished with status 0, failed otherwise. With `--restart
+on-failure` (a Kubernetes Job's `restartPolicy: OnFailure`) a command that exits non-zero, or
+whose executor dies, runs again in a fresh executor, at most `max_restarts` times, keeping the
+job, its lane and its `salus.resume_dir()`; the client of `salusd run` stays attached across
+reruns (the daemon keeps a duplicate of its socket, on which each rerun asks for its stdio). Its
+process cannot outlive the daemon: after a restart the job is reported failed, saying so, or
+with `on-failure` its command runs again (output to the job's log); its checkpoints are its
+own, in `salus.resume_dir()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord
 from salus.daemon.wire.errors import BadRequest
-from salus.daemon.wire.executor_ops import Script
-from salus.daemon.wire.frames import RawFrame
+from salus.daemon.wire.executor_ops import RESTARTING, Script
+from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
 
 RESTART_POLICIES = ("never", "on-failure")
+MAX_RESTARTS = 3  # as many as a Kubernetes Job's default backoffLimit would allow, about
+MAX_RESTARTS_LIMIT = 1000
 MAX_ARGS = 4096
 MAX_ENV_BYTES = 1 << 20
 
@@ -37,9 +44,25 @@ class ScriptCommand:
     cwd: str
     env: dict[str, str]
     restart: str = "never"
+    max_restarts: int = MAX_RESTARTS
 
 
-def check(command: object, cwd: object, env: object, restart: object) -> ScriptCommand:
+@dataclass(eq=False)
+class ScriptState:
+    """A live script job's runs: how many reruns it had, why the next one starts (set once
+    its failed run's executor is asked to go), and a duplicate of its client's socket (a
+    descriptor, kept for reruns while the job may be rerun)."""
+
+    command: ScriptCommand
+    restarts: int = 0
+    restarting: str = ""
+    client_fd: int | None = None
+    last_failure: str = ""
+    swap: dict[str, Any] = field(default_factory=dict)
+
+
+def check(command: object, cwd: object, env: object, restart: object,
+          max_restarts: object = MAX_RESTARTS) -> ScriptCommand:
     """A `ScriptCommand` from a request's fields; BadRequest names what is wrong."""
     if (not isinstance(command, list) or not 2 <= len(command) <= MAX_ARGS
             or not all(isinstance(a, str) and "\0" not in a for a in command)):
@@ -56,14 +79,17 @@ def check(command: object, cwd: object, env: object, restart: object) -> ScriptC
         raise BadRequest(f"'env' holds more than {MAX_ENV_BYTES} characters")
     if restart not in RESTART_POLICIES:
         raise BadRequest(f"'restart' must be one of {list(RESTART_POLICIES)}, not {restart!r}")
-    return ScriptCommand(tuple(command), cwd, dict(env), str(restart))
+    if type(max_restarts) is not int or not 0 <= max_restarts <= MAX_RESTARTS_LIMIT:
+        raise BadRequest(f"'max_restarts' must be an integer from 0 to {MAX_RESTARTS_LIMIT}, "
+                         f"not {max_restarts!r}")
+    return ScriptCommand(tuple(command), cwd, dict(env), str(restart), max_restarts)
 
 
 def spec(command: ScriptCommand) -> dict[str, Any]:
     """What the durable registry keeps of the job: the environment only where the job may be
     rerun after a restart (`on-failure`), which needs it."""
     out: dict[str, Any] = {"command": list(command.command), "cwd": command.cwd,
-                           "restart": command.restart}
+                           "restart": command.restart, "max_restarts": command.max_restarts}
     if command.restart == "on-failure":
         out["env"] = command.env
     return out
@@ -77,8 +103,12 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
           frame: RawFrame | None) -> None:
     """Give the job an executor and start its command there; `frame` carries the client's
     socket (None: no client, the output goes to the job's log)."""
+    state = record.script
+    if state is None:
+        state = record.script = ScriptState(command)
+        if frame is not None and frame.fd is not None and command.restart == "on-failure":
+            state.client_fd = os.dup(frame.fd)
     core.outbox.acquire(record, 1)
-    record.direct = True  # its boundaries come from its executor, as a direct channel's calls
     resume = (None if record.checkpoint_dir is None
               else os.path.join(record.checkpoint_dir, "resume"))
 
@@ -86,22 +116,107 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
         if not record.live:
             return
         if meta.get("ok"):
-            record.phase = "attached"
+            record.direct = True  # its boundaries come from its executor, as direct calls
+            record.phase = "attached" if record.phase == "open" else record.phase
         else:
             core.end(record, "failed", "the script could not start: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
 
     script = Script(command.command[0], command.command[1:], command.env, resume,
-                    None if frame is not None else False)
+                    None if frame is not None else False, state.restarts)
     core.outbox.send(record, Sent("script", on_done=started), script, frame)
 
 
 def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
-    """The job's command exited with `meta["code"]`: the job ends."""
+    """The job's command exited with `meta["code"]`: the job ends, or with `on-failure` and
+    reruns left a non-zero status lets its executor go, and the command runs again once it
+    is gone (`executor_gone`)."""
     code = int(meta.get("code", 1))
-    if record.live:
-        core.end(record, "finished" if code == 0 else "failed",
-                 f"its command exited with status {code}: {_shown(record)}")
+    if not record.live:
+        return
+    why = f"its command exited with status {code}: {_shown(record)}"
+    if code != 0 and may_rerun(core, record):
+        assert record.script is not None
+        record.script.restarting = why
+        record.direct = False  # no lease for the run that ended
+        core.outbox.retire_all(record, RESTARTING, why)
+        return
+    core.end(record, "finished" if code == 0 else "failed", failed_reason(record, why))
+
+
+def may_rerun(core: Core, record: JobRecord) -> bool:
+    """Whether the live job's command runs again after a failure (`on-failure`, reruns left,
+    not being cancelled, salusd not stopping)."""
+    state = record.script
+    return (state is not None and record.live and not core.stopping
+            and not record.cancel_requested and state.command.restart == "on-failure"
+            and state.restarts < state.command.max_restarts)
+
+
+def executor_gone(core: Core, record: JobRecord, reason: str) -> bool:
+    """The job's executor is gone (`reason`): True when its command is to run again (the
+    caller frees what the old run held, then calls `rerun`); else the client's socket the
+    daemon kept is closed, so that `salusd run` hears the end."""
+    state = record.script
+    if state is None:
+        return False
+    if record.live and not core.stopping and (state.restarting or may_rerun(core, record)):
+        state.last_failure = state.restarting or reason
+        state.restarting = ""
+        return True
+    if state.client_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(state.client_fd)
+        state.client_fd = None
+    return False
+
+
+def rerun(core: Core, record: JobRecord) -> None:
+    """Run the job's command again in a fresh executor, in its resume directory, its client
+    (if it is still there) attached again."""
+    state = record.script
+    assert state is not None
+    state.restarts += 1
+    record.direct = False  # no lease until the new executor runs the script
+    record.calls.clear()  # the old run's turn requests (no client waits on them)
+    core.dispatch.withdraw(record.job_id)
+    core.event("restart", record.job_id, reason=state.last_failure, restarts=state.restarts)
+    frame = None
+    if state.client_fd is not None:
+        frame = json_frame({"op": "rerun"})
+        frame.flags |= FLAG_SOCKET
+        frame.fd = os.dup(state.client_fd)
+    start(core, record, state.command, frame)
+
+
+def view(record: JobRecord) -> dict[str, Any] | None:
+    """What status and info show of a script job (None for any other job)."""
+    state = record.script
+    if state is None:
+        return None
+    return {"restart": state.command.restart, "restarts": state.restarts,
+            "max_restarts": state.command.max_restarts, "last_failure": state.last_failure,
+            "swap": state.swap or None}
+
+
+def swapped(core: Core, record: JobRecord, swap: dict[str, Any]) -> None:
+    """The executor moved what `suspend --swap` reaches of the script to host memory, or back
+    (`salusd/executor/script_swap.py`): kept for the job's views."""
+    state = record.script
+    if state is None:
+        return
+    back = "moved_back_bytes" in swap
+    state.swap = {**(state.swap if back else {}), **swap, "swapped_out": not back}
+    core.event("script_swap", record.job_id, **swap)
+
+
+def failed_reason(record: JobRecord, why: str) -> str:
+    """`why` a job failed, with its reruns counted when it is a script job run with
+    `on-failure`."""
+    state = record.script
+    if state is None or state.command.restart != "on-failure":
+        return why
+    return f"{why} (after {state.restarts} of at most {state.command.max_restarts} restarts)"
 
 
 def progress(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
@@ -110,6 +225,9 @@ def progress(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     loss = meta.get("loss")
     if isinstance(loss, int | float):
         record.last_loss = float(loss)
+    step = meta.get("step")
+    core.event("progress", record.job_id, step=step if isinstance(step, int) else None,
+               max_steps=meta.get("max_steps"), loss=record.last_loss)
     max_steps = meta.get("max_steps")
     if (isinstance(max_steps, int) and 0 < max_steps <= MAX_ITERATIONS
             and max_steps != record.planned_iterations):
@@ -130,7 +248,8 @@ def restored(core: Core, record: JobRecord) -> None:
         return
     core.event("restart", record.job_id, reason=why)
     start(core, record, ScriptCommand(tuple(record.spec["command"]), str(record.spec["cwd"]),
-                                      dict(record.spec.get("env", {})), "on-failure"), None)
+                                      dict(record.spec.get("env", {})), "on-failure",
+                                      int(record.spec.get("max_restarts", MAX_RESTARTS))), None)
 
 
 def _shown(record: JobRecord) -> str:

@@ -6,7 +6,8 @@ boundaries is one of the job's iterations, scheduled as a direct call is: while 
 its lane's lease it goes on at once and what ran is reported in batches (`Ran`); otherwise the
 executor asks (`Ready`), waits for `Run`, and answers it with `CallDone` at the next boundary.
 Daemon messages are read at boundaries only, so a suspend, a cancel or another job's turn takes
-effect there; a job the daemon ended stops its script at its next boundary.
+effect there; a job the daemon ended stops its script at its next boundary. A `suspend --swap`
+moves what the optimizers seen so far reach to host memory there (`script_swap.py`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import select
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 from salus.daemon.executor.peak import PeakMeter
+from salus.daemon.executor.script_swap import ScriptSwap
 from salus.daemon.wire.channel import Channel, ConnectionClosed
 from salus.daemon.wire.executor_ops import (
     Ack,
@@ -30,6 +33,7 @@ from salus.daemon.wire.executor_ops import (
     Exited,
     Failed,
     Lease,
+    Place,
     Progress,
     Ran,
     Ready,
@@ -37,6 +41,8 @@ from salus.daemon.wire.executor_ops import (
     Reply,
     Run,
     Script,
+    SwapOut,
+    Swapped,
     address_of,
     addressed,
     client_frame_follows,
@@ -69,6 +75,8 @@ class Boundaries:
         self.main = threading.main_thread().ident
         self.inside = False  # the main thread is in a boundary: a Ctrl-C waits
         self.interrupted = False
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # stepped so far
+        self.swap = ScriptSwap()
 
     def start(self) -> None:
         """Before the script's first line: wait for the job's first turn."""
@@ -80,6 +88,13 @@ class Boundaries:
         job's next turn."""
         if os.getpid() == self.pid:
             self._turn(first=False)
+
+    def stepped(self, optimizer: Any, boundary: bool) -> None:
+        """An optimizer stepped (the global step post hook): `suspend --swap` reaches it from
+        now on; with `boundary`, its step ends an iteration."""
+        self.optimizers.add(optimizer)
+        if boundary:
+            self.boundary()
 
     def on_sigint(self, signum: int, frame: object) -> None:
         """The script's SIGINT handler (a Ctrl-C): a KeyboardInterrupt, as the interpreter's
@@ -124,14 +139,17 @@ class Boundaries:
             self._report_ran()
             self._send(Exited(code))
 
-    def drain(self) -> None:
-        """Answer the daemon until it lets the job go (`exit`, answered)."""
+    def drain(self) -> str | None:
+        """Answer the daemon until it lets the job go (`exit`, answered): the `Exit`'s code
+        (`restarting`: the command runs again elsewhere), None when the daemon went away."""
         with self.lock:
             while True:
                 try:
                     self._handle(self.daemon.recv(), ended=True)
-                except (ConnectionClosed, OSError, _Stop):
-                    return
+                except _Stop as stop:
+                    return stop.code
+                except (ConnectionClosed, OSError):
+                    return None
 
     # ---- the turn protocol ----------------------------------------------------------------
     def _begin(self) -> None:
@@ -186,17 +204,18 @@ class Boundaries:
             return
         match message:
             case Exit() if job is None:  # the whole process
-                raise _Stop(message.message)
+                raise _Stop(message.message, message.code)
             case Exit():
                 if ended:  # let go: the supervisor hears it from the answer
                     self._send(Ack())
-                raise _Stop(message.message)
+                raise _Stop(message.message, message.code)
             case Lease(granted=granted):
                 self.lease = granted
                 self._send(Ack())
             case Run():
                 self.asked = False
-                if self.lease:  # it went on under a lease granted meanwhile: nothing to run
+                if self.lease or ended:  # it went on under a lease granted meanwhile, or the
+                    # script ended: nothing to run
                     self._send(CallDone(False, 0.0, None, False, None, None, empty=True))
                 else:
                     self.granted = True
@@ -205,8 +224,11 @@ class Boundaries:
                 raise _Stop(text)
             case Script():
                 self._send(Failed("this executor already runs a script"))
-            case _ if message.op in ("place", "swap_out"):
-                # The script owns its tensors and device: nothing is placed or moved for it.
+            case SwapOut():  # suspend --swap: what the stepped optimizers reach, to the host
+                self._send(Swapped(self.swap.out(list(self.optimizers))))
+            case Place() if self.swap.home:  # placed again after a swap: moved back
+                self._send(Swapped(self.swap.back()))
+            case Place():  # the script chose its device itself: nothing is placed for it
                 self._send(Ack())
             case _:
                 self._send(Failed(f"a script job cannot {message.op!r}: it keeps its own "
@@ -222,7 +244,12 @@ class Boundaries:
 
 
 class _Stop(BaseException):
-    """The daemon ended the job (cancel, shutdown): the script stops here."""
+    """The daemon ended the job (cancel, shutdown): the script stops here. `code`: the
+    `Exit`'s."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Ran:

@@ -1,7 +1,11 @@
-"""A script job in the caller's interpreter, not the daemon's.
+"""A script job in the caller's interpreter, not the daemon's: the executor's fallback.
 
 A user's packages live in the user's environment (a virtualenv, conda, `pip --user`), not in
-the daemon's. When the command's interpreter (`python` as the caller's shell resolved it; on
+the daemon's. The daemon gives a job whose interpreter is another environment an executor
+forked by a warm zygote of that interpreter (`salusd/zygotes.py`), where this module finds the
+interpreter is its own. Where the daemon took it for its own environment but it is not (the
+daemon judges from the files beside the interpreter; this module asks the interpreter itself),
+this path runs it. When the command's interpreter (`python` as the caller's shell resolved it; on
 REST, as the job's `PATH` resolves it) is another environment than the executor's own, the
 executor, already the caller (uid, groups, directory), replaces itself with that interpreter
 (`execve`, same process: its pid, process group, parent-death signal and the daemon's socket
@@ -10,7 +14,7 @@ interpreter must import the same salusd as the daemon; it is checked first, in a
 that imports no torch, and a job whose interpreter cannot run it fails with what to install.
 
 What this costs: the caller's interpreter starts and imports torch for each such job (about
-a second), where the daemon's own interpreter forks a warm executor in milliseconds.
+a second), where a zygote forks a warm executor in milliseconds.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ code before the first boundary is the first iteration, what follows the last one
 iteration (a script without a boundary is one iteration).
 
 When the script ends the executor reports its exit status (`Exited`: 0, `sys.exit`'s code, 1
-for an uncaught exception, 130 for an uncaught KeyboardInterrupt) to the daemon and the client.
+for an uncaught exception, 130 for an uncaught KeyboardInterrupt) to the daemon, and to the
+client once the daemon lets the job go, unless the command runs again (`--restart
+on-failure`): then the client's socket goes to the rerun's executor, which asks the client for
+its stdin, stdout and stderr again (`Script.restart`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import os
 import random
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -45,11 +49,12 @@ from salus.daemon.executor import interpreter
 from salus.daemon.executor.boundaries import Boundaries, flush
 from salus.daemon.executor.output import OutputSink
 from salus.daemon.wire.channel import Channel
-from salus.daemon.wire.executor_ops import Ack, Failed, Script, addressed, encode
+from salus.daemon.wire.executor_ops import RESTARTING, Ack, Failed, Script, addressed, encode
 
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
 INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
+STDIO_AGAIN = b'{"stdio": true}\n'  # executor -> client: a rerun asks for the descriptors
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
                      "log": log_path, "cwd": cwd}
             interpreter.become(python, state, [daemon.sock.fileno(),
                                                *([] if fd is None else [fd])], env)
-        stdio = _client_stdio(client) if client is not None else None
+        stdio = _client_stdio(client, message.restart > 0) if client is not None else None
     except (ValueError, OSError) as exc:
         if client is not None:
             client.close()
@@ -120,24 +125,28 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     _become_the_script(message, command, cwd)
     boundaries = Boundaries(daemon, job, estimate)
     signal.signal(signal.SIGINT, boundaries.on_sigint)
-    if message.env.get(api.BOUNDARY_ENV) != "explicit":
-        register_optimizer_step_post_hook(lambda *_: boundaries.boundary())
+    automatic = message.env.get(api.BOUNDARY_ENV) != "explicit"
+    register_optimizer_step_post_hook(lambda opt, *_: boundaries.stepped(opt, automatic))
     api.install(boundaries.boundary, boundaries.progress)
-    if client is not None:
-        threading.Thread(target=_interrupts, args=(client,), daemon=True).start()
+    stop_interrupts = _forward_interrupts(client) if client is not None else None
     boundaries.start()
     code = _execute(command)
     _wind_down()
     if pump is not None:
         pump()
+    if stop_interrupts is not None:  # before the daemon may hand the client to a rerun
+        stop_interrupts()
     boundaries.exited(code)
-    _tell_client(client, code)
-    boundaries.drain()
+    if boundaries.drain() != RESTARTING:  # a rerun tells the client its own status
+        _tell_client(client, code)
     return True
 
 
-def _client_stdio(client: socket.socket) -> list[int]:
-    """The client's stdin, stdout and stderr descriptors, sent on its socket."""
+def _client_stdio(client: socket.socket, ask: bool) -> list[int]:
+    """The client's stdin, stdout and stderr descriptors, sent on its socket (once unasked,
+    right after it connects; `ask`: a rerun asks for them again)."""
+    if ask:
+        client.sendall(STDIO_AGAIN)
     client.settimeout(STDIO_WAIT_S)
     try:
         _, fds, _, _ = socket.recv_fds(client, 16, 3)
@@ -315,17 +324,35 @@ def _wind_down() -> None:
     flush()
 
 
-def _interrupts(client: socket.socket) -> None:
-    """Raise SIGINT in the script for each Ctrl-C the client forwards."""
-    while True:
-        try:
-            data = client.recv(64)
-        except OSError:
-            return
-        if not data:
-            return
-        for _ in range(data.count(INTERRUPT)):
-            os.kill(os.getpid(), signal.SIGINT)
+def _forward_interrupts(client: socket.socket) -> Callable[[], None]:
+    """Raise SIGINT in the script for each Ctrl-C the client forwards, on a thread; returns
+    what stops that thread (no byte the client sends to a rerun is read here after it)."""
+    stop_read, stop_write = os.pipe()
+
+    def forward() -> None:
+        while True:
+            ready = select.select([client.fileno(), stop_read], [], [])[0]
+            if stop_read in ready:
+                return
+            try:
+                data = client.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for _ in range(data.count(INTERRUPT)):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        os.write(stop_write, b"x")
+        thread.join()
+        os.close(stop_read)
+        os.close(stop_write)
+
+    return stop
 
 
 def _tell_client(client: socket.socket | None, code: int) -> None:

@@ -8,7 +8,9 @@ Forking a warm process takes milliseconds (PipeSwitch's pre-started workers, And
 and the torch pages the children share copy-on-write keep many executors cheap in memory.
 
 The zygote runs as the daemon's user and never runs job code; its children drop privileges
-before they receive any (`main.become`). It starts no threads before forking.
+before they receive any (`main.become`). It starts no threads before forking. A zygote of
+another interpreter (`salusd/zygotes.py`) runs as the owner whose jobs it forks, and first
+checks that it has the daemon's salusd version and torch.
 
 Nothing outlives the daemon or a job: the zygote gets SIGTERM when the daemon dies (Linux
 `PR_SET_PDEATHSIG`) and then kills every executor's process group; each executor leads its own
@@ -132,11 +134,16 @@ def _reap(sock: socket.socket) -> None:
             _send(sock, {"op": "exited", "pid": pid, "status": status})
 
 
-def serve(fd: int, daemon: int) -> int:
-    """Serve fork requests on socket `fd` until the daemon (pid `daemon`) closes it or dies."""
+def serve(fd: int, daemon: int, want: str | None = None) -> int:
+    """Serve fork requests on socket `fd` until the daemon (pid `daemon`) closes it or dies.
+    `want`: the daemon's salusd version, for a zygote of another interpreter
+    (`salusd/zygotes.py`), which refuses to serve without that version and torch."""
     signal.signal(signal.SIGTERM, _daemon_died)
     die_with_parent(signal.SIGTERM, daemon)
     reap_orphans()
+    if want is not None and (why := _cannot_serve(want)):
+        _send_blocking(socket.socket(fileno=fd), {"op": "refused", "message": why})
+        return 1
     import torch  # noqa: F401 - imported here once, shared by every executor
 
     from salus.daemon.executor import main  # noqa: F401 - the executors' code, preloaded
@@ -169,6 +176,24 @@ def serve(fd: int, daemon: int) -> int:
                 return 0
 
 
+def _cannot_serve(want: str) -> str:
+    """Why this interpreter cannot run the daemon's executors ('' when it can)."""
+    import importlib.metadata
+    import importlib.util
+
+    python = sys.executable
+    try:
+        have = importlib.metadata.version("salusd")
+    except importlib.metadata.PackageNotFoundError:
+        have = "unknown"
+    if have != want:
+        return (f"{python} has salusd {have} and this salusd runs {want}: install the same "
+                f"version there ({python} -m pip install salusd=={want})")
+    if importlib.util.find_spec("torch") is None:
+        return f"{python} cannot import torch: install it in that environment"
+    return ""
+
+
 def _trim() -> None:
     """Collect garbage and hand the heap's free pages back to the kernel (glibc's
     `malloc_trim`), so that forked executors do not carry them."""
@@ -190,4 +215,4 @@ def _send_blocking(sock: socket.socket, message: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1]), os.getppid()))
+    sys.exit(serve(int(sys.argv[1]), os.getppid(), sys.argv[2] if len(sys.argv) > 2 else None))

@@ -7,8 +7,8 @@ functions and arguments it carries stay pickled and go to the job's executor unt
 
     op         fields                                  answered by   result
     ping       max_frame_bytes?                        daemon        version, limits, owner
-    open       name, iterations, cwd?, devices?        daemon        {"job": id, "threads": n,
-                                                                     "devices": replicas}
+    open       name, iterations, cwd?, devices?,       daemon        {"job": id, "threads": n,
+               python? (the client's interpreter)                    "devices": replicas}
     attach     job, objects (pickled dict), rng?       executor      persistent bytes, threads
     define     job, fid, kind, fn (pickled)            executor      None
     call       job, fid | fn (pickled), args, rng?     executor      the pickled result (+ rng)
@@ -27,9 +27,9 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
     run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
-               priority?, devices?, restart? (+ the                  a script job; its executor
-               client's end of a socket pair)                        runs `command` as the
-                                                                     caller, its stdio the
+               priority?, devices?, restart?,          a script job; its executor
+               max_restarts? (+ the client's end of    runs `command` as the
+               a socket pair)                                        caller, its stdio the
                                                                      client's (sent on the pair)
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
@@ -64,6 +64,7 @@ from salus.daemon.wire.frames import (
 )
 from salus.daemon.wire.refs import check_compact, check_json
 from salus.daemon.wire.segment import sealed_size
+from salus.daemon.zygotes import other_interpreter
 
 if TYPE_CHECKING:
     from salus.daemon.frontend.server import Client
@@ -182,7 +183,8 @@ class Handlers:
             raise BadRequest("'run' carries the client's end of a socket pair, on which it "
                              "sends its stdin, stdout and stderr")
         command = scripts.check(request.get("command"), request.get("cwd"),
-                                request.get("env"), request.get("restart", "never"))
+                                request.get("env"), request.get("restart", "never"),
+                                request.get("max_restarts", scripts.MAX_RESTARTS))
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),
@@ -207,8 +209,15 @@ class Handlers:
         cwd = request.get("cwd")
         if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= 4096):
             raise BadRequest("'cwd' must be a path of at most 4096 characters")
+        python = request.get("python")
+        if python is not None and not (isinstance(python, str) and os.path.isabs(python)
+                                       and len(python) <= 4096 and "\0" not in python):
+            raise BadRequest("'python' must be the client's interpreter, an absolute path of "
+                             "at most 4096 characters")
+        other = other_interpreter(python, {}) if python is not None else None
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
-                                  cwd, devices=request.get("devices", 1))
+                                  cwd, devices=request.get("devices", 1),
+                                  spec={"python": other} if other is not None else None)
         client.jobs.add(record.job_id)
         return {"job": str(record.job_id), "threads": record.threads,
                 "resumed_from": record.resumed_from, "devices": record.gang}

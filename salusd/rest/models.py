@@ -60,6 +60,9 @@ class JobOut(BaseModel):
     swapped: bool = Field(default=False, description="its state was moved to host memory")
     entrypoint: str | None = None
     command: list[str] | None = Field(default=None, description="a script job's command")
+    script: dict[str, Any] | None = Field(default=None, description="a script job's reruns "
+                                          "(restart policy, restarts, max_restarts, the last "
+                                          "failure) and what suspend --swap moved")
     last_loss: float | None = None
     last_evaluation: float | str | None = None
     cache: dict[str, Any] | None = Field(default=None, description="counters of the job's "
@@ -89,8 +92,10 @@ class JobSubmit(Strict):
     env: dict[str, str] | None = Field(default=None, description="a script job's environment "
                                        "(default: HOME, USER, LOGNAME and a default PATH)")
     restart: Literal["never", "on-failure"] = Field(
-        default="never", description="a script job's policy when salusd restarts while it "
-        "runs: fail it, or run its command again")
+        default="never", description="a script job's policy when its command exits non-zero, "
+        "its process dies or salusd restarts while it runs: fail it, or run its command again")
+    max_restarts: int = Field(default=3, ge=0, le=1000, description="with restart "
+                              "on-failure, at most this many reruns")
     iterations: int | None = Field(default=None, ge=1, le=MAX_ITERATIONS,
                                    description="required for a batch job; a script job's "
                                    "planned iterations (optimizer steps), for SRTF")

@@ -112,7 +112,7 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     cluster (submitted to each)."""
     if body.command is not None:
         command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
-                                body.restart)
+                                body.restart, body.max_restarts)
 
         def run() -> JobOut:
             record = ctx.engine.run_script(who.owner, body.name,

@@ -37,7 +37,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
         resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
         entrypoint=record.spec.get("entrypoint"), command=record.spec.get("command"),
-        last_loss=record.last_loss, cache=record.cache, comm=record.comm,
+        script=info["script"], last_loss=record.last_loss, cache=record.cache, comm=record.comm,
         pipeline=record.spec.get("pipeline"), executor=info["executor"],
         last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
 

@@ -34,7 +34,8 @@ to the client as its answer. The executor also speaks unasked (`unsolicited`), b
   calls, iterations, seconds, the largest peak. The daemon takes the lease back (`Lease` false,
   answered once any running call has returned) as soon as the job must share its lane or stop.
 - `Exited` (a script job's command ended, with its exit status) and `Progress` (what a
-  script's framework callback reports: its step, planned steps and loss).
+  script's framework callback reports: its step, planned steps and loss); `Swapped` answers a
+  script job's `swap_out` (and the `place` after it) with what the move reached and left.
 
 A script job (`Script`, `salusd/executor/script.py`) speaks the same `Ready` / `Run` /
 `Lease` / `Ran` protocol, with its iteration boundaries (optimizer steps, `salus.step()`) in
@@ -54,6 +55,7 @@ from salus.daemon.wire.executor_ops.decoding import decode_reply, decode_request
 from salus.daemon.wire.executor_ops.encoding import client_frame_follows, encode
 from salus.daemon.wire.executor_ops.envelope import address_of, addressed
 from salus.daemon.wire.executor_ops.messages import (
+    RESTARTING,
     Ack,
     Adopt,
     Attach,
@@ -94,6 +96,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Step,
     StepDone,
     SwapOut,
+    Swapped,
     Wire,
 )
 
@@ -135,6 +138,7 @@ __all__ = [
     "Pull",
     "Ran",
     "Ready",
+    "RESTARTING",
     "Refuse",
     "Reply",
     "Request",
@@ -144,5 +148,6 @@ __all__ = [
     "Step",
     "StepDone",
     "SwapOut",
+    "Swapped",
     "Wire",
 ]

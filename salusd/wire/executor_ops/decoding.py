@@ -45,6 +45,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Step,
     StepDone,
     SwapOut,
+    Swapped,
     Wire,
 )
 
@@ -313,15 +314,18 @@ def _coded(cls: type[Refuse | Exit]) -> Callable[[Wire], Request]:
 
 def _script(d: Wire) -> Script:
     w = "'script'"
-    _only(d, w, _keys("op", "interpreter", "argv", "env", "resume_dir", "frame"))
+    _only(d, w, _keys("op", "interpreter", "argv", "env", "resume_dir", "frame", "restart"))
     argv = d.get("argv", _MISSING)
     if type(argv) is not list or not all(type(a) is str for a in argv):
         raise _bad(w, "argv", "a list of strings", argv)
     env = d.get("env", _MISSING)
     if type(env) is not dict or not all(type(v) is str for v in env.values()):
         raise _bad(w, "env", "an object of strings", env)
+    restart = d.get("restart", 0)
+    if type(restart) is not int or restart < 0:
+        raise _bad(w, "restart", "a non-negative integer", restart)
     return Script(_str(d, w, "interpreter"), tuple(argv), env, _str_or_none(d, w, "resume_dir"),
-                  _maybe_bool(d, w, "frame"))
+                  _maybe_bool(d, w, "frame"), restart)
 
 
 _REQUESTS: dict[str, Callable[[Wire], Request]] = {
@@ -474,6 +478,14 @@ def decode_reply(d: object) -> Reply:
                           _bool(d, w, "forward"))
     if "seconds" in d and "path" not in d:
         return _step_done_reply(d) if "iteration" in d else _call_done_reply(d)
+    if "swap" in d:
+        w = "'swap' reply"
+        forward = _plain_reply(d, w, _keys("swap"))
+        swap = d["swap"]
+        if type(swap) is not dict or not all(
+                type(v) in (int, str) or v is None for v in swap.values()):
+            raise _bad(w, "swap", "an object of ints, strings and nulls", swap)
+        return Swapped(swap, forward)
     if "path" in d:
         w = "'checkpoint' reply"
         forward = _plain_reply(d, w, _keys("iteration", "bytes", "seconds", "path", "time"))

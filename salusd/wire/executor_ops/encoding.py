@@ -42,6 +42,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Step,
     StepDone,
     SwapOut,
+    Swapped,
     Wire,
 )
 
@@ -205,7 +206,8 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Exit: lambda m: {"op": "exit", "code": m.code, "message": m.message},
     Script: lambda m: _with_frame({"op": "script", "interpreter": m.interpreter,
                                    "argv": list(m.argv), "env": dict(m.env),
-                                   "resume_dir": m.resume_dir}, m.frame),
+                                   "resume_dir": m.resume_dir,
+                                   **({"restart": m.restart} if m.restart else {})}, m.frame),
     Ack: lambda m: {"ok": True, "forward": m.forward},
     Failed: lambda m: ({"ok": False, "forward": m.forward} if m.message is None else
                        {"ok": False, "message": m.message, "forward": m.forward}),
@@ -226,4 +228,5 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Exited: lambda m: {"op": "exited", "unsolicited": True, "code": m.code, "forward": False},
     Progress: lambda m: {"op": "progress", "unsolicited": True, "step": m.step,
                          "max_steps": m.max_steps, "loss": m.loss, "forward": False},
+    Swapped: lambda m: {"ok": True, "swap": dict(m.swap), "forward": m.forward},
 }

@@ -246,7 +246,9 @@ class Script:
     what follows it (`train.py ARGS`, `-m module ARGS`), `env` the caller's
     environment, `resume_dir` the job's directory that survives restarts (None: none). With
     `frame` true or None (left out of the wire) the client's socket follows, on which it sends
-    its stdin, stdout and stderr; with `frame` False the output goes to the job's log."""
+    its stdin, stdout and stderr; with `frame` False the output goes to the job's log.
+    `restart`: how many times the command ran before (`--restart on-failure`); a rerun asks
+    its client for the stdin, stdout and stderr again (`{"stdio": true}` on its socket)."""
 
     op: ClassVar[str] = "script"
     interpreter: str
@@ -254,11 +256,16 @@ class Script:
     env: dict[str, str]
     resume_dir: str | None
     frame: bool | None = None
+    restart: int = 0
+
+
+RESTARTING = "restarting"  # the `Exit` code that lets a script job's failed run go: it reruns
 
 
 @dataclass(frozen=True, slots=True)
 class Exit:
-    """Exit now; direct calls still waiting get the error `code` with `message`."""
+    """Exit now; direct calls still waiting get the error `code` with `message` (a script
+    job's executor tells its client the exit status unless `code` is `RESTARTING`)."""
 
     op: ClassVar[str] = "exit"
     code: str
@@ -440,6 +447,15 @@ class Progress:
     loss: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Swapped:
+    """Done (a script job's `swap_out`, or its `place` after one): what the move reached and
+    what it left (`salusd/executor/script_swap.py`: counts, bytes, a note)."""
+
+    swap: dict[str, int | str | None]
+    forward: bool = False
+
+
 Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loaded | Checkpointed
-         | CallDone | StepDone | Ready | Ran | Exited | Progress)
+         | CallDone | StepDone | Ready | Ran | Exited | Progress | Swapped)
 Message = Request | Reply
