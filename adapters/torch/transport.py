@@ -135,7 +135,7 @@ class Connection:
             raise
         finally:
             theirs.close()
-        self._direct = _Line(Channel(ours))
+        self._direct = _Line(Channel(ours, pool=True))
 
     def _refusal(self) -> BaseException | None:
         """The error salusd sent before it closed this connection, if it sent one."""
