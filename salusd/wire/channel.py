@@ -18,7 +18,9 @@ import array
 import json
 import math
 import os
+import select
 import socket
+import time
 from collections import deque
 from typing import Any
 
@@ -65,6 +67,7 @@ _READ_BUFFER_BYTES = 64 * 1024
 _CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microseconds per frame
 _IOV_LIMIT = 512
 _OTHER_VERSION_REPLY_BYTES = 64 * 1024
+YIELD_TAKEN_S = 50e-6  # a sched_yield that took longer ran another process: the CPU is wanted
 
 
 class ConnectionClosed(ConnectionError):
@@ -97,6 +100,7 @@ class Channel:
         self._fds: deque[int] = deque()
         self._pool_out = PoolWriter() if pool and segment.available() else None
         self._pool_in = PoolReader()
+        self._poller: select.poll | None = None
 
     # ---- sending ---------------------------------------------------------------------------
     def send(self, message: Any) -> None:
@@ -275,6 +279,36 @@ class Channel:
     def buffered(self) -> bool:
         """Whether bytes of a next frame are already read (select would not see them)."""
         return self._end > self._start
+
+    def readable(self, seconds: float) -> bool:
+        """Sleep until a next frame's bytes arrive, at most `seconds` (rounded down to whole
+        milliseconds, poll's grain); whether they came."""
+        return self._end > self._start or bool(self._look(int(seconds * 1000)))
+
+    def _look(self, timeout_ms: int) -> list[tuple[int, int]]:
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN)
+        return self._poller.poll(timeout_ms)
+
+    def poll(self, seconds: float) -> bool:
+        """Wait up to `seconds` without sleeping for a next frame's bytes; whether they came.
+        Each empty look yields the CPU, and polling stops early once a yield let another
+        process run (`YIELD_TAKEN_S`): where the CPU is wanted, this side sleeps instead."""
+        if self._end > self._start:
+            return True
+        look = self._look
+        clock = time.perf_counter
+        now = clock()
+        until = now + seconds
+        while now < until:
+            if look(0):
+                return True
+            os.sched_yield()
+            then, now = now, clock()
+            if now - then > YIELD_TAKEN_S:
+                return False
+        return False
 
     def send_socket(self, message: dict[str, Any], fd: int) -> None:
         """Send JSON `message` with the connected socket `fd` (FLAG_SOCKET); the caller keeps
