@@ -31,6 +31,8 @@ from torch import nn
 import salus.adapters.torch as salus
 from salus.daemon.launch import running_daemon
 
+BLOCKS = 5
+
 
 def _model(width: int, inputs: int, hidden: int) -> tuple[nn.Module, torch.optim.Optimizer,
                                                           nn.Module]:
@@ -51,9 +53,8 @@ def _timed_step(s: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.tensor([began, time.monotonic()], dtype=torch.float64)
 
 
-def _direct(width: int, inputs: int, hidden: int, x: torch.Tensor, y: torch.Tensor,
-            calls: int) -> float:
-    model, opt, loss_fn = _model(width, inputs, hidden)
+def _direct(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor,
+            y: torch.Tensor, calls: int) -> list[float]:
     times = []
     for _ in range(calls):
         began = time.perf_counter()
@@ -61,7 +62,7 @@ def _direct(width: int, inputs: int, hidden: int, x: torch.Tensor, y: torch.Tens
         loss_fn(model(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - began)
-    return statistics.median(times[calls // 10:]) * 1e6
+    return times
 
 
 def _case(address: str, width: int, inputs: int, hidden: int, batch: int, calls: int,
@@ -75,17 +76,21 @@ def _case(address: str, width: int, inputs: int, hidden: int, batch: int, calls:
         step = job.attach(model=model, opt=opt, loss_fn=loss_fn).iteration(_timed_step)
         for _ in range(50):
             step(x, y)
-        for _ in range(calls):
-            sent = time.monotonic()
-            began, ended = step(x, y).tolist()
-            back = time.monotonic()
-            stages["to_function"].append(began - sent)
-            stages["function"].append(ended - began)
-            stages["back"].append(back - ended)
-            stages["round_trip"].append(back - sent)
+        local = _model(width, inputs, hidden)
+        direct = _direct(*local, x, y, 20)[:0]
+        for _ in range(BLOCKS):  # alternating, so that both see the same machine load
+            direct += _direct(*local, x, y, calls // BLOCKS)
+            for _ in range(calls // BLOCKS):
+                sent = time.monotonic()
+                began, ended = step(x, y).tolist()
+                back = time.monotonic()
+                stages["to_function"].append(began - sent)
+                stages["function"].append(ended - began)
+                stages["back"].append(back - ended)
+                stages["round_trip"].append(back - sent)
         job.close(pull=False)
     out = {f"{name}_p50_us": statistics.median(v) * 1e6 for name, v in stages.items()}
-    out["direct_step_p50_us"] = _direct(width, inputs, hidden, x, y, min(calls, 500))
+    out["direct_step_p50_us"] = statistics.median(direct) * 1e6
     out["function_over_direct"] = out["function_p50_us"] / out["direct_step_p50_us"]
     out["added_p50_us"] = out["round_trip_p50_us"] - out["direct_step_p50_us"]
     return out
