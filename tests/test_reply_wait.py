@@ -104,3 +104,27 @@ def test_the_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     assert spin_s() == pytest.approx(150e-6)
     monkeypatch.setenv("SALUS_CLIENT_SPIN_US", "lots")
     assert spin_s() == pytest.approx(300e-6)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
+def test_after_a_poll_gave_the_cpu_away_the_client_blocks_for_a_while(
+        line: tuple[Channel, Channel]) -> None:
+    client, _ = line
+    wait = ReplyWait(0.5)
+    wait.expected = 0.0001
+    cpu, mine = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.05)
+        wait.sent()
+        wait.before_recv(client)  # the hog wants the CPU: the poll gives up early
+    finally:
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait()
+    assert wait.calm_at > time.perf_counter()
+    began = time.perf_counter()
+    wait.before_recv(client)  # backing off: no polling at all
+    assert time.perf_counter() - began < 0.05
