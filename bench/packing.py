@@ -11,9 +11,14 @@
    but count shared pages once per process. The daemon's clients hold their own copy of the
    model on the host, reported apart. Salus reports 42x fewer GPUs for inference.
 
+With `--phases`, the training part also times each job's phases through the daemon (`pack`):
+connect, attach and define; the first call; the other iterations; `info` (medians over the
+jobs, milliseconds), to show what a short job's makespan is made of.
+
 Prints one JSON object.
 
-    .venv/bin/python bench/packing.py [--devices 1] [--only training|inference]
+    .venv/bin/python bench/packing.py [--devices 1] [--jobs 8] [--only training|inference]
+                                      [--phases]
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -76,32 +84,97 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--only", choices=("training", "inference"),
                         help="run one of the two parts")
+    parser.add_argument("--jobs", type=int, default=8, help="training jobs at once")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the phases of each job through the daemon")
+    parser.add_argument("--phase-client", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.phase_client:
+        _phase_client(args.phase_client)
+        return
     os.environ["OMP_NUM_THREADS"] = "1"
     out: dict[str, Any] = {"bench": "packing", "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="salusd-bench-") as tmp:
         if args.only != "inference":
-            out["training"] = _training(Path(tmp), args.devices)
+            out["training"] = _training(Path(tmp), args.devices, args.jobs)
+            if args.phases:
+                out["training"]["phases_ms"] = _phases(Path(tmp), args.devices, args.jobs)
         if args.only != "training":
             out["inference"] = _inference(Path(tmp), args.devices)
     print(json.dumps(out))
 
 
-def _training(tmp: Path, devices: int) -> dict[str, Any]:
-    train = ["small-mlp"] * 8
+def _training(tmp: Path, devices: int, jobs: int) -> dict[str, Any]:
+    train = ["small-mlp"] * jobs
     spans = {}
     for policy in ("pack", "fifo"):
-        print(f"8 training jobs through salusd ({policy}) ...", file=sys.stderr)
+        print(f"{jobs} training jobs through salusd ({policy}) ...", file=sys.stderr)
         with _daemon(tmp, policy, devices) as daemon:
             spans[policy] = _makespan(launch(train, daemon.address))
-    print("8 training jobs as separate processes ...", file=sys.stderr)
+    print(f"{jobs} training jobs as separate processes ...", file=sys.stderr)
     spans["processes"] = _makespan(launch(train, "direct"))
     return {
-        "jobs": 8,
+        "jobs": jobs,
         "makespan_s": spans,
         "pack_over_fifo": spans["pack"] / spans["fifo"],
         "pack_over_processes": spans["pack"] / spans["processes"],
     }
+
+
+def _phase_client(address: str) -> None:
+    """One small-mlp job through the daemon at `address`, started on a line from stdin; prints
+    the wall-clock times (seconds) at which its phases ended, as one JSON list."""
+    import salus.adapters.torch as salus
+    from salus.demo.jobs import WORKLOADS, _setup
+
+    w = WORKLOADS["small-mlp"]
+    model, opt, loss_fn, batches = _setup(w)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t = [time.time()]
+    with salus.connect(name=w.name, iterations=w.iterations, address=address) as job:
+        assert opt is not None
+        step = job.train_step(model, opt, loss_fn)
+        t.append(time.time())
+        step(*batches[0])
+        t.append(time.time())
+        for x, y in batches[1:]:
+            step(x, y)
+        t.append(time.time())
+        job.info()
+        t.append(time.time())
+        job.close(pull=True)
+    print(json.dumps(t), flush=True)
+
+
+def _phases(tmp: Path, devices: int, jobs: int) -> dict[str, float]:
+    """Medians over `jobs` small-mlp jobs started at once through a `pack` daemon of how long
+    each phase took (milliseconds), and the loops' makespan (the first loop's start to the
+    last one's end)."""
+    print(f"phases of {jobs} training jobs through salusd (pack) ...", file=sys.stderr)
+    with _daemon(tmp, "pack", devices) as daemon:
+        procs = [subprocess.Popen([sys.executable, __file__, "--phase-client", daemon.address],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for _ in range(jobs)]
+        ends = []
+        try:
+            for p in procs:
+                assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            for p in procs:
+                assert p.stdout is not None
+                ends.append(json.loads(p.stdout.readline()))
+        finally:
+            for p in procs:
+                p.wait(timeout=120)
+    names = ("connect_attach_define", "first_call", "other_iterations", "info")
+    out = {name: statistics.median((t[i + 1] - t[i]) * 1e3 for t in ends)
+           for i, name in enumerate(names)}
+    out["loops_makespan"] = (max(t[3] for t in ends) - min(t[2] for t in ends)) * 1e3
+    return out
 
 
 def _inference(tmp: Path, devices: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from salus.daemon.wire.channel import (
 )
 from salus.daemon.wire.codec import DTYPE_CODES, DTYPES
 from salus.daemon.wire.errors import BadRequest, UnknownJob
-from salus.daemon.wire.frames import FLAG_COMPACT, HEADER_BYTES, MAGIC, VERSION
+from salus.daemon.wire.frames import FLAG_COMPACT, FLAG_POOL, HEADER_BYTES, MAGIC, VERSION
 
 FIXED = struct.Struct("<4sBBHIQ")  # the documented frame layout, written out independently
 needs_memfd = pytest.mark.skipif(not segment.available(), reason="needs Linux memfd sealing")
@@ -586,8 +586,11 @@ def test_compact_segment_must_be_announced_and_sealed(pair: tuple[Channel, Chann
                             struct.pack("i", unsealed.fileno()))])
         with pytest.raises(FrameError, match="not sealed"):
             right.recv()
-    left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 8))
-    with pytest.raises(FrameError, match="malformed frame .flags 0xa"):
+    left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | 16))
+    with pytest.raises(FrameError, match="malformed frame .flags 0x12"):
+        right.recv()
+    left.sock.sendall(compact_frame(header, flags=FLAG_COMPACT | FLAG_POOL))
+    with pytest.raises(FrameError, match="before the pool came"):
         right.recv()
     left.send(compact.Message(compact.OP_RESULT, value=1.0))
     assert right.recv().value == 1.0

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from salus.adapters.torch.replies import Raised, json_result
+from salus.adapters.torch.waiting import ReplyWait, spin_s
 from salus.daemon.wire.address import connect_unix
 from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
 from salus.daemon.wire.errors import DaemonUnavailable, JobCancelled, JobFailed, SalusError
@@ -43,10 +44,11 @@ class _Line:
     """One connection of a job: to the daemon, or straight to the job's executor. Replies on a
     line come in the order of its requests."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, spin: float = 0.0) -> None:
         self.channel = channel
         self.pending: deque[Future] = deque()
         self.broken: BaseException | None = None
+        self.wait = ReplyWait(spin)  # `spin` > 0: poll for replies due (see waiting.py)
 
 
 def _printed(frame: Any) -> bool:
@@ -135,7 +137,7 @@ class Connection:
             raise
         finally:
             theirs.close()
-        self._direct = _Line(Channel(ours))
+        self._direct = _Line(Channel(ours, pool=True), spin_s())
 
     def _refusal(self) -> BaseException | None:
         """The error salusd sent before it closed this connection, if it sent one."""
@@ -176,12 +178,14 @@ class Connection:
                 self._break(line, exc)
                 raise line.broken from None  # type: ignore[misc]
             line.pending.append(future)
+            line.wait.sent()
         return future
 
     def _wait_for(self, future: Future, line: _Line) -> None:
         with self._lock:
             while not future.done():
                 head = line.pending[0]
+                line.wait.before_recv(line.channel)
                 try:
                     reply = line.channel.recv()
                 except (ConnectionClosed, OSError) as exc:
@@ -199,6 +203,7 @@ class Connection:
                 if line is not self._line and _printed(reply):
                     continue
                 line.pending.popleft()
+                line.wait.answered()
                 head._resolve(reply)
 
     def _drain_direct(self) -> None:
@@ -209,6 +214,7 @@ class Connection:
         """The line is gone: every request still waiting on it fails with the reason."""
         waiting = list(line.pending)
         line.pending.clear()
+        line.wait.sent_at.clear()
         line.broken = DaemonUnavailable(f"lost the connection to salusd at {self.path}: {exc}")
         if line is not self._line:
             line.broken = self._why_executor_gone(exc)

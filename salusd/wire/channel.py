@@ -18,7 +18,9 @@ import array
 import json
 import math
 import os
+import select
 import socket
+import time
 from collections import deque
 from typing import Any
 
@@ -29,6 +31,7 @@ from salus.daemon.wire.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     FIXED,
     FLAG_COMPACT,
+    FLAG_POOL,
     FLAG_SEGMENT,
     FLAG_SOCKET,
     FLAGS_WITH_FD,
@@ -46,6 +49,7 @@ from salus.daemon.wire.frames import (
     reply_result,
     unpack_fixed,
 )
+from salus.daemon.wire.pool import PoolReader, PoolWriter
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_SHM_THRESHOLD", "Channel", "ConnectionClosed",
@@ -56,13 +60,14 @@ __all__ = [
 DEFAULT_SHM_THRESHOLD = 256 * 1024
 DRAIN_LIMIT_BYTES = 1024 * 1024 * 1024
 _FIXED = FIXED
-_KNOWN_FLAGS = KNOWN_FLAGS
+_CHANNEL_FLAGS = KNOWN_FLAGS | FLAG_POOL  # the daemon refuses FLAG_POOL; a direct line takes it
 _RECV_FLAGS = RECV_FLAGS
 _MAX_QUEUED_FDS = MAX_QUEUED_FDS
 _READ_BUFFER_BYTES = 64 * 1024
 _CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microseconds per frame
 _IOV_LIMIT = 512
 _OTHER_VERSION_REPLY_BYTES = 64 * 1024
+YIELD_TAKEN_S = 50e-6  # a sched_yield that took longer ran another process: the CPU is wanted
 
 
 class ConnectionClosed(ConnectionError):
@@ -75,11 +80,13 @@ class Channel:
 
     `max_frame_bytes` bounds received frames (header + inline body, in bytes);
     `peer_max_frame_bytes` bounds sent ones (the peer's limit, when known). Tensors and byte
-    strings of at least `shm_threshold` bytes go through a shared-memory segment.
+    strings of at least `shm_threshold` bytes go through a shared-memory segment: with `pool`
+    (a job's direct line, never one to the daemon) through this line's pool (`pool.py`), which
+    its first frame announces; a channel whose peer announced one answers through its own.
     """
 
     def __init__(self, sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 shm_threshold: float = DEFAULT_SHM_THRESHOLD) -> None:
+                 shm_threshold: float = DEFAULT_SHM_THRESHOLD, pool: bool = False) -> None:
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be an int of at least 1024, "
                              f"got {max_frame_bytes!r}")
@@ -91,6 +98,9 @@ class Channel:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._fds: deque[int] = deque()
+        self._pool_out = PoolWriter() if pool and segment.available() else None
+        self._pool_in = PoolReader()
+        self._poller: select.poll | None = None
 
     # ---- sending ---------------------------------------------------------------------------
     def send(self, message: Any) -> None:
@@ -109,7 +119,7 @@ class Channel:
         keep: list[object] = []
         try:
             for message in messages:
-                frame_fd = self._encode(message, buffers, keep)
+                frame_fd = self._encode(message, buffers, keep, announce=fd is None)
                 if frame_fd is not None:
                     if fd is not None:
                         os.close(frame_fd)
@@ -121,9 +131,10 @@ class Channel:
             if fd is not None:
                 os.close(fd)
 
-    def _encode(self, message: Any, buffers: list[bytes | memoryview],
-                keep: list[object]) -> int | None:
-        """Append `message`'s frame to `buffers`; returns its segment's descriptor, if any."""
+    def _encode(self, message: Any, buffers: list[bytes | memoryview], keep: list[object],
+                announce: bool = True) -> int | None:
+        """Append `message`'s frame to `buffers`; returns its segment's (or new pool's)
+        descriptor, if any. `announce`: the frame may bring the line's first pool."""
         if type(message) is compact.Message:
             enc = compact.encode(message, shm_threshold=self.shm_threshold)
             flags = FLAG_COMPACT
@@ -137,7 +148,15 @@ class Channel:
                 f"limit (tensors of at least {self.shm_threshold} bytes go through shared "
                 "memory and do not count); send fewer or smaller values per call")
         keep.append(enc)
-        fd = segment.create(enc.segment, enc.segment_size) if enc.segment_size else None
+        fd = None
+        pool = self._pool_out
+        pooled = False
+        if pool is not None and (enc.segment_size or announce and pool.map is None):
+            pooled, fd = pool.write(enc.segment, enc.segment_size)
+        if pooled:
+            flags |= FLAG_POOL
+        elif enc.segment_size:
+            fd = segment.create(enc.segment, enc.segment_size)
         if fd is not None:
             flags |= FLAG_SEGMENT
         buffers += [_FIXED.pack(MAGIC, VERSION, flags, 0, len(enc.header), enc.inline_size),
@@ -192,10 +211,15 @@ class Channel:
                     f"frame of {size} bytes exceeds this side's {self.max_frame_bytes}-byte "
                     "limit; large tensors go through shared memory, so split the data")
             data = self._read(size)
-            if flags & ~_KNOWN_FLAGS or header_len % codec.ALIGN:
+            if flags & ~_CHANNEL_FLAGS or header_len % codec.ALIGN:
                 raise FrameError(f"malformed frame (flags {flags:#x}, header {header_len} bytes)")
-            mapping = None
-            if flags & FLAG_SOCKET:
+            mapping: codec.Segment | None = None
+            if flags & FLAG_POOL:
+                if flags & FLAG_SOCKET:
+                    raise FrameError("a socket frame cannot point into a pool")
+                pool_fd, fd = (fd if flags & FLAG_SEGMENT else None), None
+                mapping = self._pooled(pool_fd)
+            elif flags & FLAG_SOCKET:
                 if fd is None or flags & FLAG_SEGMENT or flags & FLAG_COMPACT:
                     raise FrameError("a socket frame must be JSON and carry only the socket")
                 sock_fd, fd = fd, None
@@ -221,6 +245,20 @@ class Channel:
             message["socket_fd"] = sock_fd  # the receiver owns the descriptor now
         return message
 
+    def _pooled(self, fd: int | None) -> bytearray | None:
+        """The segment of a frame flagged FLAG_POOL, copied out of the peer's pool (adopted
+        from `fd` when the frame brings a new one); from now on this side answers through a
+        pool of its own."""
+        try:
+            if fd is not None:
+                self._pool_in.adopt(fd)
+            data = self._pool_in.take()
+        except (ValueError, OSError) as exc:
+            raise FrameError(f"cannot read the line's pool: {exc}") from None
+        if self._pool_out is None and segment.available():
+            self._pool_out = PoolWriter()
+        return data
+
     def _other_version(self, exc: VersionMismatch) -> FrameError:
         """The error for a frame of another protocol version: with what the peer said when the
         frame is a small JSON error reply (a salusd that cannot read a frame answers with one
@@ -241,6 +279,36 @@ class Channel:
     def buffered(self) -> bool:
         """Whether bytes of a next frame are already read (select would not see them)."""
         return self._end > self._start
+
+    def readable(self, seconds: float) -> bool:
+        """Sleep until a next frame's bytes arrive, at most `seconds` (rounded down to whole
+        milliseconds, poll's grain); whether they came."""
+        return self._end > self._start or bool(self._look(int(seconds * 1000)))
+
+    def _look(self, timeout_ms: int) -> list[tuple[int, int]]:
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN)
+        return self._poller.poll(timeout_ms)
+
+    def poll(self, seconds: float) -> bool:
+        """Wait up to `seconds` without sleeping for a next frame's bytes; whether they came.
+        Each empty look yields the CPU, and polling stops early once a yield let another
+        process run (`YIELD_TAKEN_S`): where the CPU is wanted, this side sleeps instead."""
+        if self._end > self._start:
+            return True
+        look = self._look
+        clock = time.perf_counter
+        now = clock()
+        until = now + seconds
+        while now < until:
+            if look(0):
+                return True
+            os.sched_yield()
+            then, now = now, clock()
+            if now - then > YIELD_TAKEN_S:
+                return False
+        return False
 
     def send_socket(self, message: dict[str, Any], fd: int) -> None:
         """Send JSON `message` with the connected socket `fd` (FLAG_SOCKET); the caller keeps
@@ -311,4 +379,7 @@ class Channel:
         """Close the socket and any descriptors received but not claimed by a frame."""
         while self._fds:
             os.close(self._fds.popleft())
+        if self._pool_out is not None:
+            self._pool_out.close()
+        self._pool_in.close()
         self.sock.close()

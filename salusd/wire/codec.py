@@ -34,6 +34,7 @@ from salus.daemon.wire.frames import ALIGN, FrameError
 from salus.daemon.wire.refs import DTYPE_NAMES, MAX_DIMS, check_aligned, part_offset
 
 _PAD = bytes(ALIGN)
+Segment = mmap.mmap | bytearray  # a received segment: mapped, or copied out of a line's pool
 DTYPES: dict[str, torch.dtype] = {
     n: getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
 }
@@ -122,7 +123,7 @@ def encode(message: Any, *, shm_threshold: float) -> Encoded:
     return enc.out
 
 
-def decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Any:
+def decode(data: bytearray, header_len: int, segment: Segment | None) -> Any:
     """Decode a frame: `data` is header then inline body; tensors are views of `data` and of
     `segment` (no copy). Raises FrameError (recoverable) on any inconsistency."""
     try:
@@ -160,8 +161,8 @@ def sendable(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def part_region(data: bytearray, base: int, segment: mmap.mmap | None, seg: object,
-                off: object, nbytes: int) -> tuple[bytearray | mmap.mmap, int]:
+def part_region(data: bytearray, base: int, segment: Segment | None, seg: object,
+                off: object, nbytes: int) -> tuple[bytearray | Segment, int]:
     """Where a part of `nbytes` bytes at offset `off` of segment `seg` lies: (buffer, absolute
     byte offset). `data` holds the header (`base` bytes) then the inline body. Raises
     FrameError when the part is not inside a segment the frame carries."""
@@ -173,7 +174,7 @@ def part_region(data: bytearray, base: int, segment: mmap.mmap | None, seg: obje
     return segment, at
 
 
-def tensor_view(buf: bytearray | mmap.mmap, off: int, dtype: torch.dtype,
+def tensor_view(buf: bytearray | Segment, off: int, dtype: torch.dtype,
                 numel: int) -> torch.Tensor:
     """A flat tensor of `numel` elements viewing `buf` from byte `off` (no copy); FrameError
     when `off` is not aligned to the element size."""
@@ -273,10 +274,10 @@ class _StorageUnpickler(pickle.Unpickler):
 
 
 class _Decoder:
-    def __init__(self, data: bytearray, header_len: int, segment: mmap.mmap | None) -> None:
+    def __init__(self, data: bytearray, header_len: int, segment: Segment | None) -> None:
         self.data, self.base, self.segment = data, header_len, segment
 
-    def region(self, ref: dict[str, Any], nbytes: int) -> tuple[bytearray | mmap.mmap, int]:
+    def region(self, ref: dict[str, Any], nbytes: int) -> tuple[bytearray | Segment, int]:
         return part_region(self.data, self.base, self.segment, ref.get("seg"), ref.get("off"),
                            nbytes)
 

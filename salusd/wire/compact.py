@@ -34,7 +34,6 @@ against the frame and raises a recoverable FrameError, never anything else.
 from __future__ import annotations
 
 import math
-import mmap
 import struct
 
 import torch
@@ -45,6 +44,7 @@ from salus.daemon.wire.codec import (
     MAX_DIMS,
     Encoded,
     FrameError,
+    Segment,
     part_region,
     raw_bytes,
     sendable,
@@ -138,7 +138,7 @@ def _describe(t: torch.Tensor, out: Encoded, shm_threshold: float, parts: list[b
                                               *strides))
 
 
-def decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Message:
+def decode(data: bytearray, header_len: int, segment: Segment | None) -> Message:
     """Decode a compact frame: `data` is the header (`header_len` bytes) then the inline body;
     tensors are views of `data` and of `segment` (no copy). Raises FrameError (recoverable) on
     any inconsistency."""
@@ -151,7 +151,7 @@ def decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Messa
                          f"{exc}") from None
 
 
-def _decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Message:
+def _decode(data: bytearray, header_len: int, segment: Segment | None) -> Message:
     if header_len < _HEAD.size:
         raise FrameError(f"compact header of {header_len} bytes is shorter than its "
                          f"{_HEAD.size}-byte head")
@@ -173,7 +173,7 @@ def _decode(data: bytearray, header_len: int, segment: mmap.mmap | None) -> Mess
 
 
 def _tensor(data: bytearray, pos: int, header_len: int,
-            segment: mmap.mmap | None) -> tuple[torch.Tensor, int]:
+            segment: Segment | None) -> tuple[torch.Tensor, int]:
     """The tensor described at byte `pos` of the header, and the position after it."""
     if pos + _TENSOR.size > header_len:
         raise FrameError("a tensor descriptor runs past the end of the header")

@@ -9,7 +9,9 @@ unpickling their objects, so this module imports only the standard library (no t
     byte  5      flags: bit 0 = a descriptor travels with the frame (a shared-memory segment
                  on the data plane; an executor's socket from the daemon to the zygote),
                  bit 1 = the header is compact (binary, `compact.py`) rather than JSON,
-                 bit 2 = the descriptor is a connected socket: a job's direct call channel
+                 bit 2 = the descriptor is a connected socket: a job's direct call channel,
+                 bit 3 = the segment is in the sender's pool (`pool.py`; a descriptor with it
+                 is a new pool), only on a job's direct line: the daemon refuses it
     bytes 6-7    reserved, 0
     bytes 8-11   header length in bytes (uint32): JSON space-padded, or compact zero-padded,
                  to a multiple of 64
@@ -38,6 +40,7 @@ VERSION = 2
 FLAG_SEGMENT = 0x1
 FLAG_COMPACT = 0x2
 FLAG_SOCKET = 0x4
+FLAG_POOL = 0x8
 FLAGS_WITH_FD = FLAG_SEGMENT | FLAG_SOCKET
 KNOWN_FLAGS = FLAG_SEGMENT | FLAG_COMPACT | FLAG_SOCKET
 FIXED = struct.Struct("<4sBBHIQ")

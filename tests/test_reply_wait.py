@@ -1,0 +1,130 @@
+"""How a client waits for a reply on its job's direct line (`adapters/torch/waiting.py`,
+`Channel.poll`): it polls for replies of short calls, blocks for long ones, and stops polling
+as soon as another process wants its CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from salus.adapters.torch.waiting import POLL_CALLS_UNDER_S, ReplyWait, spin_s
+from salus.daemon.wire.channel import Channel
+
+
+@pytest.fixture
+def line() -> Iterator[tuple[Channel, Channel]]:
+    a, b = socket.socketpair()
+    yield Channel(a), Channel(b)
+    a.close()
+    b.close()
+
+
+def _other_cpus() -> tuple[set[int], set[int]]:
+    cpus = sorted(os.sched_getaffinity(0))
+    return {cpus[0]}, set(cpus[1:])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_poll_sees_a_frame_sent_while_it_polls(line: tuple[Channel, Channel]) -> None:
+    client, executor = line
+    here, there = _other_cpus()
+    mine = os.sched_getaffinity(0)
+    pid = os.fork()
+    if pid == 0:  # the executor's side, on another CPU, answers 5 ms later
+        os.sched_setaffinity(0, there)
+        time.sleep(0.005)
+        executor.send({"ok": True, "result": 1})
+        os._exit(0)
+    try:
+        os.sched_setaffinity(0, here)
+        deadline = time.perf_counter() + 5.0
+        # On a busy machine a poll may give the CPU up early (False); it never says True
+        # before the frame is there.
+        while not client.poll(1.0):
+            assert not client.readable(0) or time.perf_counter() < deadline
+        assert client.recv() == {"ok": True, "result": 1}
+    finally:
+        os.sched_setaffinity(0, mine)
+        os.waitpid(pid, 0)
+
+
+def test_poll_gives_up_after_its_window(line: tuple[Channel, Channel]) -> None:
+    client, _ = line
+    began = time.perf_counter()
+    assert not client.poll(0.002)
+    assert time.perf_counter() - began < 0.5  # at most its window (less where the CPU is wanted)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
+def test_poll_stops_once_another_process_wants_the_cpu(line: tuple[Channel, Channel]) -> None:
+    client, _ = line
+    cpu = min(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.05)
+        began = time.perf_counter()
+        assert not client.poll(2.0)
+        assert time.perf_counter() - began < 1.0  # a yield ran the hog: this side sleeps
+    finally:
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait()
+
+
+def test_a_short_call_is_polled_for_and_a_long_one_is_not(line: tuple[Channel, Channel]) -> None:
+    client, executor = line
+    wait = ReplyWait(0.001)
+    wait.sent()
+    executor.send({"ok": True})
+    wait.before_recv(client)
+    assert client.readable(0)
+    client.recv()
+    wait.answered()
+    assert 0 < wait.expected <= POLL_CALLS_UNDER_S + 0.05
+    wait.expected = 0.5  # the last call took half a second: block in recv instead
+    wait.sent()
+    began = time.perf_counter()
+    wait.before_recv(client)
+    assert time.perf_counter() - began < 0.1
+
+
+def test_the_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SALUS_CLIENT_SPIN_US", "0")
+    assert spin_s() == 0.0
+    monkeypatch.setenv("SALUS_CLIENT_SPIN_US", "150")
+    assert spin_s() == pytest.approx(150e-6)
+    monkeypatch.setenv("SALUS_CLIENT_SPIN_US", "lots")
+    assert spin_s() == pytest.approx(300e-6)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
+def test_after_a_poll_gave_the_cpu_away_the_client_blocks_for_a_while(
+        line: tuple[Channel, Channel]) -> None:
+    client, _ = line
+    wait = ReplyWait(0.5)
+    wait.expected = 0.0001
+    cpu, mine = min(os.sched_getaffinity(0)), os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.05)
+        wait.sent()
+        wait.before_recv(client)  # the hog wants the CPU: the poll gives up early
+    finally:
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait()
+    assert wait.calm_at > time.perf_counter()
+    began = time.perf_counter()
+    wait.before_recv(client)  # backing off: no polling at all
+    assert time.perf_counter() - began < 0.05

@@ -1,0 +1,152 @@
+"""A job's direct line carries large tensors through one reusable pool per direction
+(`salusd/wire/pool.py`): bit-exact, never changing a tensor already received, falling back to a
+segment of its own when the receiver has not taken the last frame, and refused by the daemon."""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import salus.adapters.torch as salus
+from salus.daemon.wire import compact
+from salus.daemon.wire.channel import Channel, FrameError
+from salus.daemon.wire.frames import FIXED, FLAG_POOL, FLAG_SEGMENT, MAGIC, VERSION, FrameReader
+from salus.daemon.wire.pool import PoolReader
+from tests.daemon_proc import salusd
+
+
+@pytest.fixture
+def line() -> Iterator[tuple[Channel, Channel]]:
+    """(client end with a pool, executor end as the executor opens it)."""
+    a, b = socket.socketpair()
+    client, executor = Channel(a, pool=True), Channel(b)
+    yield client, executor
+    client.close()
+    executor.close()
+
+
+def mappings(name: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(f"memfd:{name}" in line for line in f)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def call(*tensors: torch.Tensor) -> compact.Message:
+    return compact.Message(compact.OP_CALL, "1", tensors, 0)
+
+
+def test_calls_reuse_one_pool_bit_exact_and_keep_received_tensors(
+        line: tuple[Channel, Channel]) -> None:
+    client, executor = line
+    segments = mappings("salus-tensors")
+    sent = [torch.randn(512, 512) for _ in range(5)]  # 1 MiB each: over the shm threshold
+    sent[2][0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    received = []
+    for x in sent:
+        client.send(call(x))
+        received.append(executor.recv().tensors[0])
+        assert mappings("salus-pool") == 2  # the client's pool, mapped by each end once
+    assert mappings("salus-tensors") == segments  # no segment of its own per call
+    for x, got in zip(sent, received, strict=True):
+        assert torch.equal(bits(got), bits(x))  # the first is unchanged by the four after it
+
+
+def test_the_executor_answers_through_a_pool_of_its_own(line: tuple[Channel, Channel]) -> None:
+    client, executor = line
+    client.send(call(torch.ones(2)))  # small: announces the client's pool all the same
+    executor.recv()
+    for _ in range(3):
+        result = torch.randn(1024, 300)
+        executor.send(compact.Message(compact.OP_RESULT, tensors=(result,),
+                                      aux=compact.KIND_TENSOR))
+        assert torch.equal(bits(client.recv().tensors[0]), bits(result))
+    assert mappings("salus-pool") == 4
+
+
+def test_a_frame_sent_before_the_last_was_taken_gets_a_segment_of_its_own(
+        line: tuple[Channel, Channel]) -> None:
+    client, executor = line
+    first, second = torch.randn(300, 1024), torch.randn(300, 1024)
+    client.send(call(first))
+    client.send(call(second))  # the executor has not read the first yet
+    got_first = executor.recv().tensors[0]
+    got_second = executor.recv().tensors[0]
+    assert mappings("salus-tensors") == 1  # the second's, mapped while it is alive
+    assert torch.equal(bits(got_first), bits(first))
+    assert torch.equal(bits(got_second), bits(second))
+
+
+def test_a_larger_frame_gets_a_larger_pool(line: tuple[Channel, Channel]) -> None:
+    client, executor = line
+    for rows in (256, 4096, 256):  # 256 KiB, 4 MiB (a new pool), then into it again
+        x = torch.randn(rows, 256)
+        client.send(call(x, torch.arange(rows)))
+        got = executor.recv().tensors
+        assert torch.equal(bits(got[0]), bits(x)) and torch.equal(got[1], torch.arange(rows))
+    assert mappings("salus-pool") == 2
+
+
+def pooled_frame(flags: int) -> bytes:
+    header = compact.encode(call(), shm_threshold=float("inf")).header
+    return FIXED.pack(MAGIC, VERSION, flags, 0, len(header), 0) + header
+
+
+def test_the_daemon_refuses_a_pooled_frame() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        a.sendall(pooled_frame(FLAG_POOL | 0x2))
+        with pytest.raises(FrameError, match="malformed frame"):
+            FrameReader(b).read(0.0)
+
+
+def test_a_pool_that_could_shrink_is_refused(line: tuple[Channel, Channel]) -> None:
+    client, executor = line
+    fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 20)
+    try:
+        client.sock.sendmsg([pooled_frame(FLAG_POOL | FLAG_SEGMENT | 0x2)],
+                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    finally:
+        os.close(fd)
+    with pytest.raises(FrameError, match="sealed against shrinking") as err:
+        executor.recv()
+    assert err.value.recoverable
+    with pytest.raises(ValueError, match="before the pool came"):
+        PoolReader().take()
+    assert fcntl.F_SEAL_SHRINK  # the seal the pool relies on exists here
+
+
+def _echo_and_keep(s: Any, x: torch.Tensor) -> torch.Tensor:
+    s.kept.append(x)
+    return x * 1
+
+
+def _kept(s: Any) -> list[torch.Tensor]:
+    return s.kept
+
+
+def test_a_pooled_line_through_a_real_daemon_is_bit_exact(tmp_path: Path) -> None:
+    sent = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each way, every call
+    with (salusd(tmp_path, devices=1) as (_, address),
+          salus.connect(name="pool", iterations=10, address=address) as job):
+        remote = job.attach(kept=[])
+        echo = remote.function(_echo_and_keep)
+        for x in sent:
+            assert torch.equal(bits(echo(x)), bits(x))
+        kept = remote.call(_kept)  # what the job held on to, after three more calls
+        job.close(pull=False)
+    assert len(kept) == len(sent)
+    for x, held in zip(sent, kept, strict=True):
+        assert torch.equal(bits(held), bits(x))
