@@ -516,8 +516,8 @@ class Supervisor:
         handle.process = target
         target.jobs[handle.job] = handle
         self.moves += 1
-        channel = bool(meta.get("channel"))
-        self._to_process(handle, encode(Adopt(channel)), frames[0], "adopt")
+        channel, pool = bool(meta.get("channel")), bool(meta.get("pool"))
+        self._to_process(handle, encode(Adopt(channel, pool)), frames[0], "adopt")
         for frame in frames[1:]:
             self.loop.send(target.link, frame)
         for m, f in held:
@@ -555,7 +555,8 @@ class Supervisor:
             return
         handle = proc.jobs.get(job)
         count = (int(bool(meta.get("ok"))) + int(bool(meta.get("channel")))
-                 if meta.get("handed_over") else int(bool(meta.get("forward"))))
+                 + int(bool(meta.get("pool"))) if meta.get("handed_over")
+                 else int(bool(meta.get("forward"))))
         if count:
             proc.pending = _Pending(handle, meta, count)
         else:

@@ -93,7 +93,7 @@ estimates = (st.builds(Estimated, ints, texts, st.just(False))
 requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Become, ints, ints, st.lists(ints, max_size=4).map(tuple), texts, texts, ints),
     st.builds(Host, maybe(texts), st.booleans(), maybe(texts)),
-    st.just(Handover()), st.builds(Adopt, st.booleans()),
+    st.just(Handover()), st.builds(Adopt, st.booleans(), st.booleans()),
     st.builds(Attach, maybe(gangs)),
     st.just(Define()), st.just(Pull()), st.just(DirectChannel()), st.just(Step()),
     st.just(SwapOut()),
@@ -127,7 +127,8 @@ def step_replies(draw: st.DrawFn) -> StepDone:
 replies: st.SearchStrategy[Reply] = st.one_of(
     st.builds(Ack, st.booleans()),
     st.builds(Failed, maybe(texts), st.booleans()),
-    st.builds(HandedOver, st.booleans(), st.booleans(), maybe(texts), st.booleans()),
+    st.builds(HandedOver, st.booleans(), st.booleans(), maybe(texts), st.booleans(),
+              st.booleans()),
     st.builds(Estimated, ints, texts, st.booleans()),
     st.builds(EstimateFailed, texts, st.booleans()),
     st.builds(Attached, ints, ints, st.booleans()),

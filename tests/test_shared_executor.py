@@ -143,3 +143,46 @@ def test_a_crash_costs_exactly_the_jobs_of_its_executor(tmp_path: Path) -> None:
                 if g.poll() is None:
                     g.kill()
                     g.wait()
+
+
+POOLED = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch import nn
+    import salus.adapters.torch as salus
+
+    torch.manual_seed(int(sys.argv[1]))
+    with salus.connect(name=f"pooled{sys.argv[1]}", iterations=6) as job:
+        remote = job.attach(model=nn.Linear(4, 2))
+        total = remote.iteration(lambda s, big: big.sum() + s.model.weight.sum() * 0)
+        sums = []
+        for i in range(6):
+            big = torch.randn(512, 512)  # 1 MiB: through the direct line's shared memory
+            sums.append(abs(float(total(big)) - float(big.sum())) < 1e-3)
+        print(json.dumps({"job": job.id, "all_equal": all(sums)}), flush=True)
+""")
+
+
+def test_a_job_that_moved_keeps_sending_large_tensors_on_its_direct_line(
+        tmp_path: Path) -> None:
+    """Under fair on one device the second job moves into the first's process at its first
+    placement, after its client's direct line set up shared memory for large tensors: its
+    later calls still arrive whole in the new process."""
+    (tmp_path / "good.py").write_text(GOOD)
+    (tmp_path / "pooled.py").write_text(POOLED)
+    with salusd(tmp_path, "--policy", "fair", devices=1) as (_, address):
+        first = start_client(tmp_path / "good.py", "1", address=address)
+        try:
+            json.loads(_first_line(first))  # placed: its process serves the lane
+            pooled = start_client(tmp_path / "pooled.py", "2", address=address)
+            out, err = finish(pooled, timeout_s=120)
+            assert pooled.returncode == 0, err
+            assert json.loads(out.strip().splitlines()[-1])["all_equal"] is True, out
+            go(first)
+            out, err = finish(first, timeout_s=120)
+            assert json.loads(out.strip().splitlines()[-1]) == {"max_abs_diff": 0.0}, err
+        finally:
+            for client in (first,):
+                if client.poll() is None:
+                    client.kill()
+                    client.wait()

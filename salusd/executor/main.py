@@ -233,8 +233,9 @@ class Executor:
         try:
             meta = self.daemon.recv()
             request = self.daemon.recv() if client_frame_follows(meta) else None
-            sock = (self.daemon.recv() if isinstance(meta, dict) and meta.get("op") == "adopt"
-                    and meta.get("channel") is True else None)
+            adopting = isinstance(meta, dict) and meta.get("op") == "adopt"
+            sock = (self.daemon.recv() if adopting and meta.get("channel") is True else None)
+            pool = (self.daemon.recv() if adopting and meta.get("pool") is True else None)
         except ConnectionClosed:
             for slot in self.slots.values():
                 self._refuse_queued(slot, "unavailable", "salusd went away")
@@ -257,7 +258,7 @@ class Executor:
             return False
         slot = self.slots.get(job)
         if isinstance(message, Host | Adopt):
-            self._host(job, message, request, sock)
+            self._host(job, message, request, sock, pool)
             return False
         if slot is None:
             with_frame = request is not None
@@ -306,7 +307,8 @@ class Executor:
                 self._reply(job, reply, forward)
         return False
 
-    def _host(self, job: int, message: Host | Adopt, request: Any, sock: Any) -> None:
+    def _host(self, job: int, message: Host | Adopt, request: Any, sock: Any,
+              pool: Any = None) -> None:
         """Start hosting a new job (`Host`), or one another executor handed over (`Adopt`)."""
         assert self.streams is not None
         if job in self.slots:
@@ -334,13 +336,17 @@ class Executor:
             slot.queue.extend(bundle["queued"])
             slot.asked = bundle["asked"]
         except Exception as exc:
-            if isinstance(sock, dict) and isinstance(sock.get("socket_fd"), int):
-                os.close(sock["socket_fd"])
+            for passed in (sock, pool):
+                if isinstance(passed, dict) and isinstance(passed.get("socket_fd"), int):
+                    os.close(passed["socket_fd"])
             self._reply(job, Failed(error_text(exc)[:2000]), None)
             return
         self.slots[job] = slot
         if isinstance(sock, dict) and isinstance(sock.get("socket_fd"), int):
             self._attach_channel(slot, sock["socket_fd"])
+            if slot.data is not None and isinstance(pool, dict) and isinstance(
+                    pool.get("socket_fd"), int):
+                slot.data.adopt_pool(pool["socket_fd"])
         self._reply(job, Ack(), None)
 
     def _handover(self, slot: Slot) -> None:
@@ -355,13 +361,17 @@ class Executor:
                       "asked": slot.asked, "estimated": slot.estimated, "cwd": slot.cwd,
                       "log": slot.log}
             channel = slot.data is not None
-            self.daemon.send_many([addressed(encode(HandedOver(True, channel)), slot.job),
-                                   {"bundle": Pickled(bundle, "the job's state")}])
+            pool = slot.data.pool_descriptor() if slot.data is not None else None
+            self.daemon.send_many([
+                addressed(encode(HandedOver(True, channel, pool=pool is not None)), slot.job),
+                {"bundle": Pickled(bundle, "the job's state")}])
         except (TypeError, ValueError) as exc:
             self._reply(slot.job, HandedOver(False, False, error_text(exc)[:2000]), None)
             return
         if slot.data is not None:
             self.daemon.send_socket({"op": "channel"}, slot.data.sock.fileno())
+            if pool is not None:  # the client's shared memory for large tensors goes along
+                self.daemon.send_socket({"op": "pool"}, pool)
         self._drop(slot, keep_client=True)
 
     def _drop(self, slot: Slot, keep_client: bool = False) -> None:

@@ -276,6 +276,16 @@ class Channel:
         return FrameError(f"{exc}; salusd said: {str(reply.get('message'))[:2000]}",
                           recoverable=False)
 
+    def pool_descriptor(self) -> int | None:
+        """The descriptor of the pool the peer sends large tensors through (None: none yet),
+        for handing this line on to another process (which `adopt_pool`s it)."""
+        return self._pool_in.fd
+
+    def adopt_pool(self, fd: int) -> None:
+        """Read the peer's pooled frames from the pool `fd` (owned from now on): the line was
+        handed on from a process that had it."""
+        self._pool_in.adopt(fd)
+
     def buffered(self) -> bool:
         """Whether bytes of a next frame are already read (select would not see them)."""
         return self._end > self._start

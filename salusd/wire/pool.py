@@ -96,11 +96,12 @@ class PoolReader:
 
     def __init__(self) -> None:
         self.map: mmap.mmap | None = None
+        self.fd: int | None = None  # the pool's descriptor, kept to hand the line on
 
     def adopt(self, fd: int) -> None:
-        """Map the pool the peer sent (`fd`, closed here) in place of the last; ValueError when
-        it is not a pool: a regular memory file of at least DATA bytes sealed against
-        shrinking."""
+        """Map the pool the peer sent (`fd`, owned from now on) in place of the last;
+        ValueError (and `fd` closed) when it is not a pool: a regular memory file of at least
+        DATA bytes sealed against shrinking."""
         try:
             info = os.fstat(fd)
             try:
@@ -111,10 +112,11 @@ class PoolReader:
                 raise ValueError("the descriptor sent as the line's pool is not a memory file "
                                  "sealed against shrinking")
             new = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         self.close()
-        self.map = new
+        self.map, self.fd = new, fd
 
     def take(self) -> bytearray | None:
         """A copy of the current frame's segment (None: it has none), and the frame marked
@@ -138,3 +140,6 @@ class PoolReader:
         if self.map is not None:
             self.map.close()
             self.map = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

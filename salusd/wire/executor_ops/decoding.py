@@ -232,8 +232,10 @@ def _host(d: Wire) -> Host:
 
 
 def _adopt(d: Wire) -> Adopt:
-    _only(d, "'adopt'", _keys("op", "channel"))
-    return Adopt(_bool(d, "'adopt'", "channel"))
+    _only(d, "'adopt'", _keys("op", "channel", "pool"))
+    if "pool" in d:
+        _true(d, "'adopt'", "pool")
+    return Adopt(_bool(d, "'adopt'", "channel"), "pool" in d)
 
 
 def _attach(d: Wire) -> Attach:
@@ -472,10 +474,12 @@ def decode_reply(d: object) -> Reply:
         raise ValueError(f"unknown unsolicited executor message {op!r}")
     if "handed_over" in d:
         w = "'handover' reply"
-        _only(d, w, _keys("ok", "handed_over", "channel", "message", "forward"))
+        _only(d, w, _keys("ok", "handed_over", "channel", "message", "forward", "pool"))
         _true(d, w, "handed_over")
+        if "pool" in d:
+            _true(d, w, "pool")
         return HandedOver(_bool(d, w, "ok"), _bool(d, w, "channel"), _maybe_str(d, w, "message"),
-                          _bool(d, w, "forward"))
+                          _bool(d, w, "forward"), "pool" in d)
     if "seconds" in d and "path" not in d:
         return _step_done_reply(d) if "iteration" in d else _call_done_reply(d)
     if "swap" in d:

@@ -163,6 +163,8 @@ def _place(m: Place) -> Wire:
 
 def _handed_over(m: HandedOver) -> Wire:
     out: Wire = {"ok": m.ok, "handed_over": True, "channel": m.channel}
+    if m.pool:
+        out["pool"] = True
     if m.message is not None:
         out["message"] = m.message
     out["forward"] = m.forward
@@ -183,7 +185,7 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Host: lambda m: {"op": "host", "cwd": m.cwd, "estimate": m.estimate,
                      **({} if m.log is None else {"log": m.log})},
     Handover: lambda m: {"op": "handover"},
-    Adopt: lambda m: {"op": "adopt", "channel": m.channel},
+    Adopt: lambda m: {"op": "adopt", "channel": m.channel, **({"pool": True} if m.pool else {})},
     Attach: lambda m: {"op": "attach", "gang": None if m.gang is None else _gang(m.gang)},
     Define: lambda m: {"op": "define"},
     Pull: lambda m: {"op": "pull"},

@@ -85,10 +85,12 @@ class Handover:
 @dataclass(frozen=True, slots=True)
 class Adopt:
     """Take the job over from another executor: the bundle frame follows, then the socket of
-    its direct channel when `channel`."""
+    its direct channel when `channel`, then (`pool`) the shared memory its client sends large
+    tensors through on that channel. `pool` False is left out of the wire."""
 
     op: ClassVar[str] = "adopt"
     channel: bool
+    pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,12 +422,14 @@ class Ran:
 @dataclass(frozen=True, slots=True)
 class HandedOver:
     """The job was given up (`ok`; its bundle frame follows, then its channel's socket when
-    `channel`) or stays here (`message` says why: its state cannot be pickled again)."""
+    `channel`, then its channel's pool when `pool`) or stays here (`message` says why: its
+    state cannot be pickled again). `pool` False is left out of the wire."""
 
     ok: bool
     channel: bool
     message: str | None = None
     forward: bool = False
+    pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
