@@ -26,22 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from overhead import mlp  # the same models as bench/overhead.py
 from torch import nn
 
 import salus.adapters.torch as salus
 from salus.daemon.launch import running_daemon
 
 BLOCKS = 5
-
-
-def _model(width: int, inputs: int, hidden: int) -> tuple[nn.Module, torch.optim.Optimizer,
-                                                          nn.Module]:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.ReLU()]
-    for _ in range(hidden - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    m = nn.Sequential(*layers, nn.Linear(width, 10))
-    return m, torch.optim.SGD(m.parameters(), lr=0.01), nn.CrossEntropyLoss()
 
 
 def _timed_step(s: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -72,11 +63,11 @@ def _case(address: str, width: int, inputs: int, hidden: int, batch: int, calls:
     stages: dict[str, list[float]] = {"to_function": [], "function": [], "back": [],
                                       "round_trip": []}
     with salus.connect(name=f"stages-{width}", iterations=calls + 50, address=address) as job:
-        model, opt, loss_fn = _model(width, inputs, hidden)
+        model, opt, loss_fn = mlp(width, inputs, hidden)
         step = job.attach(model=model, opt=opt, loss_fn=loss_fn).iteration(_timed_step)
         for _ in range(50):
             step(x, y)
-        local = _model(width, inputs, hidden)
+        local = mlp(width, inputs, hidden)
         direct = _direct(*local, x, y, 20)[:0]
         for _ in range(BLOCKS):  # alternating, so that both see the same machine load
             direct += _direct(*local, x, y, calls // BLOCKS)

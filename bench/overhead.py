@@ -35,7 +35,7 @@ from salus.daemon.launch import running_daemon
 Step = Callable[[torch.Tensor, torch.Tensor], object]
 
 
-def _model(width: int, inputs: int = 64,
+def mlp(width: int, inputs: int = 64,
            hidden: int = 2) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
     """An MLP of `hidden` layers of `width` units over `inputs` features, 10 classes."""
     torch.manual_seed(0)
@@ -47,7 +47,7 @@ def _model(width: int, inputs: int = 64,
 
 
 def _direct_step(width: int, inputs: int = 64, hidden: int = 2) -> Step:
-    model, opt, loss_fn = _model(width, inputs, hidden)
+    model, opt, loss_fn = mlp(width, inputs, hidden)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         opt.zero_grad()
@@ -102,7 +102,7 @@ def _compare(address: str, width: int, x: torch.Tensor, y: torch.Tensor, iterati
     (the same step through `@remote.iteration`) or "summed" (`_summed`)."""
     direct: list[float] = []
     daemon: list[float] = []
-    model, opt, loss_fn = _model(width, inputs, hidden)
+    model, opt, loss_fn = mlp(width, inputs, hidden)
     remote: Step
     local: Step
     with salus.connect(name=f"overhead-{width}", iterations=iterations * blocks,
