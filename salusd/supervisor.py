@@ -362,8 +362,6 @@ class Supervisor:
         meta = self._with_uuid(meta)
         if executor.held is not None:  # moving: sent once the new process has the job
             executor.held.append((meta, frame))
-        elif meta.get("op") == "place":
-            self._place(executor, meta, frame)
         else:
             self._forward(executor, meta, frame)
 
@@ -425,8 +423,7 @@ class Supervisor:
         proc.jobs.pop(handle.job, None)
         if proc.jobs or proc.closed:
             return
-        if proc.key is not None and self._serving.get(proc.key) is proc:
-            del self._serving[proc.key]
+        self._unserve(proc)
         self.loop.send(proc.link, json_frame(encode(Exit("job_cancelled", "no jobs left"))))
         self.loop.call_later(self.retire_after_s, lambda: self._kill_if_alive(proc))
 
@@ -439,34 +436,47 @@ class Supervisor:
     def _place(self, handle: ExecutorHandle, meta: dict[str, Any], frame: RawFrame | None) -> None:
         lane = meta.get("lane")
         handle.lane = lane if type(lane) is int else None
-        target = handle.process
-        if handle.sharable and handle.lane is not None and handle.process.uid is not None:
-            key = (handle.process.uid, handle.lane)
+        own = handle.process
+        if handle.sharable and handle.lane is not None and own.uid is not None:
+            key = (own.uid, handle.lane)
             serving = self._serving.get(key)
-            if serving is None or serving.closed:
-                if len(handle.process.jobs) == 1 and handle.process.device in (
-                        None, meta.get("device")):
-                    self._serve(handle.process, key)
-                else:
-                    target = self._new_process(handle.record.owner)
-                    self._serve(target, key)
-            else:
-                target = serving
-        meta = {**meta, "shared": True} if self._lane_shared(handle, target) else meta
-        handle.place = meta
-        if target is handle.process:
-            target.device = target.device or meta.get("device")
-            self._to_process(handle, meta, frame, "engine")
-            self._tell_lane(handle)
-            return
-        handle.held = [(meta, frame)]
-        self._to_process(handle, encode(Handover()), None, "handover")
+            if (serving is None or serving.closed) and len(own.jobs) == 1 and own.device in (
+                    None, meta.get("device")):
+                self._serve(own, key)  # alone in its process: that process serves the lane
+            elif self._lane_process(handle.record.owner, key) is not own:
+                handle.held = [(meta, frame)]
+                self._to_process(handle, encode(Handover()), None, "handover")
+                return
+        self._send_place(handle, meta, frame)
+
+    def _send_place(self, handle: ExecutorHandle, meta: dict[str, Any],
+                    frame: RawFrame | None) -> None:
+        """Send the engine's `place` to the process the job is in, marked shared where other
+        processes run in its lane (and those told so too)."""
+        proc = handle.process
+        handle.place = {**meta, "shared": True} if self._lane_shared(handle, proc) else meta
+        proc.device = proc.device or meta.get("device")
+        self._to_process(handle, handle.place, frame, "engine")
+        self._tell_lane(handle)
+
+    def _lane_process(self, owner: Owner, key: LaneOf) -> ExecutorProcess:
+        """The process serving the owner's lane `key`, started (become the owner) if none
+        does."""
+        serving = self._serving.get(key)
+        if serving is None or serving.closed:
+            serving = self._new_process(owner)
+            self._serve(serving, key)
+        return serving
 
     def _serve(self, proc: ExecutorProcess, key: LaneOf) -> None:
-        if proc.key is not None and self._serving.get(proc.key) is proc:
-            del self._serving[proc.key]
+        self._unserve(proc)
         proc.key = key
         self._serving[key] = proc
+
+    def _unserve(self, proc: ExecutorProcess) -> None:
+        """`proc` no longer serves the lane it served (it moved on, emptied or closed)."""
+        if proc.key is not None and self._serving.get(proc.key) is proc:
+            del self._serving[proc.key]
 
     def _lane_shared(self, handle: ExecutorHandle, proc: ExecutorProcess) -> bool:
         """Whether a process other than `proc` runs jobs in the handle's lane."""
@@ -507,11 +517,7 @@ class Supervisor:
                 self._forward(handle, m, f)
             return
         assert source.uid is not None and handle.lane is not None
-        key = (source.uid, handle.lane)
-        target = self._serving.get(key)
-        if target is None or target.closed:
-            target = self._new_process(handle.record.owner)
-            self._serve(target, key)
+        target = self._lane_process(handle.record.owner, (source.uid, handle.lane))
         self._release(handle, source)
         handle.process = target
         target.jobs[handle.job] = handle
@@ -522,11 +528,7 @@ class Supervisor:
             self.loop.send(target.link, frame)
         for m, f in held:
             if m.get("op") == "place":
-                m = {**m, "shared": True} if self._lane_shared(handle, target) else m
-                handle.place = m
-                target.device = target.device or m.get("device")
-                self._to_process(handle, m, f, "engine")
-                self._tell_lane(handle)
+                self._send_place(handle, m, f)
             else:
                 self._forward(handle, m, f)
 
@@ -595,8 +597,7 @@ class Supervisor:
         proc.closed = True
         if proc in self._standby:
             self._standby.remove(proc)
-        if proc.key is not None and self._serving.get(proc.key) is proc:
-            del self._serving[proc.key]
+        self._unserve(proc)
         if proc.status is None:
             self.loop.call_later(self.lost_after_s, lambda: self._maybe_report(proc, force=True))
         self._maybe_report(proc)

@@ -158,8 +158,7 @@ class LaneManager:
 
     def can_ever_fit(self, job: Job) -> bool:
         """Whether the job fits on an empty device (gang: on `gang` empty devices)."""
-        return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang,
-                                self._max_context)
+        return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang)
 
     def fits_now(self, job: Job) -> bool:
         """Whether admission could place `job` now (no side effects)."""
@@ -213,7 +212,7 @@ class LaneManager:
 
     # ---- internals -----------------------------------------------------------------------
     def _check_can_fit(self, job_id: int, persistent: int, ephemeral: int, gang: int) -> None:
-        if not self._fits_empty(persistent + ephemeral, gang, self._max_context):
+        if not self._fits_empty(persistent + ephemeral, gang):
             context = (f" and {self._max_context} for its executor" if self._max_context
                        else "")
             raise ValueError(
@@ -226,8 +225,9 @@ class LaneManager:
     def _max_context(self) -> int:
         return max(self.context_bytes)
 
-    def _fits_empty(self, need: int, gang: int, context: int = 0) -> bool:
-        if not context:
+    def _fits_empty(self, need: int, gang: int) -> bool:
+        """Whether `gang` empty devices hold `need` bytes and an executor's context each."""
+        if not self._max_context:
             return len(self._by_capacity) - bisect.bisect_left(self._by_capacity, need) >= gang
         return sum(d.capacity >= need + self.context_bytes[d.index]
                    for d in self._devices) >= gang

@@ -327,10 +327,7 @@ class Executor:
             bundle = payload.load("the job handed over", own=True)
             slot = Slot(job, JobRuntime(), self.streams.sink(bundle["log"]), bundle["cwd"],
                         bundle["log"], bundle["estimated"])
-            previous, self.current = self.current, slot  # its state loads with its own rng
-            if previous is not None:
-                previous.rng = torch.get_rng_state()
-            self.streams.use(slot.sink)
+            self._switch(slot)  # its state loads in its directory, printing to its output
             slot.runtime.take_over(bundle["state"])
             torch.set_rng_state(bundle["rng"])
             slot.queue.extend(bundle["queued"])
@@ -372,17 +369,16 @@ class Executor:
             self.daemon.send_socket({"op": "channel"}, slot.data.sock.fileno())
             if pool is not None:  # the client's shared memory for large tensors goes along
                 self.daemon.send_socket({"op": "pool"}, pool)
-        self._drop(slot, keep_client=True)
+        self._drop(slot)  # the socket went with the bundle: closing this copy leaves it open
 
-    def _drop(self, slot: Slot, keep_client: bool = False) -> None:
-        """Stop hosting the job (its client's channel closes here unless it moved on)."""
+    def _drop(self, slot: Slot) -> None:
+        """Stop hosting the job; its client's channel closes here unless it was handed on."""
         self._close_channel(slot)
         self.slots.pop(slot.job, None)
         assert self.streams is not None
         self.streams.drop(slot.sink)
         if self.current is slot:
             self.current = None
-        del keep_client  # the socket went with the bundle: closing this copy leaves it open
 
     def _place(self, slot: Slot, message: Place) -> tuple[Reply, Any]:
         """Place the job, then cap the process at what all its jobs there may hold."""
