@@ -47,6 +47,14 @@ def start_client(script: Path, *args: str, address: str) -> subprocess.Popen[str
                             stderr=subprocess.PIPE)
 
 
+def reap(clients: list[subprocess.Popen[str]]) -> None:
+    """Kill and wait for the clients still running (a test's clean-up)."""
+    for client in clients:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+
+
 def go(client: subprocess.Popen[str]) -> None:
     """Let a client waiting on its stdin go on."""
     assert client.stdin is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from client_proc import TRAINER as GOOD
-from client_proc import finish, start_client
+from client_proc import finish, reap, start_client
 from daemon_proc import salusd
 
 from salus.daemon.control import Control
@@ -105,10 +105,7 @@ def test_bad_job_costs_only_itself(tmp_path: Path, kind: str) -> None:
                 assert json.loads(out.strip().splitlines()[-1])["max_abs_diff"] == 0.0
             assert proc.poll() is None, "the daemon died"
         finally:
-            for g in goods:
-                if g.poll() is None:
-                    g.kill()
-                    g.wait()
+            reap(goods)
         log = (tmp_path / "salusd.log").read_text()
         if kind in ("segfault", "os_exit"):
             assert "died" in log

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from client_proc import finish
+from client_proc import finish, reap
 from daemon_proc import salusd
 
 from salus.daemon.control import Control
@@ -111,8 +111,5 @@ def test_two_jobs_of_one_owner_share_one_cuda_context(tmp_path: Path) -> None:
                 # The same kernels on the same GPU: equal to float rounding at most.
                 assert json.loads(out.strip().splitlines()[-1])["max_abs_diff"] < 1e-5, out
         finally:
-            for g in goods:
-                if g.poll() is None:
-                    g.kill()
-                    g.wait()
+            reap(goods)
         assert proc.poll() is None
