@@ -313,7 +313,7 @@ class LaneManager:
     def _best_pack_slot(self, job: Job) -> _Slot | None:
         """Pack rule over all devices: a new lane anywhere first, else the smallest lane."""
         p, e = job.persistent_bytes, job.ephemeral_bytes
-        if job.inference and job.shares:
+        if job.inference and job.shares and not job.exclusive:
             own = [lane for dev in self._devices if dev.unreserved >= p
                    for lane in dev.lanes.values()
                    if lane.groups.get(job.owner) and lane.size >= e and not lane.exclusive]

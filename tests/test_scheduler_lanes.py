@@ -268,3 +268,7 @@ def test_an_inference_job_joins_its_owners_lane_before_opening_one() -> None:
     bigger = lm.submit(_job(3, 3.0, 10, 80, owner="ada", shares=True, inference=True))[0]
     assert bigger.lane_id not in (lane.lane_id, third.lane_id)  # hers are too small for it
     lm.check_invariants()
+    alone = lm.submit(_job(4, 4.0, 10, 40, 1, exclusive=True, owner="ada",
+                           shares=True, inference=True))[0]
+    assert alone.lane_id not in (lane.lane_id, third.lane_id, bigger.lane_id)  # exclusive
+    lm.check_invariants()
