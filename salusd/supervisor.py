@@ -68,7 +68,13 @@ from salus.daemon.wire.executor_ops import (
     encode,
 )
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
-from salus.daemon.zygotes import OtherZygotes, Zygote, other_interpreter
+from salus.daemon.zygotes import (
+    OtherZygotes,
+    Zygote,
+    launch,
+    other_interpreter,
+    wait_or_kill,
+)
 
 log = logging.getLogger("salusd.supervisor")
 
@@ -227,12 +233,8 @@ class Supervisor:
     # ---- zygote -------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the zygote; it reports `ready` once torch is imported (see `wait_ready`)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "salus.daemon.executor.zygote", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            env=executor_environment(os.environ, self.gpu_uuids))
-        theirs.close()
+        self._zygote, ours = launch(sys.executable, [],
+                                    executor_environment(os.environ, self.gpu_uuids))
         self.zygote_ready = False
         self._zygote_link = self.loop.add(Link(ours, self._zygote_frame, self._zygote_closed))
         for _ in range(self.standby_size - len(self._standby)):
@@ -624,11 +626,7 @@ class Supervisor:
         if self._zygote_link is not None:
             self.loop.close(self._zygote_link, "salusd stopped")
         if self._zygote is not None:
-            try:
-                self._zygote.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._zygote.kill()
-                self._zygote.wait()
+            wait_or_kill(self._zygote)
 
 
 ISOLATIONS = ("lane", "job")

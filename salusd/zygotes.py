@@ -36,6 +36,32 @@ STOP_WAIT_S = 10.0
 NOT_INHERITED = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")
 
 
+def launch(python: str, args: list[str], env: Mapping[str, str],
+           **popen: Any) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start an executor zygote of `python` (`args` after its socket's descriptor) with
+    `env`: the process and the daemon's end of its socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        process = subprocess.Popen(
+            [python, "-m", "salus.daemon.executor.zygote", str(theirs.fileno()), *args],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=dict(env), **popen)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return process, ours
+
+
+def wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float = STOP_WAIT_S) -> None:
+    """Wait for a zygote told to stop; kill it if it does not exit within `timeout_s`."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def salusd_version() -> str:
     try:
         return version("salusd")
@@ -108,17 +134,12 @@ class OtherZygotes:
         return zygote
 
     def _start(self, python: str, who: dict[str, Any]) -> Zygote:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {k: v for k, v in self.environment().items() if k not in NOT_INHERITED}
         env.update({"HOME": who["home"] or "/", "USER": who["user"], "LOGNAME": who["user"]})
         drop: dict[str, Any] = {}
         if os.geteuid() == 0 and who["uid"] != 0:
             drop = {"user": who["uid"], "group": who["gid"], "extra_groups": who["groups"]}
-        popen = subprocess.Popen(
-            [python, "-m", "salus.daemon.executor.zygote", str(theirs.fileno()),
-             salusd_version()], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            env=env, cwd="/", **drop)
-        theirs.close()
+        popen, ours = launch(python, [salusd_version()], env, cwd="/", **drop)
         log.info("starting an executor zygote of %s for uid %d (pid %d)", python, who["uid"],
                  popen.pid)
         return Zygote(python, int(who["uid"]), popen,
@@ -167,10 +188,6 @@ class OtherZygotes:
         for zygote in self._zygotes.values():
             self.loop.close(zygote.link, "salusd stopped")
         for zygote in self._zygotes.values():
-            try:
-                zygote.popen.wait(timeout=STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                zygote.popen.kill()
-                zygote.popen.wait()
+            wait_or_kill(zygote.popen)
         self._zygotes.clear()
         self._by_link.clear()
