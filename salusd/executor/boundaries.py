@@ -13,6 +13,7 @@ moves what the optimizers seen so far reach to host memory there (`script_swap.p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import select
@@ -24,6 +25,7 @@ from typing import Any
 
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.executor.script_swap import ScriptSwap
+from salus.daemon.executor.slot import REPORT_EVERY_S, RanSoFar
 from salus.daemon.wire.channel import Channel, ConnectionClosed
 from salus.daemon.wire.executor_ops import (
     Ack,
@@ -35,7 +37,6 @@ from salus.daemon.wire.executor_ops import (
     Lease,
     Place,
     Progress,
-    Ran,
     Ready,
     Refuse,
     Reply,
@@ -51,7 +52,6 @@ from salus.daemon.wire.executor_ops import (
 )
 
 log = logging.getLogger("salusd.executor")
-REPORT_EVERY_S = 0.02  # leased iterations are reported in batches this often (as direct calls)
 NO_ESTIMATE = ("a script job's iterations run in its own process and are measured as they run, "
                "not estimated on fake tensors")
 
@@ -71,7 +71,7 @@ class Boundaries:
         self.estimate = estimate  # the first `Ready` says why there is no estimate
         self.seen = 0  # boundaries so far
         self.began = time.monotonic()
-        self.ran: _Ran | None = None
+        self.ran: RanSoFar | None = None
         self.main = threading.main_thread().ident
         self.inside = False  # the main thread is in a boundary: a Ctrl-C waits
         self.interrupted = False
@@ -169,8 +169,8 @@ class Boundaries:
             self._send(CallDone(True, seconds, self.meter.peak(), counted, self.began, ended))
         elif self.lease:
             if self.ran is None:
-                self.ran = _Ran(ended, self.began)
-            self.ran.add(counted, seconds, ended)
+                self.ran = RanSoFar(ended, self.began)
+            self.ran.add(CallDone(True, seconds, None, counted, self.began, ended))
             if ended - self.ran.since >= REPORT_EVERY_S:
                 self._report_ran()
 
@@ -236,8 +236,8 @@ class Boundaries:
 
     def _report_ran(self) -> None:
         if self.ran is not None:
-            ran, self.ran = self.ran, None
-            self._send(ran.report(self.meter.peak()))
+            ran, self.ran = self.ran, None  # the batch's peak, measured over all of it
+            self._send(dataclasses.replace(ran.report(), peak=self.meter.peak()))
 
     def _send(self, reply: Reply) -> None:
         self.daemon.send(addressed(encode(reply), self.job))
@@ -250,26 +250,6 @@ class _Stop(BaseException):
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
-
-
-class _Ran:
-    """Iterations run under the lease since the last `Ran`."""
-
-    def __init__(self, since: float, began: float) -> None:
-        self.since = since
-        self.began = self.ended = began
-        self.calls = self.iterations = 0
-        self.seconds = 0.0
-
-    def add(self, counted: bool, seconds: float, ended: float) -> None:
-        self.calls += 1
-        self.iterations += counted
-        self.seconds += seconds if counted else 0.0
-        self.ended = ended
-
-    def report(self, peak: int | None) -> Ran:
-        """The report, with the batch's largest memory `peak` (bytes)."""
-        return Ran(self.calls, self.iterations, 0, self.seconds, peak, self.began, self.ended)
 
 
 def flush() -> None:

@@ -27,7 +27,7 @@ import torch
 from salus.daemon.executor import output, script
 from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
-from salus.daemon.executor.slot import RanSoFar, Slot, process_cap
+from salus.daemon.executor.slot import REPORT_EVERY_S, RanSoFar, Slot, process_cap
 from salus.daemon.executor.visible import device_for
 from salus.daemon.executor.zygote import die_with_parent, reap_orphans
 from salus.daemon.mps import client_environment
@@ -81,7 +81,6 @@ log = logging.getLogger("salusd.executor")
 _PR_SET_DUMPABLE = 4
 MAX_QUEUED_CALLS = 64
 SPIN_US = 200.0  # see spin_window_s
-REPORT_EVERY_S = 0.02  # leased calls are reported to the daemon in batches this often
 _BUSY = "busy"  # a call refused for the bound, answered in its turn (requests are never str)
 
 

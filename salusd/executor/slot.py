@@ -18,6 +18,8 @@ from salus.daemon.executor.runtime import JobRuntime
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.executor_ops import CallDone, Ran
 
+REPORT_EVERY_S = 0.02  # leased calls are reported to the daemon in batches this often
+
 
 class Slot:
     """One hosted job (`job`: its id)."""
