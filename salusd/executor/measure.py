@@ -2,7 +2,8 @@
 
 `state_bytes` counts a job's persistent state exactly: every distinct tensor storage its objects
 hold, one gradient per requires-grad parameter that has none yet, and the optimizer state that
-each optimizer's first ``step()`` will create (predicted by stepping a fake copy). Before a job's
+each optimizer's first ``step()`` will create (from the layout of SGD, Adam and AdamW, else
+predicted by stepping a fake copy: `optimizer_state.py`). Before a job's
 first call is admitted, `estimate_call_peak` runs the user's function on fake copies of the
 state and arguments (``FakeTensorMode``: shapes, dtypes and devices but no data, no real
 compute) under a `StorageTracker`; real calls' peaks are measured by `peak.PeakMeter` (on a
@@ -31,6 +32,8 @@ from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+
+from salus.daemon.executor.optimizer_state import layout_bytes
 
 T = TypeVar("T")
 
@@ -222,8 +225,16 @@ def _fake_optimizer(mode: FakeTensorMode, optimizer: Optimizer) -> tuple[Optimiz
 
 
 def _predicted_optimizer_state(optimizer: Optimizer, params: list[Tensor]) -> int:
-    """Bytes of the state `optimizer`'s first ``step()`` creates for `params`, predicted by
-    stepping a fake copy of it (same class and hyperparameters) under ``FakeTensorMode``."""
+    """Bytes of the state `optimizer`'s first ``step()`` creates for `params`: from its layout
+    where `optimizer_state` knows it (SGD, Adam, AdamW), else by stepping a fake copy of it
+    (same class and hyperparameters) under ``FakeTensorMode``."""
+    known = layout_bytes(optimizer, params)
+    if known is not None:
+        return known
+    return _fake_optimizer_state(optimizer, params)
+
+
+def _fake_optimizer_state(optimizer: Optimizer, params: list[Tensor]) -> int:
 
     def predict(mode: FakeTensorMode) -> int:
         fake, fakes = _fake_optimizer(mode, optimizer)
