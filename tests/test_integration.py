@@ -307,3 +307,26 @@ def test_a_model_that_fills_most_of_the_device_is_admitted_and_its_lane_is_its_p
         torch.nn.functional.mse_loss(direct(x), y).backward()
         direct_opt.step()
     assert all(torch.equal(params[k], v) for k, v in direct.state_dict().items())
+
+
+def test_a_report_request_is_answered_after_the_calls_before_it(daemon_proc):
+    """Calls run under a lease reach the daemon in the executor's periodic report; when the
+    daemon's count lags, `info()` asks the executor on the direct line to report at once. That
+    request, sent behind calls in flight, is answered after them, and info counts them all."""
+    _, address = daemon_proc
+    with salus.connect(name="report", iterations=20, address=address) as job:
+        remote = job.attach(model=torch.nn.Linear(4, 4))
+
+        @remote.iteration
+        def step(s, x):
+            return s.model(x).sum()
+
+        for _ in range(5):
+            step(torch.randn(2, 4))
+        futures = [step.submit(torch.randn(2, 4)) for _ in range(3)]
+        report = job._request({"op": "report"}, direct=True)
+        assert report.result() is None
+        assert all(f.done() for f in futures)
+        assert [f.result().shape for f in futures] == [torch.Size([])] * 3
+        assert job.info()["calls_done"] == 8
+        job.close(pull=False)

@@ -449,8 +449,14 @@ class Executor:
         slot.queue.clear()
 
     def _refuse_busy_at_head(self, slot: Slot) -> None:
-        while slot.queue and isinstance(slot.queue[0], str):  # _BUSY
-            slot.queue.popleft()
+        """Answer what waits at the head of the queue and is no call: a call refused for the
+        bound (`_BUSY`), or a client's request to report now what its job ran (`is_report`),
+        which `Job.info` sends when the daemon's count lags the client's."""
+        while slot.queue and (isinstance(slot.queue[0], str) or is_report(slot.queue[0])):
+            if is_report(slot.queue.popleft()):
+                self._report_ran()  # sent before the answer: the daemon has it first
+                self._answer_client(slot, {"ok": True, "result": None})
+                continue
             self._answer_client(slot, {"ok": False, "code": "busy", "message": (
                 f"the job already has {MAX_QUEUED_CALLS} calls queued; wait for results "
                 "before submitting more")})
@@ -537,6 +543,11 @@ def _unsendable(exc: TypeError) -> dict[str, Any]:
 
 def _error(exc: BaseException) -> dict[str, Any]:
     return {"ok": False, "code": "bad_request", "message": error_text(exc)}
+
+
+def is_report(request: Any) -> bool:
+    """Whether a request on a job's direct line asks the executor to report what ran now."""
+    return type(request) is dict and request.get("op") == "report"
 
 
 def run_call(runtime: JobRuntime, request: Any, forward: bool) -> tuple[CallDone, Any]:
