@@ -1,0 +1,126 @@
+"""How much slower a small training step runs right after the CPU served another process.
+
+A call through salusd is a hop to another process and back, and a direct training loop has
+none. This measures what such a switch costs the step that follows it, without salusd and
+with it, on the tiny MLP of `overhead.py` (width 16, batch 32; one intra-op thread):
+
+1. `in_process`: the step timed in this process after (a) nothing, the direct loop; (b) a
+   one-byte echo through a child process that does nothing else; (c) an echo through a child
+   that runs a little Python (it builds a list of 2000 strings, as a hop's bookkeeping
+   touches code and data of its own) before it answers. `*_over_loop` are ratios to (a).
+2. `through_salusd`: a job's call that runs the same step twice and times each inside the
+   executor: the first step follows the hop, the second follows the first.
+   `first_over_second` is their ratio.
+
+Prints one JSON object (p50s, microseconds).
+
+    .venv/bin/python bench/cold_step.py [--steps 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from overhead import mlp  # the same model as bench/overhead.py
+
+import salus.adapters.torch as salus
+from salus.daemon.launch import running_daemon
+
+
+def _echo_child(sock: socket.socket) -> None:  # pragma: no cover - runs in the child
+    while message := sock.recv(8):
+        if message == b"w":
+            _ = [str(i) for i in range(2000)]
+        sock.send(b"y")
+    os._exit(0)
+
+
+def _in_process(steps: int) -> dict[str, float]:
+    model, opt, loss_fn = mlp(16)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    mine, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child echoes until the socket closes
+        mine.close()
+        _echo_child(theirs)
+    theirs.close()
+    for _ in range(300):
+        step()
+    out = {}
+    for name, message in (("loop", None), ("after_echo", b"x"), ("after_echo_work", b"w")):
+        times = []
+        for _ in range(steps):
+            if message is not None:
+                mine.send(message)
+                mine.recv(8)
+            began = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - began)
+        out[f"{name}_p50_us"] = statistics.median(times) * 1e6
+    mine.close()
+    os.waitpid(pid, 0)
+    for name in ("after_echo", "after_echo_work"):
+        out[f"{name}_over_loop"] = out[f"{name}_p50_us"] / out["loop_p50_us"]
+    return out
+
+
+def _two_steps(s: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    times = []
+    for _ in range(2):
+        began = time.perf_counter()
+        s.opt.zero_grad()
+        s.loss_fn(s.model(x), y).backward()
+        s.opt.step()
+        times.append(time.perf_counter() - began)
+    return torch.tensor(times, dtype=torch.float64)
+
+
+def _through_salusd(steps: int) -> dict[str, float]:
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    with (tempfile.TemporaryDirectory(prefix="salusd-bench-") as tmp,
+          running_daemon(Path(tmp) / "salusd.sock", state_dir=Path(tmp), cpu_memory="1G",
+                         cpu_threads=1) as daemon,
+          salus.connect(name="cold-step", iterations=steps + 300,
+                        address=daemon.address) as job):
+        model, opt, loss_fn = mlp(16)
+        call = job.attach(model=model, opt=opt, loss_fn=loss_fn).iteration(_two_steps)
+        rows = [call(x, y).tolist() for _ in range(steps + 300)][300:]
+        job.close(pull=False)
+    first = statistics.median(r[0] for r in rows) * 1e6
+    second = statistics.median(r[1] for r in rows) * 1e6
+    return {"first_step_p50_us": first, "second_step_p50_us": second,
+            "first_over_second": first / second}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"bench": "cold_step", "unit": "microseconds"}
+    print("the step after nothing, after an echo, after an echo with work ...", file=sys.stderr)
+    out["in_process"] = _in_process(args.steps)
+    print("two steps in one call through salusd ...", file=sys.stderr)
+    out["through_salusd"] = _through_salusd(args.steps)
+    out["cpu_count"], out["loadavg_1m"] = os.cpu_count(), os.getloadavg()[0]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
