@@ -304,6 +304,16 @@ class Dispatcher:
                 continue
             yield self._start(job.job_id, (key,))
 
+    def keeper(self, key: LaneKey) -> int | None:
+        """The job that keeps lane `key` at each of its boundaries until it ends or another
+        job is admitted ahead of it, ready or not, whatever the lane's other residents want:
+        the head under a non-preemptive policy (fifo). None under a preemptive policy, or
+        when no resident may run."""
+        if self.policy.preemptive or self._sched.lanes.lane(*key) is None:
+            return None
+        decision = self._sched.next_iteration(*key)
+        return None if decision is None else decision.job_id
+
     def _ready(self, job: Job) -> bool:
         work = self._work.get(job.job_id)
         return work is not None and work.ready()

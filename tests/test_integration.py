@@ -330,3 +330,36 @@ def test_a_report_request_is_answered_after_the_calls_before_it(daemon_proc):
         assert [f.result().shape for f in futures] == [torch.Size([])] * 3
         assert job.info()["calls_done"] == 8
         job.close(pull=False)
+
+
+def test_fifo_leases_the_lane_to_its_head_job_while_another_waits(tmp_path: Path) -> None:
+    """Under fifo the head job keeps its lane until it ends, so it holds the lane's lease
+    while a second job waits in the same lane: the lane stays busy with it between its
+    calls (no call of it is running then), the waiting job's call runs only once the head
+    job closed, and both compute what the same calls compute directly."""
+    from salus.daemon.control import Control
+
+    x = torch.randn(2, 4)
+    with salusd(tmp_path, "--policy", "fifo", devices=1) as (_, address):
+        with salus.connect(name="head", iterations=10, address=address) as head:
+            torch.manual_seed(0)
+            model_a = torch.nn.Linear(4, 2)
+            expected_a = model_a(x).detach()
+            step_a = head.attach(model=model_a).iteration(lambda s, x: s.model(x))
+            assert torch.equal(step_a(x), expected_a)  # started first: fifo's head from now
+            second = salus.connect(name="waits", iterations=10, address=address)
+            model_b = torch.nn.Linear(4, 3)
+            expected_b = model_b(x).detach()
+            waiting = second.attach(model=model_b).iteration(lambda s, x: s.model(x)).submit(x)
+            for _ in range(5):
+                assert torch.equal(step_a(x), expected_a)
+            with Control(address) as ctl:
+                status = ctl.status()
+            (device,) = status["devices"]
+            (lane,) = device["lanes"]
+            assert sorted(lane["jobs"]) == sorted([int(head.id), int(second.id)])
+            assert lane["busy_job"] == int(head.id)  # held between calls: the lease
+            assert not waiting.done()
+            head.close(pull=False)
+        assert torch.equal(waiting.result(), expected_b)
+        second.close(pull=False)

@@ -152,3 +152,20 @@ def test_pack_prefers_the_oldest_ready_job_in_a_lane() -> None:
     assert pick is not None and pick.job_id == 1
     pick = sched.next_iteration(0, p0.lane_id)
     assert pick is not None and pick.job_id == 0
+
+
+def test_only_fifo_keeps_a_lane_for_one_job_whatever_the_others_want() -> None:
+    """`Dispatcher.keeper` names the job a lane's lease may go to while other jobs wait there:
+    fifo's head, which every pick returns until it ends (its readiness aside); no job under a
+    preemptive policy, where a waiting job may be picked at the next boundary."""
+    from salus.scheduler.dispatch import Dispatcher
+
+    for name in ("fifo", "srtf", "fair", "pack"):
+        dispatch = Dispatcher([100], make_policy(name), clock=lambda: 0.0)
+        for jid, submit in ((0, 0.0), (1, 1.0)):  # two 30+40-byte jobs: one shared lane
+            dispatch.submit(Job(jid, submit, 5, 30, 40))
+        (lane,) = dispatch.lanes()
+        assert sorted(lane.residents) == [0, 1]
+        pick = dispatch.scheduler.next_iteration(*lane.key)
+        assert pick is not None
+        assert dispatch.keeper(lane.key) == (pick.job_id if name == "fifo" else None), name

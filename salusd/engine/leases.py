@@ -1,4 +1,5 @@
-"""Leases: a job alone in its lane, attached by a direct channel, runs its calls without asking.
+"""Leases: a job alone in its lane, or the one fifo keeps there until it ends, attached by a
+direct channel, runs its calls without asking.
 
 A lease makes the lane busy with its holder (`Dispatcher.hold`) until the executor gives it
 back; the calls it ran meanwhile are reported afterwards (`ran`) and accounted then.
@@ -31,7 +32,7 @@ class Leases:
         dispatch = self.core.dispatch
         for lane in dispatch.lanes():
             holder = self.held.get(lane.key)
-            wanted = self._candidate(lane.residents)
+            wanted = self._candidate(lane.key, lane.residents)
             if holder is not None and holder != wanted:
                 self._revoke(lane.key, holder)
             elif (holder is None and wanted is not None and lane.busy_job is None
@@ -53,12 +54,18 @@ class Leases:
         self.revoking.add(key)
         self.core.outbox.send(record, Sent("revoke", lane=key), Lease(granted=False))
 
-    def _candidate(self, residents: tuple[int, ...]) -> int | None:
+    def _candidate(self, key: LaneKey, residents: tuple[int, ...]) -> int | None:
+        """The job to hold lane `key`'s lease: its only resident, or the one the policy keeps
+        there whatever the others want (`Dispatcher.keeper`: fifo's head job, which runs
+        until it ends while the lane's other jobs wait), if it may run unasked."""
         core = self.core
-        if len(residents) != 1 or core.stopping or core.pending_policy is not None:
+        if not residents or core.stopping or core.pending_policy is not None:
             return None
-        record = core.registry.live.get(residents[0])
-        job = core.dispatch.job(residents[0])
+        chosen = residents[0] if len(residents) == 1 else core.dispatch.keeper(key)
+        if chosen is None:
+            return None
+        record = core.registry.live.get(chosen)
+        job = core.dispatch.job(chosen)
         if (record is None or job is None or not record.direct or record.calls
                 or record.held or record.swap_requested or record.cancel_requested
                 or record.phase != "submitted"
