@@ -13,7 +13,10 @@
 
 With `--phases`, the training part also times each job's phases through the daemon (`pack`):
 connect, attach and define; the first call; the other iterations; `info` (medians over the
-jobs, milliseconds), to show what a short job's makespan is made of.
+jobs, milliseconds), to show what a short job's makespan is made of; and the CPU time the
+clients and the executors spent per iteration in those loops (`loop_cpu_us_per_iteration`,
+microseconds), against a direct step's (`direct_step_cpu_us`: 8 plain processes' CPU time
+over their iterations, in the same run).
 
 Prints one JSON object.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -121,9 +125,23 @@ def _training(tmp: Path, devices: int, jobs: int) -> dict[str, Any]:
     }
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process used so far (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _executor_cpu_s(s: Any) -> float:
+    """`_cpu_s` of the executor process: run there as a function of the job."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _phase_client(address: str) -> None:
     """One small-mlp job through the daemon at `address`, started on a line from stdin; prints
-    the wall-clock times (seconds) at which its phases ended, as one JSON list."""
+    one JSON object: the wall-clock times (seconds) at which its phases ended, and the CPU
+    seconds its client and its executor spent in its loop of other iterations (read just
+    outside that loop's timing, by a call to the executor that is not an iteration)."""
     import salus.adapters.torch as salus
     from salus.demo.jobs import WORKLOADS, _setup
 
@@ -135,16 +153,24 @@ def _phase_client(address: str) -> None:
     with salus.connect(name=w.name, iterations=w.iterations, address=address) as job:
         assert opt is not None
         step = job.train_step(model, opt, loss_fn)
+        assert job.remote is not None
+        executor_cpu = job.remote.function(_executor_cpu_s)
+        executor_cpu.changes_state = False
         t.append(time.time())
         step(*batches[0])
         t.append(time.time())
+        client_began, executor_began = _cpu_s(), executor_cpu()
+        loop_began = time.time()
         for x, y in batches[1:]:
             step(x, y)
         t.append(time.time())
+        cpu = {"client": _cpu_s() - client_began, "executor": executor_cpu() - executor_began}
+        info_began = time.time()
         job.info()
         t.append(time.time())
         job.close(pull=True)
-    print(json.dumps(t), flush=True)
+    print(json.dumps({"ends": t, "loop_began": loop_began, "info_began": info_began,
+                      "cpu": cpu, "iterations": len(batches) - 1}), flush=True)
 
 
 def _phases(tmp: Path, devices: int, jobs: int) -> dict[str, float]:
@@ -156,7 +182,7 @@ def _phases(tmp: Path, devices: int, jobs: int) -> dict[str, float]:
         procs = [subprocess.Popen([sys.executable, __file__, "--phase-client", daemon.address],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                  for _ in range(jobs)]
-        ends = []
+        ends: list[dict[str, Any]] = []
         try:
             for p in procs:
                 assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -170,10 +196,28 @@ def _phases(tmp: Path, devices: int, jobs: int) -> dict[str, float]:
         finally:
             for p in procs:
                 p.wait(timeout=120)
-    names = ("connect_attach_define", "first_call", "other_iterations", "info")
-    out = {name: statistics.median((t[i + 1] - t[i]) * 1e3 for t in ends)
-           for i, name in enumerate(names)}
-    out["loops_makespan"] = (max(t[3] for t in ends) - min(t[2] for t in ends)) * 1e3
+    began = {"connect_attach_define": lambda r: r["ends"][0], "first_call": lambda r: r["ends"][1],
+             "other_iterations": lambda r: r["loop_began"], "info": lambda r: r["info_began"]}
+    out: dict[str, Any] = {name: statistics.median(
+        (r["ends"][i + 1] - start(r)) * 1e3 for r in ends)
+        for i, (name, start) in enumerate(began.items())}
+    out["loops_makespan"] = (max(r["ends"][3] for r in ends)
+                             - min(r["loop_began"] for r in ends)) * 1e3
+    import torch
+
+    from salus.demo.jobs import WORKLOADS, _setup, run_direct
+
+    torch.set_num_threads(1)
+    w = WORKLOADS["small-mlp"]
+    run_direct(w)  # warm: the first steps in a process cost more
+    prepared = _setup(w)
+    cpu_began = _cpu_s()
+    run_direct(w, prepared=prepared)  # this process, alone: its loop's CPU per step
+    out["direct_step_cpu_us"] = (_cpu_s() - cpu_began) / w.iterations * 1e6
+    iterations = sum(r["iterations"] for r in ends)
+    out["loop_cpu_us_per_iteration"] = {
+        side: sum(r["cpu"][side] for r in ends) / iterations * 1e6
+        for side in ("client", "executor")}
     return out
 
 
