@@ -7,7 +7,9 @@ with it, on the tiny MLP of `overhead.py` (width 16, batch 32; one intra-op thre
 1. `in_process`: the step timed in this process after (a) nothing, the direct loop; (b) a
    one-byte echo through a child process that does nothing else; (c) an echo through a child
    that runs a little Python (it builds a list of 2000 strings, as a hop's bookkeeping
-   touches code and data of its own) before it answers. `*_over_loop` are ratios to (a).
+   touches code and data of its own) before it answers; and, in this process alone, after
+   (d) a 100 µs sleep (the vCPU may idle), (e) 100 µs of a tight loop (a small working set),
+   (f) allocating and filling 4 MiB (caches evicted). `*_over_loop` are ratios to (a).
 2. `through_salusd`: a job's call that runs the same step twice and times each inside the
    executor: the first step follows the hop, the second follows the first.
    `first_over_second` is their ratio.
@@ -63,19 +65,30 @@ def _in_process(steps: int) -> dict[str, float]:
     for _ in range(300):
         step()
     out = {}
-    for name, message in (("loop", None), ("after_echo", b"x"), ("after_echo_work", b"w")):
+    def echo(message: bytes) -> None:
+        mine.send(message)
+        mine.recv(8)
+
+    def busy() -> None:
+        until = time.perf_counter() + 100e-6
+        while time.perf_counter() < until:
+            pass
+
+    before: dict[str, Any] = {
+        "loop": lambda: None, "after_echo": lambda: echo(b"x"),
+        "after_echo_work": lambda: echo(b"w"), "after_sleep_100us": lambda: time.sleep(100e-6),
+        "after_busy_100us": busy, "after_4MiB_filled": lambda: torch.empty(1 << 20).fill_(1.0)}
+    for name, first in before.items():
         times = []
         for _ in range(steps):
-            if message is not None:
-                mine.send(message)
-                mine.recv(8)
+            first()
             began = time.perf_counter()
             step()
             times.append(time.perf_counter() - began)
         out[f"{name}_p50_us"] = statistics.median(times) * 1e6
     mine.close()
     os.waitpid(pid, 0)
-    for name in ("after_echo", "after_echo_work"):
+    for name in list(before)[1:]:
         out[f"{name}_over_loop"] = out[f"{name}_p50_us"] / out["loop_p50_us"]
     return out
 
