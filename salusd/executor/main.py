@@ -284,7 +284,7 @@ class Executor:
                                   slot.log, slot.cwd)
             case Run() if request is None:
                 slot.asked = False
-                self._refuse_busy_at_head(slot)
+                self._answer_at_head(slot)
                 if slot.queue:
                     self._switch(slot)
                     done, reply = run_call(slot.runtime, slot.queue.popleft(), forward=False)
@@ -448,7 +448,7 @@ class Executor:
             slot.data = None
         slot.queue.clear()
 
-    def _refuse_busy_at_head(self, slot: Slot) -> None:
+    def _answer_at_head(self, slot: Slot) -> None:
         """Answer what waits at the head of the queue and is no call: a call refused for the
         bound (`_BUSY`), or a client's request to report now what its job ran (`is_report`),
         which `Job.info` sends when the daemon's count lags the client's."""
@@ -466,7 +466,7 @@ class Executor:
             self._run_queued_of(slot)
 
     def _run_queued_of(self, slot: Slot) -> None:
-        self._refuse_busy_at_head(slot)
+        self._answer_at_head(slot)
         while slot.queue and slot.lease:
             self._switch(slot)
             done, reply = run_call(slot.runtime, slot.queue.popleft(), forward=False)
@@ -475,7 +475,7 @@ class Executor:
             self._note_ran(slot, done)
             if done.oom:  # the daemon acts on it (moves or queues the job) without waiting
                 self._report_ran()
-            self._refuse_busy_at_head(slot)
+            self._answer_at_head(slot)
         if slot.queue and not slot.lease and not slot.asked:
             slot.asked = True
             estimate = None
