@@ -140,7 +140,9 @@ def test_tokens_and_owner_isolation(tmp_path):
 
 
 def test_kill_9_then_restart_resumes_batch_job_exactly(tmp_path):
-    iterations = 40
+    # Long enough that the job cannot finish between the poll that sees its checkpoint at
+    # iteration 10 and the kill (40 iterations once did, on a fast run).
+    iterations = 300
     with _serve(tmp_path, "--checkpoint-every", "5") as (proc, _):
         client = connect(tmp_path / "state")
         jid = _submit(client, iterations)
