@@ -33,12 +33,13 @@ from salus.daemon.executor.zygote import die_with_parent, reap_orphans
 from salus.daemon.mps import client_environment
 from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire.channel import (
-    YIELD_TAKEN_S,
     Channel,
     ConnectionClosed,
     FrameError,
     Pickled,
     PickledPayload,
+    passed_fd,
+    spin,
 )
 from salus.daemon.wire.executor_ops import (
     Ack,
@@ -186,18 +187,9 @@ class Executor:
         so that where other processes wait for it (many jobs on few cores) the window costs
         them nothing: polling without yielding made 8 small jobs on 2 cores 1.2x slower per
         call (measured); and once a yield ran another process, the executor stops polling and
-        sleeps. The sources that became readable."""
-        now = time.perf_counter()
-        until = self.active_at + self.spin_s
-        while now < until:
-            ready = self.selector.select(0)
-            if ready:
-                return [key.data for key, _ in ready]
-            os.sched_yield()
-            then, now = now, time.perf_counter()
-            if now - then > YIELD_TAKEN_S:  # the yield ran another process: the CPU is wanted
-                return []
-        return []
+        sleeps (`channel.spin`). The sources that became readable."""
+        ready = spin(lambda: self.selector.select(0), self.active_at + self.spin_s)
+        return [key.data for key, _ in ready or ()]
 
     def _report_due(self) -> float | None:
         """Seconds until the oldest unreported leased call must be reported (None: none)."""
@@ -332,17 +324,17 @@ class Executor:
             slot.queue.extend(bundle["queued"])
             slot.asked = bundle["asked"]
         except Exception as exc:
-            for passed in (sock, pool):
-                if isinstance(passed, dict) and isinstance(passed.get("socket_fd"), int):
-                    os.close(passed["socket_fd"])
+            for fd in (passed_fd(sock), passed_fd(pool)):
+                if fd is not None:
+                    os.close(fd)
             self._reply(job, Failed(error_text(exc)[:2000]), None)
             return
         self.slots[job] = slot
-        if isinstance(sock, dict) and isinstance(sock.get("socket_fd"), int):
-            self._attach_channel(slot, sock["socket_fd"])
-            if slot.data is not None and isinstance(pool, dict) and isinstance(
-                    pool.get("socket_fd"), int):
-                slot.data.adopt_pool(pool["socket_fd"])
+        channel_fd, pool_fd = passed_fd(sock), passed_fd(pool)
+        if channel_fd is not None:
+            self._attach_channel(slot, channel_fd)
+            if slot.data is not None and pool_fd is not None:
+                slot.data.adopt_pool(pool_fd)
         self._reply(job, Ack(), None)
 
     def _handover(self, slot: Slot) -> None:
@@ -400,8 +392,8 @@ class Executor:
             torch.cuda.empty_cache()
 
     def _open_channel(self, slot: Slot, request: Any) -> None:
-        fd = request.get("socket_fd") if isinstance(request, dict) else None
-        if not isinstance(fd, int):
+        fd = passed_fd(request)
+        if fd is None:
             self._reply(slot.job, Failed(None, forward=True),
                         _error(ValueError("'channel' needs a socket")))
             return

@@ -48,7 +48,7 @@ from salus.adapters.torch import script as api
 from salus.daemon.executor import interpreter
 from salus.daemon.executor.boundaries import Boundaries, flush
 from salus.daemon.executor.output import OutputSink
-from salus.daemon.wire.channel import Channel
+from salus.daemon.wire.channel import Channel, passed_fd
 from salus.daemon.wire.executor_ops import RESTARTING, Ack, Failed, Script, addressed, encode
 
 log = logging.getLogger("salusd.executor")
@@ -94,8 +94,8 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     """Run the script of job `job`'s `message` (the client's socket in `request`, when it has
     one) in directory `cwd` to its end; False when it could not start (the daemon was told
     why), True once it ran."""
-    fd = request.get("socket_fd") if isinstance(request, dict) else None
-    client = socket.socket(fileno=fd) if isinstance(fd, int) else None
+    fd = passed_fd(request)
+    client = None if fd is None else socket.socket(fileno=fd)
     env = _caller_env(message)
     try:
         command = parse_command(message.argv, message.env)

@@ -22,7 +22,8 @@ import select
 import socket
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from salus.daemon.wire import codec, compact, segment
 from salus.daemon.wire.codec import Pickled, PickledPayload
@@ -54,7 +55,7 @@ from salus.daemon.wire.pool import PoolReader, PoolWriter
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_SHM_THRESHOLD", "Channel", "ConnectionClosed",
     "FrameError", "FrameTooLarge", "Pickled", "PickledPayload", "error_from_reply",
-    "reply_result",
+    "passed_fd", "reply_result", "spin",
 ]
 
 DEFAULT_SHM_THRESHOLD = 256 * 1024
@@ -68,6 +69,32 @@ _CTRUNC = int(socket.MSG_CTRUNC)  # plain ints: enum arithmetic costs microsecon
 _IOV_LIMIT = 512
 _OTHER_VERSION_REPLY_BYTES = 64 * 1024
 YIELD_TAKEN_S = 50e-6  # a sched_yield that took longer ran another process: the CPU is wanted
+T = TypeVar("T")
+
+
+def spin(look: Callable[[], T], until: float) -> T | None:
+    """Poll with `look()` without sleeping until it finds something (returned) or the
+    `time.perf_counter` deadline `until` passes. Each empty look yields the CPU, and polling
+    stops early once a yield let another process run (`YIELD_TAKEN_S`): where the CPU is
+    wanted, the caller sleeps instead. None when nothing came."""
+    clock = time.perf_counter
+    now = clock()
+    while now < until:
+        found = look()
+        if found:
+            return found
+        os.sched_yield()
+        then, now = now, clock()
+        if now - then > YIELD_TAKEN_S:
+            return None
+    return None
+
+
+def passed_fd(message: Any) -> int | None:
+    """The descriptor a socket frame brought (`Channel.recv` puts it under "socket_fd"; the
+    receiver owns it), or None."""
+    fd = message.get("socket_fd") if isinstance(message, dict) else None
+    return fd if isinstance(fd, int) else None
 
 
 class ConnectionClosed(ConnectionError):
@@ -290,11 +317,6 @@ class Channel:
         """Whether bytes of a next frame are already read (select would not see them)."""
         return self._end > self._start
 
-    def readable(self, seconds: float) -> bool:
-        """Sleep until a next frame's bytes arrive, at most `seconds` (rounded down to whole
-        milliseconds, poll's grain); whether they came."""
-        return self._end > self._start or bool(self._look(int(seconds * 1000)))
-
     def _look(self, timeout_ms: int) -> list[tuple[int, int]]:
         if self._poller is None:
             self._poller = select.poll()
@@ -302,23 +324,11 @@ class Channel:
         return self._poller.poll(timeout_ms)
 
     def poll(self, seconds: float) -> bool:
-        """Wait up to `seconds` without sleeping for a next frame's bytes; whether they came.
-        Each empty look yields the CPU, and polling stops early once a yield let another
-        process run (`YIELD_TAKEN_S`): where the CPU is wanted, this side sleeps instead."""
+        """Wait up to `seconds` without sleeping for a next frame's bytes (`spin`); whether
+        they came."""
         if self._end > self._start:
             return True
-        look = self._look
-        clock = time.perf_counter
-        now = clock()
-        until = now + seconds
-        while now < until:
-            if look(0):
-                return True
-            os.sched_yield()
-            then, now = now, clock()
-            if now - then > YIELD_TAKEN_S:
-                return False
-        return False
+        return bool(spin(lambda: self._look(0), time.perf_counter() + seconds))
 
     def send_socket(self, message: dict[str, Any], fd: int) -> None:
         """Send JSON `message` with the connected socket `fd` (FLAG_SOCKET); the caller keeps
