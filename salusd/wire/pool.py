@@ -49,16 +49,13 @@ class PoolWriter:
         """Put one frame's segment, `parts` of (byte offset, bytes) over `size` bytes, in the
         pool: (whether it went there, the descriptor to send with the frame when the pool is
         new; the caller closes it once sent)."""
-        if size > MAX_POOL_BYTES:
+        if size > MAX_POOL_BYTES or (  # or the receiver has not taken the last frame
+                self.map is not None and _U64.unpack_from(self.map, 0)[0] != self.seq):
             return False, None
         fd = None
         if self.map is None or size > len(self.map) - DATA:
-            if self.map is not None and _U64.unpack_from(self.map, 0)[0] != self.seq:
-                return False, None
             fd = self._replace(max(MIN_POOL_BYTES, 1 << (size + DATA - 1).bit_length()))
         assert self.map is not None
-        if _U64.unpack_from(self.map, 0)[0] != self.seq:  # the receiver has not taken the last
-            return False, None
         view = memoryview(self.map)
         try:
             for offset, part in parts:
