@@ -133,8 +133,7 @@ def _cpu_s() -> float:
 
 def _executor_cpu_s(s: Any) -> float:
     """`_cpu_s` of the executor process: run there as a function of the job."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return _cpu_s()
 
 
 def _phase_client(address: str) -> None:
