@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from salus.daemon.engine.registry import JobRecord, Owner, may_share_executor
+from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
 from salus.daemon.loop import Link, Loop
 from salus.daemon.state.job_output import output_path
 from salus.daemon.wire.executor_ops import (
@@ -316,7 +316,7 @@ class Supervisor:
             self._by_link.pop(id(proc.link), None)
             self.loop.close(proc.link, why)
             for handle in list(proc.jobs.values()):
-                script = "command" in handle.record.spec
+                script = is_script(handle.record)
                 self.on_died(handle, f"the {'script' if script else 'job'} could not start: "
                                      f"{why}")
             proc.jobs.clear()
@@ -339,7 +339,7 @@ class Supervisor:
 
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
-        script = "command" in record.spec  # a script job: the process runs its script
+        script = is_script(record)  # the process runs its script
         python = record.spec.get("python")  # a contract job's client's, when not ours
         if script and record.script is not None:
             command = record.script.command

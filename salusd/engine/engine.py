@@ -41,6 +41,7 @@ from salus.daemon.engine.registry import (
     Registry,
     check_iterations,
     check_name,
+    is_script,
 )
 from salus.daemon.engine.replies import Replies
 from salus.daemon.engine.setup import batch_spec, load
@@ -171,7 +172,7 @@ class Engine:
                                                  str(record.job_id))
             core.config.checkpoints.make_dir(record.checkpoint_dir, owner)
         core.event("open", record.job_id, owner=owner.name, name=record.name,
-                   job_kind="script" if scripts.is_script(record) else kind)
+                   job_kind="script" if is_script(record) else kind)
         log.info("job %d %r opened by %s (%s, %d iterations planned)", record.job_id,
                  record.name, owner.name, kind, record.planned_iterations)
         return record
@@ -237,7 +238,7 @@ class Engine:
                           "this salusd restarted without --cluster")
         elif kind == "batch":
             load(self.core, record, restore=True)
-        elif scripts.is_script(record):
+        elif is_script(record):
             scripts.restored(self.core, record)
         elif checkpoint_iteration is None:
             self.core.end(record, "failed", f"salusd restarted before job {job_id}'s first "

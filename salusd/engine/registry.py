@@ -161,13 +161,19 @@ def check_iterations(iterations: object) -> int:
 
 
 
+def is_script(record: JobRecord) -> bool:
+    """Whether the job runs a whole command (`salusd run`, REST `command`): its process runs
+    the script."""
+    return "command" in record.spec
+
+
 def may_share_executor(record: JobRecord) -> bool:
     """Whether the job's executor process may host its owner's other jobs of its lane: an
     interactive job of one replica whose state lives in objects it attached (not a gang's
     replica, a batch job, a script job, whose process runs the script, or a job whose client
     runs another interpreter than the daemon's, whose executor runs that one)."""
     return (record.kind == "interactive" and record.gang == 1
-            and "command" not in record.spec and "python" not in record.spec)
+            and not is_script(record) and "python" not in record.spec)
 
 
 class Registry:

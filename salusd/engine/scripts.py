@@ -95,10 +95,6 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
     return out
 
 
-def is_script(record: JobRecord) -> bool:
-    return "command" in record.spec
-
-
 def start(core: Core, record: JobRecord, command: ScriptCommand,
           frame: RawFrame | None) -> None:
     """Give the job an executor and start its command there; `frame` carries the client's

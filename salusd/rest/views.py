@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from salus.daemon.engine.registry import JobRecord, spec_devices, spec_nodes
+from salus.daemon.engine.registry import JobRecord, is_script, spec_devices, spec_nodes
 from salus.daemon.engine.report import job_info
 from salus.daemon.rest.models import Checkpoint, JobOut
 from salus.daemon.state.store import JobRow
@@ -26,7 +26,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     evaluation = record.last_evaluation
     return JobOut(
         id=record.job_id, name=record.name, owner=record.owner.name,
-        kind="script" if "command" in record.spec else record.kind,
+        kind="script" if is_script(record) else record.kind,
         state=state, reason=record.reason,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
