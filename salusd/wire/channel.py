@@ -317,6 +317,11 @@ class Channel:
         """Whether bytes of a next frame are already read (select would not see them)."""
         return self._end > self._start
 
+    def readable(self, seconds: float) -> bool:
+        """Sleep until a next frame's bytes arrive, at most `seconds` (rounded down to whole
+        milliseconds, poll's grain); whether they came."""
+        return self._end > self._start or bool(self._look(int(seconds * 1000)))
+
     def _look(self, timeout_ms: int) -> list[tuple[int, int]]:
         if self._poller is None:
             self._poller = select.poll()
