@@ -2,7 +2,10 @@
 
 1. Makespan of 8 small training jobs started at once: through the daemon under `pack` (lanes in
    parallel) and under `fifo` (one job at a time per device), against 8 separate processes
-   running the same loops at once without the daemon.
+   running the same loops at once without the daemon. Through the daemon each loop submits
+   its steps and reads the last loss at the end (`TrainStep.submit`, as the adapter's docs
+   advise for a loop that does not need each loss at once); `pack_blocking` is the same `pack`
+   run with each loss read before the next step, as the direct loop does.
 2. Memory of 16 inference models (about 17 MiB of parameters each): one daemon holding all 16
    (the daemon, its zygote and the 16 executor processes forked from it, all counted) against
    16 separate processes each holding one. Memory is PSS (proportional set size, from
@@ -11,7 +14,8 @@
    but count shared pages once per process. The daemon's clients hold their own copy of the
    model on the host, reported apart. Salus reports 42x fewer GPUs for inference.
 
-With `--phases`, the training part also times each job's phases through the daemon (`pack`):
+With `--phases`, the training part also times each job's phases through the daemon (`pack`,
+steps submitted):
 connect, attach and define; the first call; the other iterations; `info` (medians over the
 jobs, milliseconds), to show what a short job's makespan is made of; and the CPU time the
 clients and the executors spent per iteration in those loops (`loop_cpu_us_per_iteration`,
@@ -111,10 +115,11 @@ def main() -> None:
 def _training(tmp: Path, devices: int, jobs: int) -> dict[str, Any]:
     train = ["small-mlp"] * jobs
     spans = {}
-    for policy in ("pack", "fifo"):
-        print(f"{jobs} training jobs through salusd ({policy}) ...", file=sys.stderr)
+    for run, policy, blocking in (("pack", "pack", False), ("pack_blocking", "pack", True),
+                                  ("fifo", "fifo", False)):
+        print(f"{jobs} training jobs through salusd ({run}) ...", file=sys.stderr)
         with _daemon(tmp, policy, devices) as daemon:
-            spans[policy] = _makespan(launch(train, daemon.address))
+            spans[run] = _makespan(launch(train, daemon.address, blocking=blocking))
     print(f"{jobs} training jobs as separate processes ...", file=sys.stderr)
     spans["processes"] = _makespan(launch(train, "direct"))
     return {
@@ -122,6 +127,7 @@ def _training(tmp: Path, devices: int, jobs: int) -> dict[str, Any]:
         "makespan_s": spans,
         "pack_over_fifo": spans["pack"] / spans["fifo"],
         "pack_over_processes": spans["pack"] / spans["processes"],
+        "pack_blocking_over_processes": spans["pack_blocking"] / spans["processes"],
     }
 
 
@@ -142,7 +148,7 @@ def _phase_client(address: str) -> None:
     seconds its client and its executor spent in its loop of other iterations (read just
     outside that loop's timing, by a call to the executor that is not an iteration)."""
     import salus.adapters.torch as salus
-    from salus.demo.jobs import WORKLOADS, _setup
+    from salus.demo.jobs import WORKLOADS, _setup, _submitted_loop
 
     w = WORKLOADS["small-mlp"]
     model, opt, loss_fn, batches = _setup(w)
@@ -160,8 +166,7 @@ def _phase_client(address: str) -> None:
         t.append(time.time())
         client_began, executor_began = _cpu_s(), executor_cpu()
         loop_began = time.time()
-        for x, y in batches[1:]:
-            step(x, y)
+        _submitted_loop(step, batches[1:])
         t.append(time.time())
         cpu = {"client": _cpu_s() - client_began, "executor": executor_cpu() - executor_began}
         info_began = time.time()

@@ -71,13 +71,20 @@ CLIENT = textwrap.dedent("""
             for _ in range(15)]
     with salus.connect(name=f"client{seed}", iterations=len(data)) as job:
         step = job.train_step(model, opt, nn.CrossEntropyLoss())
-        for x, y in data:
-            step(x, y)
+        if seed % 2:  # each loss read before the next step
+            losses = [step(x, y) for x, y in data]
+        else:  # every step submitted at once, the losses read at the end
+            losses = [f.result() for f in [step.submit(x, y) for x, y in data]]
         remote = job.state_dict()
+    direct = []
     for x, y in data:  # the same loop directly, for comparison
-        opt.zero_grad(); nn.CrossEntropyLoss()(model(x), y).backward(); opt.step()
+        opt.zero_grad()
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        loss.backward()
+        opt.step()
+        direct.append(float(loss))
     diff = max((remote[k] - v).abs().max().item() for k, v in model.state_dict().items())
-    print(json.dumps({"seed": seed, "max_abs_diff": diff}))
+    print(json.dumps({"seed": seed, "max_abs_diff": diff, "same_losses": losses == direct}))
 """)
 
 
@@ -94,7 +101,7 @@ def test_clients_in_separate_processes_match_direct_training(daemon_proc, tmp_pa
             out, err = c.communicate(timeout=240)
             assert c.returncode == 0, err
             result = json.loads(out.strip().splitlines()[-1])
-            assert result["max_abs_diff"] <= 1e-6
+            assert result["max_abs_diff"] <= 1e-6 and result["same_losses"], result
     finally:
         for c in clients:
             if c.poll() is None:

@@ -4,6 +4,7 @@ a batch job's `GET /v1/jobs/{id}/log`, and the output file's rotation."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -88,6 +89,59 @@ def test_an_interactive_jobs_lines_reach_its_client_before_the_result_and_salusd
     assert logged.endswith("child line\n"), logged
     daemon_log = (tmp_path / "salusd.log").read_text()
     assert "job line" not in daemon_log and "job warning" not in daemon_log
+
+
+PIPELINED = textwrap.dedent("""
+    import json, sys
+    import torch
+    import salus.adapters.torch as salus
+
+    def say(s, x):
+        if int(x) % 3 == 0:
+            print(f"call {int(x)}")
+        return x
+
+    futures = []
+    seen = []
+
+    class Watch:
+        # the client stdout: when the job line of call i arrives, which results are in
+        def write(self, text):
+            i = int(text.split()[1])
+            seen.append((i, [f.done() for f in futures[:i + 1]]))
+            return len(text)
+
+        def flush(self):
+            pass
+
+    with salus.connect(name="pipelined", iterations=60) as job:
+        remote = job.attach(model=torch.nn.Linear(2, 1))
+        fn = remote.iteration(say)
+        real, sys.stdout = sys.stdout, Watch()
+        for i in range(60):
+            futures.append(fn.submit(torch.tensor(i)))
+        values = [int(f.result()) for f in futures]
+        sys.stdout = real
+    print(json.dumps({"values": values, "seen": seen}))
+""")
+
+
+def test_lines_and_results_of_calls_in_flight_keep_their_order(tmp_path: Path) -> None:
+    """The executor holds results back while the client keeps calls in flight: a line a call
+    prints still reaches the client after the results of the calls before it and before its
+    own."""
+    script = tmp_path / "pipelined.py"
+    script.write_text(PIPELINED)
+    with salusd(tmp_path, devices=1) as (_, address):
+        env = {"SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["values"] == list(range(60))
+    assert [i for i, _ in result["seen"]] == list(range(0, 60, 3))
+    for i, results_in in result["seen"]:
+        assert results_in == [True] * i + [False], (i, results_in)
 
 
 def test_a_job_printing_6_mib_keeps_a_bounded_file_with_the_latest_lines(

@@ -115,6 +115,14 @@ def _loop(w: Workload, step: Callable[[torch.Tensor, torch.Tensor], float | None
     return loss
 
 
+def _submitted_loop(step: salus.TrainStep,
+                    batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    """The loop as a script written for salusd runs it: each step submitted without waiting
+    for its loss (`TrainStep.submit`; at most 32 in flight), the losses read at the end."""
+    losses = [step.submit(x, y) for x, y in batches]
+    return losses[-1].result() if losses else None
+
+
 Prepared = tuple[nn.Module, torch.optim.Optimizer | None, Any, list[Any]]
 
 
@@ -152,9 +160,11 @@ def run_direct(w: Workload, hold: Callable[[], None] = lambda: None,
 
 
 def run_client(w: Workload, address: str, hold: Callable[[], None] = lambda: None,
-               prepared: Prepared | None = None) -> dict[str, Any]:
-    """The same loop through the daemon, as a training script would write it; `hold` runs
-    before the job closes (benchmarks read memory figures then)."""
+               prepared: Prepared | None = None, blocking: bool = False) -> dict[str, Any]:
+    """The same loop through the daemon, as a training script would write it: its steps
+    submitted (`_submitted_loop`), or with `blocking` each loss read before the next step as
+    the direct loop does; `hold` runs before the job closes (benchmarks read memory figures
+    then)."""
     model, opt, loss_fn, batches = prepared or _setup(w)
     start_wall, start = time.time(), time.perf_counter()
     with salus.connect(name=w.name, iterations=w.iterations, address=address) as job:
@@ -162,7 +172,8 @@ def run_client(w: Workload, address: str, hold: Callable[[], None] = lambda: Non
             infer = job.inference(model)
             loss = _loop(w, lambda x, _y: (infer(x), None)[1], batches)
         else:
-            loss = _loop(w, job.train_step(model, opt, loss_fn), batches)
+            step = job.train_step(model, opt, loss_fn)
+            loss = _loop(w, step, batches) if blocking else _submitted_loop(step, batches)
         info = job.info()
         seconds = time.perf_counter() - start
         hold()
@@ -182,10 +193,12 @@ def run_client(w: Workload, address: str, hold: Callable[[], None] = lambda: Non
     }
 
 
-def launch(names: list[str], target: str, *, hold: bool = False) -> list[dict[str, Any]]:
+def launch(names: list[str], target: str, *, hold: bool = False,
+           blocking: bool = False) -> list[dict[str, Any]]:
     """Run one process per workload name at once (`target`: a unix:// address, or 'direct'),
-    released together once all have imported torch and built their models."""
-    with Launched(names, target, hold=hold) as group:
+    released together once all have imported torch and built their models; `blocking`: see
+    `run_client`."""
+    with Launched(names, target, hold=hold, blocking=blocking) as group:
         return group.results
 
 
@@ -195,9 +208,10 @@ class Launched:
     With `hold`, `results` holds each client's memory figures taken while its job is open;
     `release()` lets them finish."""
 
-    def __init__(self, names: list[str], target: str, *, hold: bool = False) -> None:
+    def __init__(self, names: list[str], target: str, *, hold: bool = False,
+                 blocking: bool = False) -> None:
         self.hold = hold
-        args = ["--hold"] if hold else []
+        args = (["--hold"] if hold else []) + (["--blocking"] if blocking else [])
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "salus.demo.jobs", n, target, *args],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -252,7 +266,8 @@ def main() -> None:
     """Client process: build, say `ready`, wait for `go`, run, print one JSON line.
 
     With `--hold` it prints its memory figures while the job is still open instead, and waits
-    for one more line before it ends the job."""
+    for one more line before it ends the job; with `--blocking` its daemon loop reads each
+    loss before the next step (`run_client`)."""
     name, target = sys.argv[1], sys.argv[2]
     holding = "--hold" in sys.argv
     workload = WORKLOADS[name]
@@ -269,7 +284,7 @@ def main() -> None:
     if target == "direct":
         result = run_direct(workload, hold, prepared)
     else:
-        result = run_client(workload, target, hold, prepared)
+        result = run_client(workload, target, hold, prepared, "--blocking" in sys.argv)
     if not holding:
         print(json.dumps(result), flush=True)
 

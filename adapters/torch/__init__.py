@@ -22,7 +22,8 @@
                                            # and the modules' train/eval modes
 
 Sugar over the same contract: `job.train_step(model, optimizer, loss_fn)` returns
-`step(*inputs, target) -> float`, and `job.inference(model)` returns `infer(*inputs) -> output`.
+`step(*inputs, target) -> float` (and `step.submit(*inputs, target) -> Loss`, a loss to read
+later), and `job.inference(model)` returns `infer(*inputs) -> output`.
 
 - **The job's copies**: after `attach` the job holds its own copies of the objects; change
   them in the job, not here. `attach` refuses a module with modules or parameters in a plain
@@ -41,7 +42,11 @@ Sugar over the same contract: `job.train_step(model, optimizer, loss_fn)` return
   not installed packages (the script's folder) travel by value; an object that cannot be
   pickled is named in the error.
 - **Pipelining**: `train.submit(...)` returns a `Future` at once, so the client can prepare the
-  next batch while the daemon computes; replies come back in the order calls were made.
+  next batch while the daemon computes; replies come back in the order calls were made. At
+  most 32 calls are in flight on a job (`transport.MAX_IN_FLIGHT`): a further `submit` first
+  waits for the oldest reply. Steps submitted this way cost much less CPU each where many jobs
+  share few cores (the executor runs them back to back and the client wakes once for
+  several results), so a loop that does not need each loss at once should submit its steps.
 
 **Data-parallel jobs**: `salus.connect(name, iterations, devices=N)` opens a gang of N
 replicas, one per device, admitted all or nothing. Every call runs on all replicas, as one
@@ -74,6 +79,7 @@ that refuse what `pull` could not bring back, and changes made on the client).
 from salus.adapters.torch.job import Job, connect
 from salus.adapters.torch.remote import Remote, RemoteFunction, per_replica, whole
 from salus.adapters.torch.script import resume_dir, step
+from salus.adapters.torch.sugar import Loss, TrainStep
 from salus.adapters.torch.transport import RECONNECT_TRIES, Future
 from salus.daemon.wire.channel import FrameError
 from salus.daemon.wire.errors import (
@@ -86,5 +92,6 @@ from salus.daemon.wire.errors import (
 from salus.daemon.wire.replicas import MAX_REPLICAS, PerReplica, Whole
 
 __all__ = ["MAX_REPLICAS", "RECONNECT_TRIES", "CallFailed", "DaemonUnavailable", "FrameError",
-           "Future", "Job", "JobCancelled", "JobFailed", "PerReplica", "Remote", "RemoteFunction",
-           "SalusError", "Whole", "connect", "per_replica", "resume_dir", "step", "whole"]
+           "Future", "Job", "JobCancelled", "JobFailed", "Loss", "PerReplica", "Remote",
+           "RemoteFunction", "SalusError", "TrainStep", "Whole", "connect", "per_replica",
+           "resume_dir", "step", "whole"]

@@ -109,10 +109,18 @@ class Job(Connection):
         return self.remote
 
     def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                   loss_fn: Callable[..., torch.Tensor]) -> Callable[..., float]:
+                   loss_fn: Callable[..., torch.Tensor]) -> sugar.TrainStep:
         """Ship `model`, `optimizer` and `loss_fn`; returns `step(*inputs, target) -> loss`
         which runs `loss_fn(model(*inputs), target)`, backward and `optimizer.step()` in the
-        daemon. Train/eval switches of `model` on the client are followed."""
+        daemon. Train/eval switches of `model` on the client are followed.
+
+        `step.submit(*inputs, target)` sends the step and returns at once with a `Loss`
+        (`.result()` waits for the float), as CUDA runs a step's kernels while Python goes on:
+        a loop that reads its losses later (or every N steps) keeps several steps in flight,
+        at most `MAX_IN_FLIGHT` (32; a further submit first waits for the oldest). The job's
+        executor then runs them back to back and the client wakes once for several results,
+        which costs far less CPU per step where many jobs share few cores (docs/runtime.md,
+        "Packing"). Steps run in the order submitted, with the same results either way."""
         return sugar.train_step(self, model, optimizer, loss_fn)
 
     def inference(self, model: nn.Module, *, train_mode: bool = False) -> Callable[..., Any]:

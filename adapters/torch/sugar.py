@@ -12,11 +12,12 @@ from torch import nn
 
 if TYPE_CHECKING:
     from salus.adapters.torch.job import Job
-    from salus.adapters.torch.remote import Remote
+    from salus.adapters.torch.remote import Remote, RemoteFunction
+    from salus.adapters.torch.transport import Future
 
 
 def train_step(job: Job, model: nn.Module, optimizer: torch.optim.Optimizer,
-               loss_fn: Callable[..., torch.Tensor]) -> Callable[..., float]:
+               loss_fn: Callable[..., torch.Tensor]) -> TrainStep:
     """`Job.train_step` (see there)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -26,16 +27,40 @@ def train_step(job: Job, model: nn.Module, optimizer: torch.optim.Optimizer,
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(output, target)")
     remote = job.attach(model=model, optimizer=optimizer, loss_fn=loss_fn)
-    step = remote.iteration(_train_step)
-    modes = _ModeSync(remote, model)
+    return TrainStep(remote.iteration(_train_step), _ModeSync(remote, model))
 
-    def run(*batch: Any) -> float:
+
+class TrainStep:
+    """One optimizer step of the shipped model in the daemon: `step(*inputs, target)` runs it
+    and returns the loss; `step.submit(*inputs, target)` sends it and returns at once, with a
+    `Loss` whose `result()` waits for the loss (see `Job.train_step`)."""
+
+    def __init__(self, step: RemoteFunction, modes: _ModeSync) -> None:
+        self._step = step
+        self._modes = modes
+
+    def __call__(self, *batch: Any) -> float:
+        return self.submit(*batch).result()
+
+    def submit(self, *batch: Any) -> Loss:
         if len(batch) < 2:
             raise TypeError("step(*inputs, target) takes the model's inputs and a target")
-        modes.sync()
-        return float(step(*batch))
+        self._modes.sync()
+        return Loss(self._step.submit(*batch))
 
-    return run
+
+class Loss:
+    """The loss of a submitted step, once it ran: `result()` waits for it (a float) and raises
+    what the step raised."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> float:
+        return float(self._future.result())
 
 
 def inference(job: Job, model: nn.Module, train_mode: bool) -> Callable[..., Any]:

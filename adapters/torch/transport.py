@@ -22,6 +22,9 @@ from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
 from salus.daemon.wire.errors import DaemonUnavailable, JobCancelled, JobFailed, SalusError
 
 RECONNECT_TRIES = 8  # with backoff 0.25 s doubling to 4 s: about 20 s for salusd to come back
+# Calls in flight on a job's direct line at most: a further `submit` first waits for the oldest
+# reply. Below the executor's bound (64 queued calls, beyond which it answers `busy`).
+MAX_IN_FLIGHT = 32
 
 
 def connect_retrying(path: str, timeout_s: float | None) -> socket.socket:
@@ -166,6 +169,9 @@ class Connection:
             line = self._direct if direct and self._direct is not None else self._line
             if line is self._line and self._direct is not None and self._direct.pending:
                 self._drain_direct()  # what goes through the daemon follows the calls before
+            if line is self._direct:
+                while len(line.pending) >= MAX_IN_FLIGHT and line.broken is None:
+                    self._wait_for(line.pending[0], line)
             if line.broken is not None:
                 raise line.broken
             future = Future(self, line, decode or json_result)

@@ -32,6 +32,7 @@ from salus.daemon.executor.visible import device_for
 from salus.daemon.executor.zygote import die_with_parent, reap_orphans
 from salus.daemon.mps import client_environment
 from salus.daemon.services.slowdown import check_factor
+from salus.daemon.wire import compact
 from salus.daemon.wire.channel import (
     Channel,
     ConnectionClosed,
@@ -165,6 +166,7 @@ class Executor:
             sources += [slot.job for slot in self.slots.values()
                         if slot.data is not None and slot.data.buffered()]
             if not sources:
+                self._release_held()  # nothing to run at once: the client has all results
                 sources = self._spin()
             if not sources:
                 sources = [key.data for key, _ in self.selector.select(self._report_due())]
@@ -172,6 +174,7 @@ class Executor:
                     self._report_ran()
             for source in sources:
                 if source == "daemon":
+                    self._release_held()
                     self._report_ran()  # the daemon decides knowing what ran
                     if self._from_daemon():
                         return 0
@@ -342,6 +345,11 @@ class Executor:
         socket go to the daemon, which hands them to the owner's executor of its lane. A job
         whose state cannot be pickled again stays, and the reply says why."""
         self._report_ran()
+        while slot.data is not None and slot.data.buffered():
+            # Frames this process already read off the socket go along as queued calls; the
+            # socket itself carries on from the first byte not read (a client that keeps
+            # calls in flight has sent several).
+            self._from_client(slot)
         self._switch(slot)
         try:
             bundle = {"state": slot.runtime.handover_state(), "rng": torch.get_rng_state(),
@@ -463,7 +471,7 @@ class Executor:
             self._switch(slot)
             done, reply = run_call(slot.runtime, slot.queue.popleft(), forward=False)
             self._after_call(slot)
-            self._answer_client(slot, reply)
+            self._answer_client(slot, reply, hold=True)
             self._note_ran(slot, done)
             if done.oom:  # the daemon acts on it (moves or queues the job) without waiting
                 self._report_ran()
@@ -490,17 +498,31 @@ class Executor:
                 ran, slot.ran = slot.ran, None
                 _send(self.daemon, ran.report(), None, slot.job)
 
-    def _answer_client(self, slot: Slot, reply: Any) -> None:
+    def _answer_client(self, slot: Slot, reply: Any, hold: bool = False) -> None:
+        """Send `reply` on the job's line, after the results held back there. With `hold`, a
+        compact result may wait for the next reply instead, when the client's next frame is
+        already here (it keeps calls in flight) and the sink's bound allows
+        (`OutputSink.may_hold`): it goes with the next send, or when the executor has nothing
+        to run at once (`_release_held`)."""
         if slot.data is None:
+            return
+        now = time.perf_counter()
+        if (hold and type(reply) is compact.Message and slot.sink.may_hold(now)
+                and slot.data.readable(0)):
+            slot.sink.hold(reply, now)
             return
         try:
             with self._sending(slot):
                 try:
-                    slot.data.send(reply)
+                    slot.sink.send(reply)
                 except TypeError as exc:
-                    slot.data.send(_unsendable(exc))
+                    slot.sink.send(_unsendable(exc))
         except OSError:
             self._close_channel(slot)
+
+    def _release_held(self) -> None:
+        for slot in self.slots.values():
+            slot.sink.release()
 
     def _sending(self, slot: Slot) -> contextlib.AbstractContextManager[object]:
         """Hold the job output's lock while a reply goes out on the channel, after what the

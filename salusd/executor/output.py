@@ -24,10 +24,15 @@ MAX_LINE_CHARS = 64 << 10  # a longer line is cut here and marked
 CUT_MARK = " [salusd: line cut at 65536 characters]\n"
 
 
+HOLD_REPLIES = 8  # at most this many results held back on a job's line ...
+HOLD_S = 0.002  # ... for at most this long (see OutputSink.may_hold)
+
+
 class OutputSink:
     """Where the lines of both streams go: the job's output file and the client's channel.
-    `lock` also guards the executor's own sends on that channel, so that a line printed on
-    another thread never lands inside a reply."""
+    It also sends the executor's replies on that channel, in one order with the lines: `lock`
+    guards every send there, so that a line printed on another thread never lands inside a
+    reply, and results held back (`hold`) go out before anything sent after them."""
 
     def __init__(self, path: str | None, fallback: dict[str, TextIO]) -> None:
         self.lock = threading.RLock()
@@ -36,6 +41,45 @@ class OutputSink:
         self._fallback = fallback
         self._fd: int | None = None
         self._size = 0
+        self._held: list[object] = []
+        self._held_since = 0.0
+
+    # ---- replies ----------------------------------------------------------------------------
+    def may_hold(self, now: float) -> bool:
+        """Whether one more result may wait for the next: a client that keeps several calls
+        in flight (`RemoteFunction.submit`) then wakes once for up to `HOLD_REPLIES` of them
+        instead of once per call, and each wake-up of a process takes the CPU from a step (8
+        jobs on 2 cores: docs/runtime.md, "Packing"). Bounded in count and in age, so a
+        client waiting for the oldest of them waits at most about `HOLD_S` longer."""
+        return not self._held or (len(self._held) < HOLD_REPLIES
+                                  and now - self._held_since < HOLD_S)
+
+    def hold(self, reply: object, now: float) -> None:
+        """Keep `reply` (a compact result, which always encodes) to send with the next."""
+        with self.lock:
+            if not self._held:
+                self._held_since = now
+            self._held.append(reply)
+
+    def send(self, reply: object) -> None:
+        """Send the results held back, then `reply`, in one `sendmsg`. TypeError (nothing
+        sent, the held results kept) when `reply` cannot be encoded; OSError when the client
+        went away."""
+        with self.lock:
+            if self.channel is None:
+                return
+            self.channel.send_many([*self._held, reply])
+            self._held.clear()
+
+    def release(self) -> None:
+        """Send the results held back, if any (before the executor waits or does other work)."""
+        with self.lock:
+            if self._held and self.channel is not None:
+                held, self._held = self._held, []
+                try:
+                    self.channel.send_many(held)
+                except OSError:
+                    self.channel = None  # the client went away; the executor notices on recv
 
     def attach(self, channel: Channel) -> None:
         with self.lock:
@@ -44,12 +88,14 @@ class OutputSink:
     def detach(self) -> None:
         with self.lock:
             self.channel = None
+            self._held.clear()  # the client is gone, or its line moves after a release
 
     def forked(self) -> None:
         """In a process the job forked (a DataLoader worker): the channel's frames are the
         executor's alone, and a lock another thread held at the fork would never be released."""
         self.lock = threading.RLock()
         self.channel = None
+        self._held = []
 
     def line(self, stream: str, text: str) -> None:
         """One line of `stream` ("stdout" or "stderr"), or what is left of one on flush."""
@@ -58,7 +104,9 @@ class OutputSink:
                 self._to_file(text.encode("utf-8", "replace"))
             if self.channel is not None:
                 try:
-                    self.channel.send({"op": "output", "stream": stream, "text": text})
+                    self.channel.send_many([*self._held, {"op": "output", "stream": stream,
+                                                          "text": text}])
+                    self._held.clear()
                 except OSError:
                     self.channel = None  # the client went away; the executor notices on recv
             if self.path is None and self.channel is None:
