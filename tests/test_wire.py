@@ -32,7 +32,14 @@ from salus.daemon.wire.channel import (
 )
 from salus.daemon.wire.codec import DTYPE_CODES, DTYPES
 from salus.daemon.wire.errors import BadRequest, UnknownJob
-from salus.daemon.wire.frames import FLAG_COMPACT, FLAG_POOL, HEADER_BYTES, MAGIC, VERSION
+from salus.daemon.wire.frames import (
+    FLAG_COMPACT,
+    FLAG_POOL,
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    json_frame,
+)
 
 FIXED = struct.Struct("<4sBBHIQ")  # the documented frame layout, written out independently
 needs_memfd = pytest.mark.skipif(not segment.available(), reason="needs Linux memfd sealing")
@@ -610,3 +617,26 @@ def test_a_socket_travels_with_a_socket_frame_and_works(pair: tuple[Channel, Cha
     left.sock.sendall(compact_frame(bytes(64), flags=FLAG_COMPACT | 4))  # no descriptor came
     with pytest.raises(FrameError, match="socket frame must be JSON"):
         right.recv()
+
+
+def test_frame_buffered_says_whether_recv_needs_the_socket(
+        pair: tuple[Channel, Channel]) -> None:
+    """The executor reads every call already buffered before it runs them (`frame_buffered`):
+    true exactly while a whole next frame sits in the buffer, so that recv does not block."""
+    a, b = pair
+    assert not b.frame_buffered()
+    a.send_many([{"n": 0}, compact.Message(compact.OP_CALL, "1", (torch.ones(3),), 0),
+                 {"n": 2}])
+    assert b.recv() == {"n": 0}  # one recvmsg took all three frames
+    assert b.frame_buffered()
+    assert torch.equal(b.recv().tensors[0], torch.ones(3))
+    assert b.frame_buffered()
+    assert b.recv() == {"n": 2}
+    assert not b.frame_buffered()
+    first = b"".join(json_frame({"n": 3}).buffers())
+    second = b"".join(json_frame({"n": 4}).buffers())
+    a.sock.sendall(first + second[:HEADER_BYTES + 2])  # a frame, then part of the next
+    assert b.recv() == {"n": 3}
+    assert not b.frame_buffered()  # its header is here, not all of it
+    a.sock.sendall(second[HEADER_BYTES + 2:])
+    assert b.recv() == {"n": 4}

@@ -26,6 +26,7 @@ import torch
 
 from salus.daemon.executor import output, script
 from salus.daemon.executor.measure import EstimationError
+from salus.daemon.executor.output import HOLD_S
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
 from salus.daemon.executor.slot import REPORT_EVERY_S, RanSoFar, Slot, process_cap
 from salus.daemon.executor.visible import device_for
@@ -429,6 +430,14 @@ class Executor:
 
     # ---- the clients' direct calls ------------------------------------------------------------
     def _from_client(self, slot: Slot) -> None:
+        """Read the client's next call, and every further one already read off its socket:
+        a client that keeps calls in flight sent several, and running them back to back keeps
+        the job's step on warm caches (docs/runtime.md, "Packing")."""
+        self._read_call(slot)
+        while slot.data is not None and slot.data.frame_buffered():
+            self._read_call(slot)
+
+    def _read_call(self, slot: Slot) -> None:
         assert slot.data is not None
         try:
             request = slot.data.recv()
@@ -471,7 +480,7 @@ class Executor:
             self._switch(slot)
             done, reply = run_call(slot.runtime, slot.queue.popleft(), forward=False)
             self._after_call(slot)
-            self._answer_client(slot, reply, hold=True)
+            self._answer_client(slot, reply, hold=done.seconds < HOLD_S)
             self._note_ran(slot, done)
             if done.oom:  # the daemon acts on it (moves or queues the job) without waiting
                 self._report_ran()
@@ -499,16 +508,17 @@ class Executor:
                 _send(self.daemon, ran.report(), None, slot.job)
 
     def _answer_client(self, slot: Slot, reply: Any, hold: bool = False) -> None:
-        """Send `reply` on the job's line, after the results held back there. With `hold`, a
-        compact result may wait for the next reply instead, when the client's next frame is
-        already here (it keeps calls in flight) and the sink's bound allows
-        (`OutputSink.may_hold`): it goes with the next send, or when the executor has nothing
-        to run at once (`_release_held`)."""
+        """Send `reply` on the job's line, after the results held back there. With `hold` (a
+        short call: under `HOLD_S`), a compact result may wait for the next reply instead,
+        when the client's next call is already here (it keeps calls in flight) and the sink's
+        bound allows (`OutputSink.may_hold`): it goes with the next send, or as soon as the
+        executor has nothing to run at once (`_release_held`). A client waiting for the
+        oldest result then waits for about one more call like it."""
         if slot.data is None:
             return
         now = time.perf_counter()
         if (hold and type(reply) is compact.Message and slot.sink.may_hold(now)
-                and slot.data.readable(0)):
+                and (slot.queue or slot.data.readable(0))):
             slot.sink.hold(reply, now)
             return
         try:

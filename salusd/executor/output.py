@@ -25,7 +25,7 @@ CUT_MARK = " [salusd: line cut at 65536 characters]\n"
 
 
 HOLD_REPLIES = 8  # at most this many results held back on a job's line ...
-HOLD_S = 0.002  # ... for at most this long (see OutputSink.may_hold)
+HOLD_S = 0.002  # ... the first for at most this long, each of a call this short at most
 
 
 class OutputSink:
@@ -49,8 +49,9 @@ class OutputSink:
         """Whether one more result may wait for the next: a client that keeps several calls
         in flight (`RemoteFunction.submit`) then wakes once for up to `HOLD_REPLIES` of them
         instead of once per call, and each wake-up of a process takes the CPU from a step (8
-        jobs on 2 cores: docs/runtime.md, "Packing"). Bounded in count and in age, so a
-        client waiting for the oldest of them waits at most about `HOLD_S` longer."""
+        jobs on 2 cores: docs/runtime.md, "Packing"). Bounded in count and in age (the first
+        held at most `HOLD_S` ago); the executor holds only results of calls shorter than
+        `HOLD_S` (`Executor._answer_client`)."""
         return not self._held or (len(self._held) < HOLD_REPLIES
                                   and now - self._held_since < HOLD_S)
 

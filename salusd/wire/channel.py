@@ -317,6 +317,18 @@ class Channel:
         """Whether bytes of a next frame are already read (select would not see them)."""
         return self._end > self._start
 
+    def frame_buffered(self) -> bool:
+        """Whether a whole next frame is already read, so that `recv` returns it (or raises
+        its error) without touching the socket."""
+        have = self._end - self._start
+        if have < HEADER_BYTES:
+            return False
+        try:
+            _, header_len, body_len = unpack_fixed(self._buf, self._start)
+        except FrameError:
+            return True  # recv raises it at once
+        return have >= HEADER_BYTES + header_len + body_len
+
     def readable(self, seconds: float) -> bool:
         """Sleep until a next frame's bytes arrive, at most `seconds` (rounded down to whole
         milliseconds, poll's grain); whether they came."""
