@@ -73,7 +73,8 @@ def _gaps(daemon: Daemon, names: set[str]) -> tuple[list[float], list[float]]:
     boundary the scheduler decided and is left out."""
     ids = {e.job_id for e in daemon.engine.events.recent
            if e.kind == "open" and e.detail.get("name") in names}
-    switch, same = [], []
+    switch: list[float] = []
+    same: list[float] = []
     last: tuple[float, int] | None = None
     for e in daemon.engine.events.recent:
         if e.job_id not in ids:
