@@ -122,14 +122,29 @@ PIPELINED = textwrap.dedent("""
             futures.append(fn.submit(torch.tensor(i)))
         values = [int(f.result()) for f in futures]
         sys.stdout = real
-    print(json.dumps({"values": values, "seen": seen}))
+
+        def twenty_raises(s, x):
+            if int(x) == 20:
+                raise ValueError("twenty")
+            return x
+
+        failing = remote.iteration(twenty_raises)
+        outcome = []
+        for f in [failing.submit(torch.tensor(i)) for i in range(40)]:
+            try:
+                outcome.append(int(f.result()))
+            except ValueError as exc:
+                outcome.append(str(exc))
+        calls_done = job.info()["calls_done"]
+    print(json.dumps({"values": values, "seen": seen, "outcome": outcome,
+                      "calls_done": calls_done}))
 """)
 
 
 def test_lines_and_results_of_calls_in_flight_keep_their_order(tmp_path: Path) -> None:
     """The executor holds results back while the client keeps calls in flight: a line a call
     prints still reaches the client after the results of the calls before it and before its
-    own."""
+    own; a call that raises fails alone, in its place; `info` counts every call."""
     script = tmp_path / "pipelined.py"
     script.write_text(PIPELINED)
     with salusd(tmp_path, devices=1) as (_, address):
@@ -142,6 +157,9 @@ def test_lines_and_results_of_calls_in_flight_keep_their_order(tmp_path: Path) -
     assert [i for i, _ in result["seen"]] == list(range(0, 60, 3))
     for i, results_in in result["seen"]:
         assert results_in == [True] * i + [False], (i, results_in)
+    # A call that raises in flight fails alone, in its place; the daemon counted every call.
+    assert result["outcome"] == [*range(20), "twenty", *range(21, 40)]
+    assert result["calls_done"] == 100
 
 
 def test_a_job_printing_6_mib_keeps_a_bounded_file_with_the_latest_lines(
