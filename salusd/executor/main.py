@@ -516,11 +516,11 @@ class Executor:
         oldest result then waits for about one more call like it."""
         if slot.data is None:
             return
-        now = time.perf_counter()
-        if (hold and type(reply) is compact.Message and slot.sink.may_hold(now)
-                and (slot.queue or slot.data.readable(0))):
-            slot.sink.hold(reply, now)
-            return
+        if hold and type(reply) is compact.Message:
+            now = time.perf_counter()
+            if slot.sink.may_hold(now) and (slot.queue or slot.data.readable(0)):
+                slot.sink.hold(reply, now)
+                return
         try:
             with self._sending(slot):
                 try:

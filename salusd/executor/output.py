@@ -105,9 +105,7 @@ class OutputSink:
                 self._to_file(text.encode("utf-8", "replace"))
             if self.channel is not None:
                 try:
-                    self.channel.send_many([*self._held, {"op": "output", "stream": stream,
-                                                          "text": text}])
-                    self._held.clear()
+                    self.send({"op": "output", "stream": stream, "text": text})
                 except OSError:
                     self.channel = None  # the client went away; the executor notices on recv
             if self.path is None and self.channel is None:
