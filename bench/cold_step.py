@@ -10,12 +10,13 @@ with it, on the tiny MLP of `overhead.py` (width 16, batch 32; one intra-op thre
    (`channel.spin`, as a client waits; the child always polls for its next message, as an
    executor does); (d) an echo through a child that runs a little Python (it builds a list of
    2000 strings, as a hop's bookkeeping touches code and data of its own) before it answers,
-   this side blocking; and, in this process alone, after (e) a 100 µs sleep (the vCPU may idle), (f) 100 µs of a tight loop (a
-   small working set), (g) allocating and filling 4 MiB (caches evicted), (h) a call's wire
-   work at both ends, with no other process: the step's batch sent as a compact call through
-   a pair of `Channel`s, received and decoded, and a one-tensor result sent back and decoded
-   (`channel_round_trip_us` is its own time), (i) the same bytes through the bare socket
-   pair. `*_over_loop` are ratios to (a). The cases take turns, one step each per round.
+   this side blocking; and, in this process alone, after (e) a 100 µs sleep (the vCPU may
+   idle), (f) 100 µs of a tight loop (a small working set), (g) allocating and filling 4 MiB
+   (caches evicted), (h) a call's wire work at both ends, with no other process: the step's
+   batch sent as a compact call through a pair of `Channel`s, received and decoded, and a
+   one-tensor result sent back and decoded (`channel_round_trip_us` is its own time), (i) the
+   same bytes through the bare socket pair. `*_over_loop` are ratios to (a). The cases take
+   turns, one step each per round.
 2. `through_salusd`: a job's call that runs the same step twice and times each inside the
    executor: the first step follows the hop, the second follows the first.
    `first_over_second` is their ratio.
