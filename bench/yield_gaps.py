@@ -16,17 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from typing import Any
 
-from salus.daemon.wire.channel import YIELD_TAKEN_S
-
-
-def _switches() -> int:
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+from salus.daemon.wire.channel import YIELD_TAKEN_S, involuntary_switches
 
 
 def yields(seconds: float) -> dict[str, Any]:
@@ -34,14 +29,14 @@ def yields(seconds: float) -> dict[str, Any]:
     clock = time.perf_counter
     gaps: list[float] = []
     switched = 0
-    switches = _switches()
+    switches = involuntary_switches()
     end = clock() + seconds
     while (now := clock()) < end:
         os.sched_yield()
         gap = clock() - now
         gaps.append(gap)
         if gap > YIELD_TAKEN_S:
-            before, switches = switches, _switches()
+            before, switches = switches, involuntary_switches()
             switched += switches != before
     gaps.sort()
     slow = sum(g > YIELD_TAKEN_S for g in gaps)

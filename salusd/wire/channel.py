@@ -56,7 +56,7 @@ from salus.daemon.wire.pool import PoolReader, PoolWriter
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_SHM_THRESHOLD", "Channel", "ConnectionClosed",
     "FrameError", "FrameTooLarge", "Pickled", "PickledPayload", "error_from_reply",
-    "passed_fd", "reply_result", "spin",
+    "involuntary_switches", "passed_fd", "reply_result", "spin",
 ]
 
 DEFAULT_SHM_THRESHOLD = 256 * 1024
@@ -86,7 +86,7 @@ def spin(look: Callable[[], T], until: float) -> T | None:
     still ours."""
     clock = time.perf_counter
     now = clock()
-    switches = _involuntary_switches()
+    switches = involuntary_switches()
     while now < until:
         found = look()
         if found:
@@ -94,13 +94,13 @@ def spin(look: Callable[[], T], until: float) -> T | None:
         os.sched_yield()
         then, now = now, clock()
         if now - then > YIELD_TAKEN_S:
-            before, switches = switches, _involuntary_switches()
+            before, switches = switches, involuntary_switches()
             if switches != before:
                 return None
     return None
 
 
-def _involuntary_switches() -> int:
+def involuntary_switches() -> int:
     """This thread's involuntary context switches so far (a yield that ran another task
     counts as one)."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
