@@ -5,10 +5,12 @@ contract whose function notes, on the clock both processes share (CLOCK_MONOTONI
 began and ended. The client notes when it sent and when the reply was back, so each call splits
 into: client to function start (encode, send, executor wake-up, decode, random state, peak
 meter), the function itself (beside the same step run directly in this process), and function
-end to the result in the client's hands (result, send, client wake-up, decode). Cases: the tiny
-MLP of `overhead.py` and the 6 ms MLP (3 layers of width 512, batch 128 x 512), each with the
-client polling for short calls' replies (the default) and blocking (`SALUS_CLIENT_SPIN_US=0`).
-Prints one JSON object (p50s, microseconds).
+end to the result in the client's hands (result, send, client wake-up, decode); `hop` is those
+two together, per call: what the call costs beyond its function, which the direct step's
+variance between blocks (up to 20 % on the build VM) does not blur. Cases: the tiny MLP of
+`overhead.py`, its ~2 ms MLP (width 768) and the 6 ms MLP (3 layers of width 512, batch
+128 x 512), each with the client polling for its reply (the default) and blocking
+(`SALUS_CLIENT_SPIN_US=0`). Prints one JSON object (p50s, microseconds).
 
     .venv/bin/python bench/call_stages.py [--calls 2000]
 """
@@ -61,7 +63,7 @@ def _case(address: str, width: int, inputs: int, hidden: int, batch: int, calls:
     x, y = torch.randn(batch, inputs), torch.randint(0, 10, (batch,))
     os.environ["SALUS_CLIENT_SPIN_US"] = "300" if poll else "0"  # read when the line opens
     stages: dict[str, list[float]] = {"to_function": [], "function": [], "back": [],
-                                      "round_trip": []}
+                                      "hop": [], "round_trip": []}
     with salus.connect(name=f"stages-{width}", iterations=calls + 50, address=address) as job:
         model, opt, loss_fn = mlp(width, inputs, hidden)
         step = job.attach(model=model, opt=opt, loss_fn=loss_fn).iteration(_timed_step)
@@ -78,6 +80,7 @@ def _case(address: str, width: int, inputs: int, hidden: int, batch: int, calls:
                 stages["to_function"].append(began - sent)
                 stages["function"].append(ended - began)
                 stages["back"].append(back - ended)
+                stages["hop"].append((began - sent) + (back - ended))
                 stages["round_trip"].append(back - sent)
         job.close(pull=False)
     out = {f"{name}_p50_us": statistics.median(v) * 1e6 for name, v in stages.items()}
@@ -100,6 +103,8 @@ def main() -> None:
             wait = "polling" if poll else "blocking"
             print(f"tiny, client {wait} ...", file=sys.stderr)
             out[f"tiny_{wait}"] = _case(daemon.address, 16, 64, 2, 32, args.calls, poll)
+            print(f"~2 ms, client {wait} ...", file=sys.stderr)
+            out[f"two_ms_{wait}"] = _case(daemon.address, 768, 64, 2, 32, args.calls // 4, poll)
             print(f"6 ms, client {wait} ...", file=sys.stderr)
             out[f"six_ms_{wait}"] = _case(daemon.address, 512, 512, 3, 128, args.calls // 8,
                                           poll)

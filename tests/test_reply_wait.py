@@ -1,6 +1,6 @@
 """How a client waits for a reply on its job's direct line (`adapters/torch/waiting.py`,
-`Channel.poll`): it polls for replies of short calls, blocks for long ones, and stops polling
-as soon as another process wants its CPU."""
+`Channel.poll`): it sleeps until shortly before a reply is due, polls for it from there, and
+stops polling as soon as another process wants its CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from salus.adapters.torch.waiting import BACK_OFF_AFTER, POLL_CALLS_UNDER_S, ReplyWait, spin_s
+from salus.adapters.torch.waiting import BACK_OFF_AFTER, ReplyWait, spin_s
 from salus.daemon.wire import channel as channel_module
 from salus.daemon.wire.channel import YIELD_TAKEN_S, Channel
 
@@ -81,21 +81,81 @@ def test_poll_stops_once_another_process_wants_the_cpu(line: tuple[Channel, Chan
         hog.wait()
 
 
-def test_a_short_call_is_polled_for_and_a_long_one_is_not(line: tuple[Channel, Channel]) -> None:
+class _Recording:
+    """A line whose reply never comes early: what the wait asked of it (it sleeps as asked)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, float]] = []
+
+    def buffered(self) -> bool:
+        return False
+
+    def readable(self, seconds: float) -> bool:
+        self.asked.append(("sleep", seconds))
+        time.sleep(seconds)
+        return False
+
+    def poll(self, seconds: float) -> bool:
+        self.asked.append(("poll", seconds))
+        return True
+
+
+def test_a_short_call_is_polled_for_from_the_start() -> None:
+    wait, line = ReplyWait(0.001), _Recording()
+    wait.expected = 0.0005
+    wait.sent()
+    wait.before_recv(line)  # type: ignore[arg-type]
+    [(what, seconds)] = line.asked
+    assert what == "poll" and 0.001 < seconds <= 0.0015
+
+
+def test_a_long_call_sleeps_until_its_reply_is_nearly_due_then_polls() -> None:
+    wait, line = ReplyWait(0.002), _Recording()
+    wait.expected = 0.010
+    wait.sent()
+    wait.before_recv(line)  # type: ignore[arg-type]
+    (sleep, slept), (poll, polled) = line.asked
+    assert sleep == "sleep" and poll == "poll"
+    assert 0.006 < slept <= 0.008  # until `spin` before the reply is due
+    assert polled <= 0.0041  # from there until `spin` after it
+
+
+def test_a_reply_that_comes_early_wakes_the_sleep(line: tuple[Channel, Channel]) -> None:
     client, executor = line
     wait = ReplyWait(0.001)
+    wait.expected = 5.0  # the last call took 5 s; this one answers at once
     wait.sent()
     executor.send({"ok": True})
-    wait.before_recv(client)
-    assert client.readable(0)
-    client.recv()
-    wait.answered()
-    assert 0 < wait.expected <= POLL_CALLS_UNDER_S + 0.05
-    wait.expected = 0.5  # the last call took half a second: block in recv instead
-    wait.sent()
     began = time.perf_counter()
     wait.before_recv(client)
-    assert time.perf_counter() - began < 0.1
+    assert time.perf_counter() - began < 1.0
+    assert client.recv() == {"ok": True}
+
+
+def test_a_long_call_costs_the_cpu_only_the_end_of_its_wait(
+        line: tuple[Channel, Channel]) -> None:
+    """The reply comes 0.3 s after the request, as the last one did: the client sleeps
+    through most of that and is polling when it comes (or, on a busy machine, gave the
+    poll up for another process)."""
+    client, executor = line
+    wait = ReplyWait(0.05)
+    wait.expected = 0.3
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.3)
+        executor.send({"ok": True})
+        os._exit(0)
+    try:
+        wait.sent()
+        began, cpu = time.perf_counter(), time.thread_time()
+        wait.before_recv(client)
+        took, used = time.perf_counter() - began, time.thread_time() - cpu
+        assert took >= 0.2  # it waited for the reply, not blocked in recv at once
+        assert used < 0.6 * took
+        assert client.readable(0) or wait.turned_away or took >= 0.35
+        assert client.recv() == {"ok": True}
+    finally:
+        os.waitpid(pid, 0)
 
 
 def test_the_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
