@@ -1,6 +1,8 @@
 """A job's direct line carries large tensors through one reusable pool per direction
 (`salusd/wire/pool.py`): bit-exact, never changing a tensor already received, falling back to a
-segment of its own when the receiver has not taken the last frame, and refused by the daemon."""
+segment of its own when the receiver has not taken the last frame, and refused by the daemon.
+The executor's end lends a call's arguments out of the pool in place and gives them back after
+the call; a tensor the job kept retires the pool instead."""
 
 from __future__ import annotations
 
@@ -97,6 +99,79 @@ def test_a_larger_frame_gets_a_larger_pool(line: tuple[Channel, Channel]) -> Non
     assert mappings("salus-pool") == 2
 
 
+def mapping_of(t: torch.Tensor) -> str:
+    """The name of this process's mapping that holds `t`'s bytes ("" when anonymous)."""
+    at = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            low, high = (int(a, 16) for a in fields[0].split("-"))
+            if low <= at < high:
+                return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError("the tensor's memory is in no mapping")
+
+
+@pytest.fixture
+def lending() -> Iterator[tuple[Channel, Channel]]:
+    """(client end with a pool, executor end that borrows its arguments in place)."""
+    a, b = socket.socketpair()
+    client, executor = Channel(a, pool=True), Channel(b, borrow=True)
+    yield client, executor
+    client.close()
+    executor.close()
+
+
+def test_arguments_are_lent_in_place_and_given_back(
+        lending: tuple[Channel, Channel]) -> None:
+    client, executor = lending
+    places = set()
+    for _ in range(3):
+        x = torch.randn(512, 512)
+        client.send(call(x))
+        got = executor.recv().tensors[0]
+        assert "memfd:salus-pool" in mapping_of(got)  # no copy: it views the pool
+        assert torch.equal(bits(got), bits(x))
+        places.add(got.data_ptr())
+        del got
+        executor.give_back()
+    assert len(places) == 1  # the same pool, taken back after each call
+    assert mappings("salus-pool") == 2 and executor.borrow
+
+
+def test_a_kept_argument_retires_the_pool_and_never_changes(
+        lending: tuple[Channel, Channel]) -> None:
+    client, executor = lending
+    first = torch.randn(512, 512)
+    client.send(call(first))
+    kept = executor.recv().tensors[0]
+    executor.give_back()  # the job still holds `kept`: the pool must not be written again
+    assert not executor.borrow  # from now on this line copies its pooled frames
+    later = [torch.randn(512, 512) for _ in range(3)]
+    for x in later:
+        client.send(call(x))
+        got = executor.recv().tensors[0]
+        assert torch.equal(bits(got), bits(x))
+        assert "salus-pool" not in mapping_of(got)  # a copy of its own
+        executor.give_back()
+    assert torch.equal(bits(kept), bits(first))
+    assert mappings("salus-pool") == 3  # the retired pool, kept for `kept`, and the new one
+    del kept
+    assert mappings("salus-pool") == 2  # unmapped with the last tensor that viewed it
+
+
+def test_a_frame_sent_while_one_is_lent_gets_a_segment_of_its_own(
+        lending: tuple[Channel, Channel]) -> None:
+    client, executor = lending
+    first, second = torch.randn(300, 1024), torch.randn(300, 1024)
+    client.send(call(first))
+    got_first = executor.recv().tensors[0]
+    client.send(call(second))  # the executor has not given the first back yet
+    got_second = executor.recv().tensors[0]
+    assert "salus-tensors" in mapping_of(got_second)
+    assert torch.equal(bits(got_first), bits(first))
+    assert torch.equal(bits(got_second), bits(second))
+
+
 def pooled_frame(flags: int) -> bytes:
     header = compact.encode(call(), shm_threshold=float("inf")).header
     return FIXED.pack(MAGIC, VERSION, flags, 0, len(header), 0) + header
@@ -137,6 +212,10 @@ def _kept(s: Any) -> list[torch.Tensor]:
     return s.kept
 
 
+def _where(s: Any, x: torch.Tensor) -> str:
+    return mapping_of(x)
+
+
 def test_a_pooled_line_through_a_real_daemon_is_bit_exact(tmp_path: Path) -> None:
     sent = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each way, every call
     with (salusd(tmp_path, devices=1) as (_, address),
@@ -150,3 +229,12 @@ def test_a_pooled_line_through_a_real_daemon_is_bit_exact(tmp_path: Path) -> Non
     assert len(kept) == len(sent)
     for x, held in zip(sent, kept, strict=True):
         assert torch.equal(bits(held), bits(x))
+
+
+def test_a_job_that_keeps_nothing_reads_its_arguments_in_the_pool(tmp_path: Path) -> None:
+    with (salusd(tmp_path, devices=1) as (_, address),
+          salus.connect(name="lent", iterations=10, address=address) as job):
+        where = job.attach(w=torch.zeros(1)).function(_where)
+        places = [where(torch.randn(512, 1024)) for _ in range(5)]
+        job.close(pull=False)
+    assert all("memfd:salus-pool" in place for place in places), places

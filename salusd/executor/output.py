@@ -55,6 +55,11 @@ class OutputSink:
         return not self._held or (len(self._held) < HOLD_REPLIES
                                   and now - self._held_since < HOLD_S)
 
+    @property
+    def holding(self) -> bool:
+        """Whether results are held back."""
+        return bool(self._held)
+
     def hold(self, reply: object, now: float) -> None:
         """Keep `reply` (a compact result, which always encodes) to send with the next."""
         with self.lock:

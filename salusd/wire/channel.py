@@ -126,10 +126,13 @@ class Channel:
     strings of at least `shm_threshold` bytes go through a shared-memory segment: with `pool`
     (a job's direct line, never one to the daemon) through this line's pool (`pool.py`), which
     its first frame announces; a channel whose peer announced one answers through its own.
+    With `borrow` (the executor's end of a job's line) a pooled frame's tensors view the peer's
+    pool in place until `give_back` rather than a copy of it (`pool.PoolReader.lend`).
     """
 
     def __init__(self, sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 shm_threshold: float = DEFAULT_SHM_THRESHOLD, pool: bool = False) -> None:
+                 shm_threshold: float = DEFAULT_SHM_THRESHOLD, pool: bool = False,
+                 borrow: bool = False) -> None:
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes must be an int of at least 1024, "
                              f"got {max_frame_bytes!r}")
@@ -143,6 +146,7 @@ class Channel:
         self._fds: deque[int] = deque()
         self._pool_out = PoolWriter() if pool and segment.available() else None
         self._pool_in = PoolReader()
+        self.borrow = borrow
         self._poller: select.poll | None = None
 
     # ---- sending ---------------------------------------------------------------------------
@@ -288,14 +292,18 @@ class Channel:
             message["socket_fd"] = sock_fd  # the receiver owns the descriptor now
         return message
 
-    def _pooled(self, fd: int | None) -> bytearray | None:
+    def _pooled(self, fd: int | None) -> bytearray | memoryview | None:
         """The segment of a frame flagged FLAG_POOL, copied out of the peer's pool (adopted
-        from `fd` when the frame brings a new one); from now on this side answers through a
-        pool of its own."""
+        from `fd` when the frame brings a new one), or lent in place (`borrow`); from now on
+        this side answers through a pool of its own."""
+        data: bytearray | memoryview | None
         try:
             if fd is not None:
                 self._pool_in.adopt(fd)
-            data = self._pool_in.take()
+            if self.borrow and not self._pool_in.lending:
+                data = self._pool_in.lend()
+            else:  # (a peer that wrote a frame into a pool still lent out is answered too)
+                data = self._pool_in.take()
         except (ValueError, OSError) as exc:
             raise FrameError(f"cannot read the line's pool: {exc}") from None
         if self._pool_out is None and segment.available():
@@ -318,6 +326,15 @@ class Channel:
             return exc
         return FrameError(f"{exc}; salusd said: {str(reply.get('message'))[:2000]}",
                           recoverable=False)
+
+    def give_back(self, *, leaving: bool = False) -> None:
+        """Done with the frames received so far: the pooled frame lent out (`borrow`) is marked
+        taken, or, when a tensor still views it (the job kept it), its pool retired and this
+        line copies pooled frames from then on (a job that keeps its arguments would otherwise
+        hold a pool per call). `leaving`: the line goes on in another process, and this one
+        never uses those tensors again: the frame is marked taken whatever views it here."""
+        if self._pool_in.give_back(leaving=leaving) is False:
+            self.borrow = False
 
     def pool_descriptor(self) -> int | None:
         """The descriptor of the pool the peer sends large tensors through (None: none yet),

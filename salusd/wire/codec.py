@@ -34,7 +34,7 @@ from salus.daemon.wire.frames import ALIGN, FrameError
 from salus.daemon.wire.refs import DTYPE_NAMES, MAX_DIMS, check_aligned, part_offset
 
 _PAD = bytes(ALIGN)
-Segment = mmap.mmap | bytearray  # a received segment: mapped, or copied out of a line's pool
+Segment = mmap.mmap | bytearray | memoryview  # received: mapped, copied or lent out of a pool
 DTYPES: dict[str, torch.dtype] = {
     n: getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
 }
