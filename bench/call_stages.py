@@ -10,7 +10,10 @@ two together, per call: what the call costs beyond its function, which the direc
 variance between blocks (up to 20 % on the build VM) does not blur. Cases: the tiny MLP of
 `overhead.py`, its ~2 ms MLP (width 768) and the 6 ms MLP (3 layers of width 512, batch
 128 x 512), each with the client polling for its reply (the default) and blocking
-(`SALUS_CLIENT_SPIN_US=0`). Prints one JSON object (p50s, microseconds).
+(`SALUS_CLIENT_SPIN_US=0`). `steps_per_call`: the tiny step's own CPU time (this thread's,
+`time.thread_time`) in a direct loop and inside calls that run it 1, 2 or 4 times, the first
+step of a call apart from the later ones: what the serve loop's work between two calls costs
+the step after it. Prints one JSON object (p50s, microseconds).
 
     .venv/bin/python bench/call_stages.py [--calls 2000]
 """
@@ -24,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +50,48 @@ def _timed_step(s: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.tensor([began, time.monotonic()], dtype=torch.float64)
 
 
+def _k_steps(s: Any, k: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`k` optimizer steps; each one's CPU time (this thread's), float64."""
+    times = []
+    for _ in range(int(k)):
+        began = time.thread_time()
+        s.opt.zero_grad()
+        s.loss_fn(s.model(x), y).backward()
+        s.opt.step()
+        times.append(time.thread_time() - began)
+    return torch.tensor(times, dtype=torch.float64)
+
+
+def _steps_per_call(address: str, calls: int) -> dict[str, float]:
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    model, opt, loss_fn = mlp(16)
+    direct = _direct(model, opt, loss_fn, x, y, calls, clock=time.thread_time)
+    out = {"direct_step_cpu_p50_us": statistics.median(direct[calls // 10:]) * 1e6}
+    with salus.connect(name="steps-per-call", iterations=10 * calls, address=address) as job:
+        fn = job.attach(model=model, opt=opt, loss_fn=loss_fn).iteration(_k_steps)
+        for k in (1, 2, 4):
+            times = [fn(torch.tensor(float(k)), x, y).tolist() for _ in range(calls)]
+            times = times[calls // 10:]
+            out[f"k{k}_first_cpu_p50_us"] = statistics.median(t[0] for t in times) * 1e6
+            if k > 1:
+                out[f"k{k}_later_cpu_p50_us"] = statistics.median(
+                    v for t in times for v in t[1:]) * 1e6
+        job.close(pull=False)
+    out["k1_first_over_direct"] = out["k1_first_cpu_p50_us"] / out["direct_step_cpu_p50_us"]
+    return out
+
+
 def _direct(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor,
-            y: torch.Tensor, calls: int) -> list[float]:
+            y: torch.Tensor, calls: int,
+            clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """`calls` steps in this process, each one's time on `clock` (seconds)."""
     times = []
     for _ in range(calls):
-        began = time.perf_counter()
+        began = clock()
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-        times.append(time.perf_counter() - began)
+        times.append(clock() - began)
     return times
 
 
@@ -108,6 +145,8 @@ def main() -> None:
             print(f"6 ms, client {wait} ...", file=sys.stderr)
             out[f"six_ms_{wait}"] = _case(daemon.address, 512, 512, 3, 128, args.calls // 8,
                                           poll)
+        print("steps per call ...", file=sys.stderr)
+        out["steps_per_call"] = _steps_per_call(daemon.address, args.calls // 4)
     out["cpu_count"], out["loadavg_1m"] = os.cpu_count(), os.getloadavg()[0]
     print(json.dumps(out))
 
