@@ -4,8 +4,6 @@ the executor had already read off the client's socket but not yet parsed."""
 
 from __future__ import annotations
 
-import os
-import pwd
 import socket
 import subprocess
 import sys
@@ -16,27 +14,18 @@ from typing import Any
 import pytest
 import torch
 
-from salus.adapters.torch.pickling import pickled
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, PickledPayload
 from salus.daemon.wire.executor_ops import (
     Ack,
-    Attach,
-    Become,
-    Define,
     DirectChannel,
     HandedOver,
     Handover,
-    Host,
     Lease,
     addressed,
-    decode_reply,
     encode,
 )
-
-EXECUTOR = ("import socket, sys; from salus.daemon.executor.main import serve; "
-            "sys.exit(serve(socket.socket(fileno=int(sys.argv[1]))))")
-JOB = 1
+from tests.executor_proc import EXECUTOR, JOB, daemon_reply, daemon_send, start_job
 
 
 def slow_at_zero(s: Any, x: torch.Tensor) -> torch.Tensor:
@@ -45,17 +34,6 @@ def slow_at_zero(s: Any, x: torch.Tensor) -> torch.Tensor:
     if float(x) == 0.0:
         time.sleep(0.3)
     return x + 1
-
-
-def _send(daemon: Channel, message: Any, frame: Any = None) -> None:
-    meta = addressed(encode(message), JOB)
-    daemon.send_many([meta] if frame is None else [meta, frame])
-
-
-def _reply(daemon: Channel) -> Any:
-    reply = daemon.recv()
-    assert reply.pop("for_job") == JOB
-    return decode_reply(reply)
 
 
 def _call(x: float) -> compact.Message:
@@ -72,22 +50,13 @@ def test_a_handover_takes_the_frames_already_read_along(tmp_path: Path) -> None:
     mine, executors = socket.socketpair()
     client = Channel(mine)
     try:
-        me = pwd.getpwuid(os.getuid())
-        daemon.send(encode(Become(me.pw_uid, me.pw_gid, tuple(os.getgroups()), me.pw_name,
-                                  me.pw_dir, 1)))
-        _send(daemon, Host(str(tmp_path), False))
-        assert _reply(daemon) == Ack()
-        _send(daemon, Attach(None), {"objects": pickled({"n": torch.zeros(1)})})
-        assert _reply(daemon).forward and daemon.recv()["ok"] is True
-        _send(daemon, Define(), {"fid": 0, "kind": "iteration",
-                                 "fn": pickled(slow_at_zero, "function")})
-        assert _reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
-        _send(daemon, DirectChannel())
+        start_job(daemon, tmp_path, slow_at_zero)
+        daemon_send(daemon, DirectChannel())
         daemon.send_socket({"op": "channel"}, executors.fileno())
         executors.close()
-        assert _reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
-        _send(daemon, Lease(True))
-        assert _reply(daemon) == Ack()
+        assert daemon_reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
+        daemon_send(daemon, Lease(True))
+        assert daemon_reply(daemon) == Ack()
 
         client.send(_call(0.0))  # runs under the lease for 0.3 s; meanwhile:
         time.sleep(0.05)
@@ -99,7 +68,7 @@ def test_a_handover_takes_the_frames_already_read_along(tmp_path: Path) -> None:
 
         handed = None
         while handed is None:  # skip the lease's report, the ack and the next call's `ready`
-            reply = _reply(daemon)
+            reply = daemon_reply(daemon)
             if isinstance(reply, HandedOver):
                 handed = reply
         assert handed.ok and handed.channel, handed

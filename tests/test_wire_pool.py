@@ -10,6 +10,9 @@ import array
 import fcntl
 import os
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,11 @@ import torch
 import salus.adapters.torch as salus
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, FrameError
+from salus.daemon.wire.executor_ops import Ack, DirectChannel, Lease
 from salus.daemon.wire.frames import FIXED, FLAG_POOL, FLAG_SEGMENT, MAGIC, VERSION, FrameReader
 from salus.daemon.wire.pool import PoolReader
 from tests.daemon_proc import salusd
+from tests.executor_proc import EXECUTOR, daemon_reply, daemon_send, start_job
 
 
 @pytest.fixture
@@ -212,10 +217,6 @@ def _kept(s: Any) -> list[torch.Tensor]:
     return s.kept
 
 
-def _where(s: Any, x: torch.Tensor) -> str:
-    return mapping_of(x)
-
-
 def test_a_pooled_line_through_a_real_daemon_is_bit_exact(tmp_path: Path) -> None:
     sent = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each way, every call
     with (salusd(tmp_path, devices=1) as (_, address),
@@ -231,10 +232,60 @@ def test_a_pooled_line_through_a_real_daemon_is_bit_exact(tmp_path: Path) -> Non
         assert torch.equal(bits(held), bits(x))
 
 
+def _where_or_fail(s: Any, x: torch.Tensor) -> str:
+    if float(x.flatten()[0]) == 0.0:
+        raise ValueError("a failed call")
+    return mapping_of(x)
+
+
 def test_a_job_that_keeps_nothing_reads_its_arguments_in_the_pool(tmp_path: Path) -> None:
     with (salusd(tmp_path, devices=1) as (_, address),
           salus.connect(name="lent", iterations=10, address=address) as job):
-        where = job.attach(w=torch.zeros(1)).function(_where)
-        places = [where(torch.randn(512, 1024)) for _ in range(5)]
+        where = job.attach(w=torch.zeros(1)).function(_where_or_fail)
+        places = [where(torch.rand(512, 1024) + 1) for _ in range(3)]
+        with pytest.raises(ValueError, match="a failed call"):  # its frames held the argument
+            where(torch.zeros(512, 1024))
+        places += [where(torch.rand(512, 1024) + 1) for _ in range(3)]
         job.close(pull=False)
     assert all("memfd:salus-pool" in place for place in places), places
+
+
+def _where_slowly(s: Any, x: torch.Tensor) -> torch.Tensor:
+    """Whether `x` is read in the client's pool; 0.3 s long when its first element is 0."""
+    if float(x.flatten()[0]) == 0.0:
+        time.sleep(0.3)
+    return torch.tensor(float("memfd:salus-pool" in mapping_of(x)))
+
+
+@pytest.mark.slow
+def test_the_pool_is_given_back_once_its_call_ran_while_later_calls_wait(
+        tmp_path: Path) -> None:
+    """A (through the pool) and B (small, in the frame) arrive together, and C is sent while
+    B runs: it finds the pool given back after A ran, not once the queue is empty."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", EXECUTOR, str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    daemon = Channel(ours)
+    mine, executors = socket.socketpair()
+    client = Channel(mine, pool=True)
+    try:
+        start_job(daemon, tmp_path, _where_slowly)
+        daemon_send(daemon, DirectChannel())
+        daemon.send_socket({"op": "channel"}, executors.fileno())
+        executors.close()
+        assert daemon_reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
+        daemon_send(daemon, Lease(True))
+        assert daemon_reply(daemon) == Ack()
+        client.send_many([call(torch.zeros(512, 512)), call(torch.zeros(16))])  # one sendmsg
+        first = client.recv()
+        assert not isinstance(first, dict), first
+        in_pool = [float(first.tensors[0])]  # A's answer; B runs now for 0.3 s
+        client.send(call(torch.ones(512, 512)))  # C
+        in_pool += [float(client.recv().tensors[0]) for _ in range(2)]
+        assert in_pool == [1.0, 0.0, 1.0]
+    finally:
+        proc.kill()
+        proc.wait()
+        daemon.close()
+        client.close()

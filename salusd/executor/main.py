@@ -283,9 +283,12 @@ class Executor:
                 self._answer_at_head(slot)
                 if slot.queue:
                     self._switch(slot)
-                    done, reply = run_call(slot.runtime, slot.queue.popleft(), forward=False)
+                    done, reply = run_call(slot.runtime, self._next_call(slot), forward=False)
                     self._after_call(slot)
+                    self._give_back(slot, before_reply=True)
                     self._answer_client(slot, reply)
+                    del reply
+                    self._give_back(slot)
                     self._reply(job, done, None)
                 else:
                     # The call already ran under a lease granted meanwhile: nothing ran now.
@@ -441,8 +444,14 @@ class Executor:
     def _read_call(self, slot: Slot) -> None:
         assert slot.data is not None
         try:
+            lending = slot.data.lending
             request = slot.data.recv()
-            slot.queue.append(request if len(slot.queue) < MAX_QUEUED_CALLS else _BUSY)
+            if len(slot.queue) < MAX_QUEUED_CALLS:
+                slot.queue.append(request)
+                if slot.data.lending and not lending:  # its arguments view the client's pool
+                    slot.lender = id(request)
+            else:
+                slot.queue.append(_BUSY)
         except (ConnectionClosed, OSError):
             self._close_channel(slot)
         except FrameError as exc:
@@ -457,13 +466,14 @@ class Executor:
             slot.data.close()
             slot.data = None
         slot.queue.clear()
+        slot.lender = None
 
     def _answer_at_head(self, slot: Slot) -> None:
         """Answer what waits at the head of the queue and is no call: a call refused for the
         bound (`_BUSY`), or a client's request to report now what its job ran (`is_report`),
         which `Job.info` sends when the daemon's count lags the client's."""
         while slot.queue and (isinstance(slot.queue[0], str) or is_report(slot.queue[0])):
-            if is_report(slot.queue.popleft()):
+            if is_report(self._next_call(slot)):
                 self._report_ran()  # sent before the answer: the daemon has it first
                 self._answer_client(slot, {"ok": True, "result": None})
                 continue
@@ -476,11 +486,21 @@ class Executor:
             self._run_queued_of(slot)
             self._give_back(slot)
 
-    def _give_back(self, slot: Slot) -> None:
-        """Once the job's queued calls ran and their results went out, the arguments lent out
-        of its client's pool are given back: the client may write its next frame there."""
-        if slot.data is not None and not slot.queue and not slot.sink.holding:
-            slot.data.give_back()
+    def _give_back(self, slot: Slot, *, before_reply: bool = False) -> None:
+        """Once the call whose arguments were lent out of the client's pool ran and no result
+        waits to go out, give them back: the client may write its next frame there.
+        `before_reply`: the call's reply is still to be sent, and may view them; give them back
+        only if nothing does (so that the client's next frame, sent as soon as that reply
+        comes, finds the pool free), and otherwise again after the reply."""
+        if slot.data is not None and slot.lender is None and not slot.sink.holding:
+            slot.data.give_back(retire=not before_reply)
+
+    def _next_call(self, slot: Slot) -> Any:
+        """The call at the head of the job's queue, taken off it."""
+        request = slot.queue.popleft()
+        if id(request) == slot.lender:
+            slot.lender = None
+        return request
 
     def _run_queued_of(self, slot: Slot) -> None:
         self._answer_at_head(slot)
@@ -488,9 +508,11 @@ class Executor:
             self._switch(slot)
             # The client's reply first, the daemon's accounting after it (3-8 µs less per call
             # on the build VM, bench/call_stages.py `back`, one-off A/B runs).
-            reply, ran = answer_call(slot.runtime, slot.queue.popleft())
+            reply, ran = answer_call(slot.runtime, self._next_call(slot))
+            self._give_back(slot, before_reply=True)
             self._answer_client(slot, reply, hold=ran.seconds < HOLD_S)
             del reply  # (it may view an argument lent out of the client's pool)
+            self._give_back(slot)
             self._after_call(slot)
             done = call_done(slot.runtime, ran, forward=False)
             self._note_ran(slot, done)
@@ -557,9 +579,10 @@ class Executor:
     def _refuse_queued(self, slot: Slot, code: str, message: str) -> None:
         error = {"ok": False, "code": code, "message": message}
         while slot.queue:
-            slot.queue.popleft()
+            self._next_call(slot)
             self._answer_client(slot, error)
         slot.asked = False
+        self._give_back(slot)
 
 
 def serve(sock: socket.socket, zygote: int | None = None) -> int:

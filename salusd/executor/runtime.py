@@ -500,6 +500,7 @@ def call_error(exc: BaseException) -> dict[str, Any]:
         tb = tb.tb_next
     lines = traceback.format_exception(type(exc), exc, tb)
     text = "".join(lines)
+    _drop_frames(exc)
     reply: dict[str, Any] = {
         "ok": False, "code": "call_failed",
         "message": f"{type(exc).__name__}: {exc}",
@@ -512,6 +513,20 @@ def call_error(exc: BaseException) -> dict[str, Any]:
     except Exception:  # an exception that cannot travel still has its text
         pass
     return reply
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Detach the tracebacks of `exc` and of the exceptions it chains, once their text is
+    taken: the frames they hold keep the call's arguments alive, and the reply keeps `exc`
+    until it is sent (an argument lent out of the client's pool would then look kept, and the
+    line would copy its arguments from then on)."""
+    pending, seen = [exc], set()
+    while pending:
+        e = pending.pop()
+        if id(e) not in seen:
+            seen.add(id(e))
+            e.__traceback__ = None
+            pending += [c for c in (e.__cause__, e.__context__) if c is not None]
 
 
 __all__ = ["EstimationError", "JobRuntime", "State", "call_error", "error_text", "is_iteration",

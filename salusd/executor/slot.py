@@ -35,6 +35,7 @@ class Slot:
         self.lease = False
         self.asked = False  # a `Ready` for the head of `queue` is with the daemon
         self.queue: deque[Any] = deque()  # direct calls waiting, in order
+        self.lender: int | None = None  # id() of the queued call whose arguments view the pool
         self.data: Channel | None = None  # the client's direct channel
         self.ran: RanSoFar | None = None  # leased calls not yet reported to the daemon
         self.rng: torch.Tensor | None = None  # its CPU generator while another job's code ran

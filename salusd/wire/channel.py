@@ -327,13 +327,19 @@ class Channel:
         return FrameError(f"{exc}; salusd said: {str(reply.get('message'))[:2000]}",
                           recoverable=False)
 
-    def give_back(self, *, leaving: bool = False) -> None:
+    @property
+    def lending(self) -> bool:
+        """Whether a pooled frame's tensors view the peer's pool until `give_back`."""
+        return self._pool_in.lending
+
+    def give_back(self, *, leaving: bool = False, retire: bool = True) -> None:
         """Done with the frames received so far: the pooled frame lent out (`borrow`) is marked
         taken, or, when a tensor still views it (the job kept it), its pool retired and this
         line copies pooled frames from then on (a job that keeps its arguments would otherwise
-        hold a pool per call). `leaving`: the line goes on in another process, and this one
-        never uses those tensors again: the frame is marked taken whatever views it here."""
-        if self._pool_in.give_back(leaving=leaving) is False:
+        hold a pool per call); with `retire` False such a frame stays lent instead.
+        `leaving`: the line goes on in another process, and this one never uses those tensors
+        again: the frame is marked taken whatever views it here."""
+        if self._pool_in.give_back(leaving=leaving, retire=retire) is False:
             self.borrow = False
 
     def pool_descriptor(self) -> int | None:

@@ -17,7 +17,7 @@ sequence number; the segment itself from byte 64 (`DATA`).
 - The receiver copies the frame's bytes into memory of its own before it marks the frame taken,
   so the sender may overwrite them at once and the call's tensors never change under the job.
 - Or it lends them out in place (`PoolReader.lend`: the executor's side, where the frame is a
-  call's arguments) and marks the frame taken once the call is done and nothing views them any
+  call's arguments) and marks the frame taken once the call ran and nothing views them any
   more (`give_back`). Where a tensor still views them (the job kept its argument, or returned
   it and the reply waits), the receiver writes RETIRED instead: the pool stays mapped for that
   tensor, which never changes, and the sender makes a new pool for its next frame. This saves
@@ -162,16 +162,21 @@ class PoolReader:
         self._lent = (seq, lent)
         return lent
 
-    def give_back(self, *, leaving: bool = False) -> bool | None:
+    def give_back(self, *, leaving: bool = False, retire: bool = True) -> bool | None:
         """Mark the frame lent out taken when no tensor views it any more (True); else retire
         the pool: left mapped for the tensors that view it, and the sender told to make a new
-        one (False). None: nothing was lent. A tensor made from the lent view
-        (`torch.frombuffer`) holds a reference to it. `leaving`: the line goes on in another
-        process and this one never reads those tensors again: the frame is taken."""
+        one (False), or with `retire` False keep it lent (None). None: nothing was lent. A
+        tensor made from the lent view (`torch.frombuffer`) holds a reference to it.
+        `leaving`: the line goes on in another process and this one never reads those tensors
+        again: the frame is taken."""
         if self._lent is None:
             return None
-        (seq, lent), self._lent = self._lent, None
-        if sys.getrefcount(lent) > 2 and not leaving:  # more than `lent` and the argument
+        seq, lent = self._lent
+        viewed = sys.getrefcount(lent) > 3  # more than `lent`, `_lent` and the argument
+        if viewed and not leaving and not retire:
+            return None
+        self._lent = None
+        if viewed and not leaving:
             if self.map is not None:
                 _U64.pack_into(self.map, 0, RETIRED)
             self.map = None  # unmapped once the last such tensor is gone
@@ -179,7 +184,7 @@ class PoolReader:
                 os.close(self.fd)
                 self.fd = None
             return False
-        if sys.getrefcount(lent) <= 2:
+        if not viewed:
             lent.release()
         self.taken(seq)
         return True
