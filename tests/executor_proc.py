@@ -3,9 +3,13 @@ of a socket pair), for tests that need the executor's own loop without a daemon 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
-from collections.abc import Callable
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,9 @@ from salus.daemon.wire.executor_ops import (
     Attach,
     Become,
     Define,
+    DirectChannel,
     Host,
+    Lease,
     addressed,
     decode_reply,
     encode,
@@ -55,3 +61,32 @@ def start_job(daemon: Channel, tmp_path: Path, fn: Callable[..., Any]) -> None:
     daemon_send(daemon, Define(), {"fid": 0, "kind": "iteration",
                                    "fn": pickled(fn, "function")})
     assert daemon_reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
+
+
+@contextlib.contextmanager
+def leased_job(tmp_path: Path, fn: Callable[..., Any], *,
+               pool: bool = False) -> Iterator[tuple[Channel, Channel]]:
+    """A real executor with job JOB started (`start_job`), its client's direct channel open
+    (with `pool`, the client's end sends large tensors through a pool) and a lease granted:
+    (the daemon's end, the client's end). The executor is killed on leaving."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", EXECUTOR, str(theirs.fileno())],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    daemon = Channel(ours)
+    mine, executors = socket.socketpair()
+    client = Channel(mine, pool=pool)
+    try:
+        start_job(daemon, tmp_path, fn)
+        daemon_send(daemon, DirectChannel())
+        daemon.send_socket({"op": "channel"}, executors.fileno())
+        executors.close()
+        assert daemon_reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
+        daemon_send(daemon, Lease(True))
+        assert daemon_reply(daemon) == Ack()
+        yield daemon, client
+    finally:
+        proc.kill()
+        proc.wait()
+        daemon.close()
+        client.close()

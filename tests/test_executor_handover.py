@@ -4,9 +4,6 @@ the executor had already read off the client's socket but not yet parsed."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,17 +12,15 @@ import pytest
 import torch
 
 from salus.daemon.wire import compact
-from salus.daemon.wire.channel import Channel, PickledPayload
+from salus.daemon.wire.channel import PickledPayload
 from salus.daemon.wire.executor_ops import (
-    Ack,
-    DirectChannel,
     HandedOver,
     Handover,
     Lease,
     addressed,
     encode,
 )
-from tests.executor_proc import EXECUTOR, JOB, daemon_reply, daemon_send, start_job
+from tests.executor_proc import JOB, daemon_reply, leased_job
 
 
 def slow_at_zero(s: Any, x: torch.Tensor) -> torch.Tensor:
@@ -42,22 +37,7 @@ def _call(x: float) -> compact.Message:
 
 @pytest.mark.slow
 def test_a_handover_takes_the_frames_already_read_along(tmp_path: Path) -> None:
-    ours, theirs = socket.socketpair()
-    proc = subprocess.Popen([sys.executable, "-c", EXECUTOR, str(theirs.fileno())],
-                            pass_fds=(theirs.fileno(),))
-    theirs.close()
-    daemon = Channel(ours)
-    mine, executors = socket.socketpair()
-    client = Channel(mine)
-    try:
-        start_job(daemon, tmp_path, slow_at_zero)
-        daemon_send(daemon, DirectChannel())
-        daemon.send_socket({"op": "channel"}, executors.fileno())
-        executors.close()
-        assert daemon_reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
-        daemon_send(daemon, Lease(True))
-        assert daemon_reply(daemon) == Ack()
-
+    with leased_job(tmp_path, slow_at_zero) as (daemon, client):
         client.send(_call(0.0))  # runs under the lease for 0.3 s; meanwhile:
         time.sleep(0.05)
         client.send_many([_call(float(i)) for i in range(1, 6)])  # one sendmsg: read together
@@ -77,8 +57,3 @@ def test_a_handover_takes_the_frames_already_read_along(tmp_path: Path) -> None:
         bundle = payload.load("the bundle", own=True)
         queued = [float(m.tensors[0]) for m in bundle["queued"]]
         assert queued == [1.0, 2.0, 3.0, 4.0, 5.0]
-    finally:
-        proc.kill()
-        proc.wait()
-        daemon.close()
-        client.close()

@@ -10,8 +10,6 @@ import array
 import fcntl
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +21,10 @@ import torch
 import salus.adapters.torch as salus
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, FrameError
-from salus.daemon.wire.executor_ops import Ack, DirectChannel, Lease
 from salus.daemon.wire.frames import FIXED, FLAG_POOL, FLAG_SEGMENT, MAGIC, VERSION, FrameReader
 from salus.daemon.wire.pool import PoolReader
 from tests.daemon_proc import salusd
-from tests.executor_proc import EXECUTOR, daemon_reply, daemon_send, start_job
+from tests.executor_proc import leased_job
 
 
 @pytest.fixture
@@ -262,30 +259,11 @@ def test_the_pool_is_given_back_once_its_call_ran_while_later_calls_wait(
         tmp_path: Path) -> None:
     """A (through the pool) and B (small, in the frame) arrive together, and C is sent while
     B runs: it finds the pool given back after A ran, not once the queue is empty."""
-    ours, theirs = socket.socketpair()
-    proc = subprocess.Popen([sys.executable, "-c", EXECUTOR, str(theirs.fileno())],
-                            pass_fds=(theirs.fileno(),))
-    theirs.close()
-    daemon = Channel(ours)
-    mine, executors = socket.socketpair()
-    client = Channel(mine, pool=True)
-    try:
-        start_job(daemon, tmp_path, _where_slowly)
-        daemon_send(daemon, DirectChannel())
-        daemon.send_socket({"op": "channel"}, executors.fileno())
-        executors.close()
-        assert daemon_reply(daemon) == Ack(forward=True) and daemon.recv()["ok"] is True
-        daemon_send(daemon, Lease(True))
-        assert daemon_reply(daemon) == Ack()
+    with leased_job(tmp_path, _where_slowly, pool=True) as (_, client):
         client.send_many([call(torch.zeros(512, 512)), call(torch.zeros(16))])  # one sendmsg
         first = client.recv()
         assert not isinstance(first, dict), first
         in_pool = [float(first.tensors[0])]  # A's answer; B runs now for 0.3 s
         client.send(call(torch.ones(512, 512)))  # C
         in_pool += [float(client.recv().tensors[0]) for _ in range(2)]
-        assert in_pool == [1.0, 0.0, 1.0]
-    finally:
-        proc.kill()
-        proc.wait()
-        daemon.close()
-        client.close()
+    assert in_pool == [1.0, 0.0, 1.0]
