@@ -69,9 +69,10 @@ def _times(step: Step, x: torch.Tensor, y: torch.Tensor, n: int) -> list[float]:
 
 
 def _width_for(target_s: float, x: torch.Tensor, y: torch.Tensor) -> int:
-    """The hidden width whose direct iteration takes about `target_s` seconds."""
+    """The hidden width (a multiple of 64 up to 1536) whose direct iteration takes about
+    `target_s` seconds; widths 256 apart missed 2 ms by a quarter (768: 1.46 ms)."""
     best = (float("inf"), 64)
-    for width in (64, 128, 256, 384, 512, 768, 1024):
+    for width in range(64, 1537, 64):
         t = statistics.median(_times(_direct_step(width), x, y, 30)[5:])
         best = min(best, (abs(t - target_s), width))
     return best[1]
