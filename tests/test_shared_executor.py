@@ -141,15 +141,32 @@ POOLED = textwrap.dedent("""
     from torch import nn
     import salus.adapters.torch as salus
 
+    def in_pool(t):  # whether `t` is read in place in the client's pool (lent to the call)
+        at = t.data_ptr()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, *rest = line.split(maxsplit=5)
+                low, high = (int(a, 16) for a in span.split("-"))
+                if low <= at < high:
+                    return "memfd:salus-pool" in line
+        return False
+
+    def total(s, big):
+        return torch.stack([big.sum() + s.model.weight.sum() * 0,
+                            torch.tensor(float(in_pool(big)))])
+
     torch.manual_seed(int(sys.argv[1]))
     with salus.connect(name=f"pooled{sys.argv[1]}", iterations=6) as job:
         remote = job.attach(model=nn.Linear(4, 2))
-        total = remote.iteration(lambda s, big: big.sum() + s.model.weight.sum() * 0)
-        sums = []
+        step = remote.iteration(total)
+        sums, pooled = [], []
         for i in range(6):
             big = torch.randn(512, 512)  # 1 MiB: through the direct line's shared memory
-            sums.append(abs(float(total(big)) - float(big.sum())) < 1e-3)
-        print(json.dumps({"job": job.id, "all_equal": all(sums)}), flush=True)
+            got, lent = step(big).tolist()
+            sums.append(abs(got - float(big.sum())) < 1e-3)
+            pooled.append(lent == 1.0)
+        print(json.dumps({"job": job.id, "all_equal": all(sums), "in_pool": pooled}),
+              flush=True)
 """)
 
 
@@ -157,7 +174,7 @@ def test_a_job_that_moved_keeps_sending_large_tensors_on_its_direct_line(
         tmp_path: Path) -> None:
     """Under fair on one device the second job moves into the first's process at its first
     placement, after its client's direct line set up shared memory for large tensors: its
-    later calls still arrive whole in the new process."""
+    later calls still arrive whole in the new process, and are read in its pool there."""
     (tmp_path / "good.py").write_text(GOOD)
     (tmp_path / "pooled.py").write_text(POOLED)
     with salusd(tmp_path, "--policy", "fair", devices=1) as (_, address):
@@ -167,7 +184,12 @@ def test_a_job_that_moved_keeps_sending_large_tensors_on_its_direct_line(
             pooled = start_client(tmp_path / "pooled.py", "2", address=address)
             out, err = finish(pooled, timeout_s=120)
             assert pooled.returncode == 0, err
-            assert json.loads(out.strip().splitlines()[-1])["all_equal"] is True, out
+            result = json.loads(out.strip().splitlines()[-1])
+            assert result["all_equal"] is True, out
+            # Calls the daemon dispatches in the shared lane read their arguments in place in
+            # the pool, each given back before its reply; the first may have come along in
+            # the moved job's bundle (a copy).
+            assert all(result["in_pool"][1:]), result
             go(first)
             out, err = finish(first, timeout_s=120)
             assert json.loads(out.strip().splitlines()[-1]) == {"max_abs_diff": 0.0}, err
