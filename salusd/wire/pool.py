@@ -173,10 +173,10 @@ class PoolReader:
             return None
         seq, lent = self._lent
         viewed = sys.getrefcount(lent) > 3  # more than `lent`, `_lent` and the argument
-        if viewed and not leaving and not retire:
-            return None
-        self._lent = None
         if viewed and not leaving:
+            if not retire:
+                return None
+            self._lent = None
             if self.map is not None:
                 _U64.pack_into(self.map, 0, RETIRED)
             self.map = None  # unmapped once the last such tensor is gone
@@ -184,6 +184,7 @@ class PoolReader:
                 os.close(self.fd)
                 self.fd = None
             return False
+        self._lent = None
         if not viewed:
             lent.release()
         self.taken(seq)
