@@ -96,6 +96,7 @@ class ExecutorProcess:
     kill_when_forked: bool = False
     pending: _Pending | None = None  # a reply whose frames are still to come
     zygote: Zygote | None = None  # forked by a zygote of another interpreter (zygotes.py)
+    poisoned: str | None = None  # why it ends: a sticky CUDA error in one of its jobs' calls
 
 
 @dataclass(eq=False)
@@ -558,6 +559,11 @@ class Supervisor:
             self._kill_process(proc)
             return
         handle = proc.jobs.get(job)
+        if meta.get("op") == "poisoned" and meta.get("unsolicited") is True:
+            # Its jobs fail once it has ended, with this as the reason.
+            proc.poisoned = (f"its CUDA context was poisoned by a call of job {job} "
+                             f"({str(meta.get('message'))[:1000]}), so it ended")
+            return
         count = (int(bool(meta.get("ok"))) + int(bool(meta.get("channel")))
                  + int(bool(meta.get("pool"))) if meta.get("handed_over")
                  else int(bool(meta.get("forward"))))
@@ -612,7 +618,8 @@ class Supervisor:
         self._by_link.pop(id(proc.link), None)
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
-            self.on_died(handle, f"executor (pid {proc.pid}) died: {how}")
+            self.on_died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
+                         else f"executor (pid {proc.pid}) died: {how}")
         proc.jobs.clear()
 
     def stop(self) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from salus.daemon.executor import output
 from salus.daemon.executor.batch import BatchJob, DataCursor
+from salus.daemon.executor.cap import ProcessCap
 from salus.daemon.executor.cuda_call import CudaCall, oom_peak
 from salus.daemon.executor.main import Executor, run_call
 from salus.daemon.executor.runtime import JobRuntime, State
@@ -161,7 +162,7 @@ def test_a_leased_call_out_of_memory_is_reported_at_once() -> None:
     executor.streams = output.Streams({"stdout": sys.stdout, "stderr": sys.stderr})
     slot = Slot(7, _runtime([]), executor.streams.sink(None), None, None, True)
     executor.slots[7] = slot
-    slot.lease = True
+    slot.turn.lease = True
     slot.queue.append(_call(1))
     executor._run_queued()
     report = daemon.recv()
@@ -192,7 +193,9 @@ def _gpu_runtime(functions: dict[int, Any], budget_bytes: int | None = None,
     for fid, fn in functions.items():
         runtime.functions[fid], runtime.kinds[fid] = fn, "iteration"
     total = torch.cuda.get_device_properties(GPU).total_memory
-    runtime.place("cuda:0", total if budget_bytes is None else budget_bytes)
+    budget = total if budget_bytes is None else budget_bytes
+    ProcessCap().book(seed, "cuda:0", 0, budget)  # as `turns.on_place` caps the process
+    runtime.place("cuda:0", budget)
     return runtime
 
 

@@ -2,12 +2,19 @@
 
 Every `torch.optim.Optimizer.step()` (a global step post hook, installed by `script.py` unless
 `SALUS_BOUNDARY=explicit`) and every `salus.step()` is a boundary. The script's run between two
-boundaries is one of the job's iterations, scheduled as a direct call is: while the job holds
-its lane's lease it goes on at once and what ran is reported in batches (`Ran`); otherwise the
-executor asks (`Ready`), waits for `Run`, and answers it with `CallDone` at the next boundary.
-Daemon messages are read at boundaries only, so a suspend, a cancel or another job's turn takes
-effect there; a job the daemon ended stops its script at its next boundary. A `suspend --swap`
-moves what the optimizers seen so far reach to host memory there (`script_swap.py`).
+boundaries is one of the job's iterations, scheduled by the same turn as a direct call
+(`turns.py`): while the job holds its lane's lease it goes on at once and what ran is reported
+in batches (`Ran`); otherwise the executor asks (`Ready`), waits for `Run`, and answers it with
+`CallDone` at the next boundary. Daemon messages are read at boundaries only, so a suspend, a
+cancel or another job's turn takes effect there; a job the daemon ended stops its script at its
+next boundary. A `suspend --swap` moves what the optimizers seen so far reach to host memory
+there (`script_swap.py`).
+
+On a GPU the job is placed before its first line runs, like any job (`turns.on_place`): the
+executor sees only the placed GPU, and the process's cap is set as the script starts CUDA. At
+each boundary where CUDA has started the device is synchronised, so an iteration's time is its
+GPU work, and its peak is the allocator's reserved high-water mark since the last reading
+(`DeviceMeter`).
 """
 
 from __future__ import annotations
@@ -23,9 +30,13 @@ import time
 import weakref
 from typing import Any
 
+import torch
+
+from salus.daemon.executor import turns
+from salus.daemon.executor.cap import ProcessCap
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.executor.script_swap import ScriptSwap
-from salus.daemon.executor.slot import REPORT_EVERY_S, RanSoFar
+from salus.daemon.executor.turns import Turn
 from salus.daemon.wire.channel import Channel, ConnectionClosed
 from salus.daemon.wire.executor_ops import (
     Ack,
@@ -34,15 +45,12 @@ from salus.daemon.wire.executor_ops import (
     Exit,
     Exited,
     Failed,
-    Lease,
     Place,
     Progress,
-    Ready,
-    Refuse,
+    Ran,
     Reply,
-    Run,
+    Request,
     Script,
-    SwapOut,
     Swapped,
     address_of,
     addressed,
@@ -56,22 +64,49 @@ NO_ESTIMATE = ("a script job's iterations run in its own process and are measure
                "not estimated on fake tensors")
 
 
+class DeviceMeter:
+    """A script's peaks on its placed GPU: the allocator's reserved high-water mark, read and
+    reset at boundaries once the script has started CUDA (nothing before: no context is made
+    for a script that never uses the GPU)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+    def set_baseline(self) -> None:
+        """Nothing was reserved before the script: its peaks are whole."""
+
+    def settle(self) -> None:
+        """Wait for the iteration's kernels, so that its end is the GPU's."""
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        if torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        """Bytes reserved at most since `start` (0 before CUDA started)."""
+        if not torch.cuda.is_initialized():
+            return 0
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+
 class Boundaries:
-    """The daemon's side of a running script: its turn in the lane at each boundary."""
+    """The daemon's side of a running script: its turn in the lane at each boundary (the
+    script's `turns.JobKind`)."""
 
     def __init__(self, daemon: Channel, job: int, estimate: bool) -> None:
         self.daemon = daemon
         self.job = job  # every message names it (`wire/executor_ops/envelope.py`)
         self.pid = os.getpid()  # a process the script forked has no turn to ask for
         self.lock = threading.RLock()
-        self.meter = PeakMeter()
-        self.lease = False
-        self.asked = False
-        self.granted = False  # a `Run` was received: its `CallDone` is sent at the boundary
+        self.meter: PeakMeter | DeviceMeter = PeakMeter()
+        self.turn = Turn()
+        self.cap = ProcessCap()
         self.estimate = estimate  # the first `Ready` says why there is no estimate
         self.seen = 0  # boundaries so far
         self.began = time.monotonic()
-        self.ran: RanSoFar | None = None
+        self.ended = False  # the script ended: a granted run has nothing to run
         self.main = threading.main_thread().ident
         self.inside = False  # the main thread is in a boundary: a Ctrl-C waits
         self.interrupted = False
@@ -137,15 +172,17 @@ class Boundaries:
         with self.lock:
             self._end(counted=self.seen == 0)
             self._report_ran()
+            self.ended = True
             self._send(Exited(code))
 
     def drain(self) -> str | None:
         """Answer the daemon until it lets the job go (`exit`, answered): the `Exit`'s code
         (`restarting`: the command runs again elsewhere), None when the daemon went away."""
         with self.lock:
+            self.ended = True
             while True:
                 try:
-                    self._handle(self.daemon.recv(), ended=True)
+                    self._handle(self.daemon.recv())
                 except _Stop as stop:
                     return stop.code
                 except (ConnectionClosed, OSError):
@@ -157,22 +194,23 @@ class Boundaries:
         under a lease, over each batch reported together (`Ran` says their largest), which
         spares a reset of the meter per iteration."""
         self.began = time.monotonic()
-        if not self.lease or self.ran is None:
+        if not self.turn.lease or self.turn.ran is None:
             self.meter.start()
 
     def _end(self, counted: bool) -> None:
-        """Report the iteration that ended."""
+        """Report the iteration that ended (on a GPU, once its kernels have)."""
+        if isinstance(self.meter, DeviceMeter):
+            self.meter.settle()
         ended = time.monotonic()
         seconds = ended - self.began
-        if self.granted:
-            self.granted = False
-            self._send(CallDone(True, seconds, self.meter.peak(), counted, self.began, ended))
-        elif self.lease:
-            if self.ran is None:
-                self.ran = RanSoFar(ended, self.began)
-            self.ran.add(CallDone(True, seconds, None, counted, self.began, ended))
-            if ended - self.ran.since >= REPORT_EVERY_S:
-                self._report_ran()
+        if not self.turn.may_go():
+            return
+        granted = self.turn.granted
+        done = CallDone(True, seconds, self.meter.peak() if granted else None, counted,
+                        self.began, ended)
+        report = self.turn.done(done, ended)
+        if report is not None:
+            self._send(report if isinstance(report, CallDone) else self._with_peak(report))
 
     def _poll(self) -> None:
         """Handle what the daemon sent while the iteration ran (without waiting)."""
@@ -182,18 +220,17 @@ class Boundaries:
             self._handle(self.daemon.recv())
 
     def _wait_turn(self) -> None:
-        while not (self.lease or self.granted):
-            if not self.asked:
-                self.asked = True
-                estimate = EstimateFailed(NO_ESTIMATE) if self.estimate else None
+        while not self.turn.may_go():
+            ready = self.turn.ask(True, EstimateFailed(NO_ESTIMATE) if self.estimate else None)
+            if ready is not None:
                 self.estimate = False
-                self._send(Ready(True, estimate))
+                self._send(ready)
             self._report_ran()
             self._handle(self.daemon.recv())
 
-    def _handle(self, meta: Any, ended: bool = False) -> None:
-        """One daemon message (`ended`: the script has ended); a frame that follows it (none
-        is sent to a script job) is read and dropped so the stream stays in step."""
+    def _handle(self, meta: Any) -> None:
+        """One daemon message; a frame that follows it (none is sent to a script job) is read
+        and dropped so the stream stays in step."""
         if client_frame_follows(meta):
             self.daemon.recv()
         try:
@@ -202,42 +239,55 @@ class Boundaries:
         except ValueError as exc:
             self._send(Failed(str(exc)[:2000]))
             return
-        match message:
-            case Exit() if job is None:  # the whole process
-                raise _Stop(message.message, message.code)
-            case Exit():
-                if ended:  # let go: the supervisor hears it from the answer
-                    self._send(Ack())
-                raise _Stop(message.message, message.code)
-            case Lease(granted=granted):
-                self.lease = granted
-                self._send(Ack())
-            case Run():
-                self.asked = False
-                if self.lease or ended:  # it went on under a lease granted meanwhile, or the
-                    # script ended: nothing to run
-                    self._send(CallDone(False, 0.0, None, False, None, None, empty=True))
-                else:
-                    self.granted = True
-            case Refuse(message=text):
-                self._send(Ack())
-                raise _Stop(text)
-            case Script():
-                self._send(Failed("this executor already runs a script"))
-            case SwapOut():  # suspend --swap: what the stepped optimizers reach, to the host
-                self._send(Swapped(self.swap.out(list(self.optimizers))))
-            case Place() if self.swap.home:  # placed again after a swap: moved back
-                self._send(Swapped(self.swap.back()))
-            case Place():  # the script chose its device itself: nothing is placed for it
-                self._send(Ack())
-            case _:
-                self._send(Failed(f"a script job cannot {message.op!r}: it keeps its own "
-                                  "state (checkpoints: salus.resume_dir())"))
+        if isinstance(message, Exit) and job is None:  # the whole process
+            raise _Stop(message.message, message.code)
+        reply, _ = turns.answer(self, message, None, self.cap)
+        if reply is not None:
+            self._send(reply)
+
+    # ---- what the turn's messages do to a script (`turns.JobKind`) --------------------------
+    def run(self) -> Reply | None:
+        """A granted run: answered at the next boundary, or at once when the script ended."""
+        if self.ended:
+            self.turn.granted = False
+            return CallDone(False, 0.0, None, False, None, None, empty=True)
+        return None
+
+    def refuse(self, code: str, message: str) -> Reply | None:
+        self._send(Ack())
+        raise _Stop(message)
+
+    def exit(self, code: str, message: str) -> Reply | None:
+        if self.ended:  # let go: the supervisor hears it from the answer
+            self._send(Ack())
+        raise _Stop(message, code)
+
+    def place(self, device: str, message: Place) -> Reply:
+        """The script runs where it was placed from its first line (its executor sees only
+        that GPU); placed again after a swap, what the swap moved goes back."""
+        if device.startswith("cuda") and not isinstance(self.meter, DeviceMeter):
+            self.meter = DeviceMeter(device)
+        if self.swap.home:
+            return Swapped(self.swap.back())
+        return Ack()
+
+    def swap_out(self) -> Reply:
+        """`suspend --swap`: what the stepped optimizers reach, to host memory."""
+        return Swapped(self.swap.out(list(self.optimizers)))
+
+    def other(self, message: Request, request: Any) -> tuple[Reply | None, Any]:
+        if isinstance(message, Script):
+            return Failed("this executor already runs a script"), None
+        return Failed(f"a script job cannot {message.op!r}: it keeps its own state "
+                      "(checkpoints: salus.resume_dir())"), None
 
     def _report_ran(self) -> None:
-        if self.ran is not None:
-            ran, self.ran = self.ran, None  # the batch's peak, measured over all of it
-            self._send(dataclasses.replace(ran.report(), peak=self.meter.peak()))
+        if (ran := self.turn.report()) is not None:
+            self._send(self._with_peak(ran))
+
+    def _with_peak(self, ran: Ran) -> Ran:
+        """A batch's peak is measured over all of it (one meter reset per batch)."""
+        return dataclasses.replace(ran, peak=self.meter.peak())
 
     def _send(self, reply: Reply) -> None:
         self.daemon.send(addressed(encode(reply), self.job))

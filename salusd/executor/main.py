@@ -1,19 +1,16 @@
-"""An executor process: runs one job's code, as the job's owner, for the daemon.
+"""An executor's loop: the daemon's messages and the jobs' direct calls, one job's code at a time.
 
-It is forked by the zygote (`zygote.py`) with torch already imported, so it starts in
-milliseconds. Its first message from the daemon says who it becomes (`Become`): as root it
-drops to the owner's uid, gid and groups before it receives any job bytes, and then can do
-exactly what the owner could do by running the script. The messages, their replies and their
-wire form are `salusd/wire/executor_ops.py`.
+The process starts in `process.py`; each job's turn in its lane (lease, `Ready`, `Run`, place)
+follows `turns.py`, the same for every job kind; a script job's own loop is its script
+(`script.py`, `boundaries.py`). The messages, their replies and their wire form are
+`salusd/wire/executor_ops/`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import resource
 import selectors
 import signal
 import socket
@@ -24,14 +21,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from salus.daemon.executor import output, script
+from salus.daemon.executor import output, script, turns
+from salus.daemon.executor.cap import ProcessCap
+from salus.daemon.executor.cuda_call import needs_room
 from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.output import HOLD_S
+from salus.daemon.executor.process import become
 from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
-from salus.daemon.executor.slot import REPORT_EVERY_S, RanSoFar, Slot, process_cap
-from salus.daemon.executor.visible import device_for
-from salus.daemon.executor.zygote import die_with_parent, reap_orphans
-from salus.daemon.mps import client_environment
+from salus.daemon.executor.slot import Slot
+from salus.daemon.executor.zygote import die_with_parent
 from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import (
@@ -60,19 +58,16 @@ from salus.daemon.wire.executor_ops import (
     HandedOver,
     Handover,
     Host,
-    Lease,
     Load,
     Place,
+    Poisoned,
     Pull,
-    Ready,
-    Refuse,
     Reply,
     Request,
     Restore,
     Run,
     Script,
     Step,
-    SwapOut,
     address_of,
     addressed,
     client_frame_follows,
@@ -81,7 +76,6 @@ from salus.daemon.wire.executor_ops import (
 )
 
 log = logging.getLogger("salusd.executor")
-_PR_SET_DUMPABLE = 4
 MAX_QUEUED_CALLS = 64
 SPIN_US = 200.0  # see spin_window_s
 _BUSY = "busy"  # a call refused for the bound, answered in its turn (requests are never str)
@@ -102,30 +96,6 @@ def spin_window_s() -> float:
     except ValueError:
         us = SPIN_US
     return max(0.0, min(us, 100_000.0)) / 1e6
-
-
-def become(hello: Become) -> None:
-    """Drop to the owner's identity (when running as root) and set up the jobs' environment:
-    home, user name, intra-op threads, no core dumps (each job's working directory is set
-    when its code runs: `Executor._switch`)."""
-    uid, gid, groups = hello.uid, hello.gid, list(hello.groups)
-    if os.geteuid() == 0 and uid != 0:
-        os.setgroups(groups)
-        os.setgid(gid)
-        os.setuid(uid)
-        # Changing uid makes the process undumpable, which hands its /proc files to root and
-        # would hide /proc/self/clear_refs (the peak meter) from the job; its owner may see it.
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-    if os.getuid() != uid:
-        raise PermissionError(f"executor runs as uid {os.getuid()} and cannot become {uid}")
-    os.environ.update({"HOME": hello.home or "/", "USER": hello.user, "LOGNAME": hello.user})
-    for place in (hello.home, "/"):
-        if isinstance(place, str):
-            with contextlib.suppress(OSError):
-                os.chdir(place)
-                break
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    torch.set_num_threads(max(1, hello.threads))
 
 
 class Executor:
@@ -150,6 +120,8 @@ class Executor:
         self.spin_s = spin_window_s()  # poll this long after a message before blocking
         self.active_at = 0.0
         self.streams: output.Streams | None = None
+        self.cap = ProcessCap()  # what the jobs placed here may reserve on their devices
+        self.poisoned: Slot | None = None  # whose call left a sticky CUDA error: we end
 
     def serve(self) -> int:
         try:
@@ -182,6 +154,9 @@ class Executor:
                 elif type(source) is int and (slot := self.slots.get(source)) is not None:
                     self._from_client(slot)
             self._run_queued()
+            if self.poisoned is not None:
+                self._end_poisoned(self.poisoned)
+                return 1
             self.active_at = time.perf_counter()
 
     def _spin(self) -> list[object]:
@@ -197,10 +172,9 @@ class Executor:
 
     def _report_due(self) -> float | None:
         """Seconds until the oldest unreported leased call must be reported (None: none)."""
-        since = [slot.ran.since for slot in self.slots.values() if slot.ran is not None]
-        if not since:
-            return None
-        return max(0.0, min(since) + REPORT_EVERY_S - time.monotonic())
+        now = time.monotonic()
+        due = [d for slot in self.slots.values() if (d := slot.turn.report_due(now)) is not None]
+        return min(due, default=None)
 
     def _switch(self, slot: Slot) -> None:
         """Make `slot`'s job the one whose code runs: its CPU random generator, working
@@ -219,8 +193,20 @@ class Executor:
         assert self.streams is not None
         self.streams.use(slot.sink)
         if previous is not None:
+            self._make_room(slot)
             slot.runtime.take_baseline()
         self.current = slot
+
+    def _make_room(self, slot: Slot) -> None:
+        """The jobs of one process keep the caching allocator's blocks between their calls;
+        empty the cache only when what the incoming job's lane may need exceeds what the cap
+        leaves free beside what the process reserves (`cuda_call.needs_room`)."""
+        cuda = slot.runtime.cuda
+        if cuda is None:
+            return
+        reserved = torch.cuda.memory_reserved(cuda.device)
+        if needs_room(reserved, slot.lane_bytes, self.cap.bytes_on(str(cuda.device))):
+            torch.cuda.empty_cache()
 
     # ---- the daemon's messages ----------------------------------------------------------------
     def _from_daemon(self) -> bool:
@@ -260,49 +246,12 @@ class Executor:
             self._reply(job, Failed(f"this executor hosts no job {job}", forward=with_frame),
                         _error(LookupError(f"no job {job} here")) if with_frame else None)
             return False
-        match message:
-            case Exit(code=code, message=text):
-                self._refuse_queued(slot, code, text)
-                self._drop(slot)
-                self._reply(job, Ack(), None)
-            case Lease(granted=granted):
-                slot.lease = granted
-                self._reply(job, Ack(), None)
-            case Refuse(code=code, message=text):
-                self._refuse_queued(slot, code, text)
-                self._reply(job, Ack(), None)
-            case DirectChannel():
-                self._open_channel(slot, request)
-            case Handover():
-                self._handover(slot)
-            case Script():  # a script job: this process runs it to its end
-                return script.run(self.daemon, message, request, job, not slot.estimated,
-                                  slot.log, slot.cwd)
-            case Run() if request is None:
-                slot.asked = False
-                self._answer_at_head(slot)
-                if slot.queue:
-                    self._switch(slot)
-                    done, reply = run_call(slot.runtime, self._next_call(slot), forward=False)
-                    self._after_call(slot)
-                    self._give_back(slot, before_reply=True)
-                    self._answer_client(slot, reply)
-                    del reply
-                    self._give_back(slot)
-                    self._reply(job, done, None)
-                else:
-                    # The call already ran under a lease granted meanwhile: nothing ran now.
-                    self._reply(job, CallDone(False, 0.0, None, False, None, None, empty=True),
-                                None)
-            case Place():
-                self._switch(slot)
-                self._reply(job, *self._place(slot, message))
-            case _:
-                self._switch(slot)
-                reply, forward = handle(slot.runtime, message, request)
-                if isinstance(message, Run | Step):
-                    self._after_call(slot)
-                self._reply(job, reply, forward)
+        if isinstance(message, Script):  # a script job: this process runs it to its end
+            return script.run(self.daemon, message, request, job, not slot.estimated,
+                              slot.log, slot.cwd)
+        reply, forward = turns.answer(Contract(self, slot), message, request, self.cap)
+        if reply is not None:
+            self._reply(job, reply, forward)
         return False
 
     def _host(self, job: int, message: Host | Adopt, request: Any, sock: Any,
@@ -329,7 +278,7 @@ class Executor:
             slot.runtime.take_over(bundle["state"])
             torch.set_rng_state(bundle["rng"])
             slot.queue.extend(bundle["queued"])
-            slot.asked = bundle["asked"]
+            slot.turn.asked = bundle["asked"]
         except Exception as exc:
             for fd in (passed_fd(sock), passed_fd(pool)):
                 if fd is not None:
@@ -358,7 +307,7 @@ class Executor:
         try:
             bundle = {"state": slot.runtime.handover_state(), "rng": torch.get_rng_state(),
                       "queued": list(slot.queue),
-                      "asked": slot.asked, "estimated": slot.estimated, "cwd": slot.cwd,
+                      "asked": slot.turn.asked, "estimated": slot.estimated, "cwd": slot.cwd,
                       "log": slot.log}
             channel = slot.data is not None
             pool = slot.data.pool_descriptor() if slot.data is not None else None
@@ -373,6 +322,7 @@ class Executor:
             self.daemon.send_socket({"op": "channel"}, slot.data.sock.fileno())
             if pool is not None:  # the client's shared memory for large tensors goes along
                 self.daemon.send_socket({"op": "pool"}, pool)
+        self.cap.drop(slot.job)
         self._drop(slot)  # the socket went with the bundle: closing this copy leaves it open
 
     def _drop(self, slot: Slot) -> None:
@@ -384,25 +334,26 @@ class Executor:
         if self.current is slot:
             self.current = None
 
-    def _place(self, slot: Slot, message: Place) -> tuple[Reply, Any]:
-        """Place the job, then cap the process at what all its jobs there may hold."""
-        reply, forward = handle(slot.runtime, message, None)
-        if isinstance(reply, Ack):
-            slot.lane_bytes = message.lane_bytes or 0
-            slot.persistent_bytes = max(0, message.budget_bytes - slot.lane_bytes)
-            slot.shared_lane = message.shared
-            device = slot.runtime.device
-            if device.type == "cuda" and len(self.slots) > 1:
-                cap = process_cap(list(self.slots.values()), device)
-                total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-        return reply, forward
-
     def _after_call(self, slot: Slot) -> None:
         """Where other processes run in the job's lane, give the cached device memory back at
-        the end of each call, so the lane holds only the running process's blocks."""
-        if slot.shared_lane and slot.runtime.device.type == "cuda":
+        the end of each call, so the lane holds only the running process's blocks (the next
+        call in the lane may be another process's, which cannot take them from this cache).
+        A call that left a sticky CUDA error ends the process (`_end_poisoned`)."""
+        if slot.runtime.poisoned is not None:
+            self.poisoned = self.poisoned or slot
+        elif slot.shared_lane and slot.runtime.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _end_poisoned(self, slot: Slot) -> None:
+        """A call of `slot`'s job left the CUDA context unusable: say so, then fail every call
+        still waiting here; the process ends and its jobs fail with the reason."""
+        reason = slot.runtime.poisoned or "a sticky CUDA error"
+        log.error("job %s hit a sticky CUDA error, the executor ends: %s", slot.job, reason)
+        self._report_ran()
+        _send(self.daemon, Poisoned(reason[:2000]), None, slot.job)
+        for other in self.slots.values():
+            self._refuse_queued(other, "unavailable", "the job's executor ended: its CUDA "
+                                f"context was poisoned by a call of job {slot.job} ({reason})")
 
     def _open_channel(self, slot: Slot, request: Any) -> None:
         fd = passed_fd(request)
@@ -504,7 +455,7 @@ class Executor:
 
     def _run_queued_of(self, slot: Slot) -> None:
         self._answer_at_head(slot)
-        while slot.queue and slot.lease:
+        while slot.queue and slot.turn.lease and self.poisoned is None:
             self._switch(slot)
             # The client's reply first, the daemon's accounting after it (3-8 µs less per call
             # on the build VM, bench/call_stages.py `back`, one-off A/B runs).
@@ -514,32 +465,25 @@ class Executor:
             del reply  # (it may view an argument lent out of the client's pool)
             self._give_back(slot)
             self._after_call(slot)
-            done = call_done(slot.runtime, ran, forward=False)
-            self._note_ran(slot, done)
-            if done.oom:  # the daemon acts on it (moves or queues the job) without waiting
-                self._report_ran()
+            report = slot.turn.done(call_done(slot.runtime, ran, forward=False))
+            if report is not None:
+                _send(self.daemon, report, None, slot.job)
             self._answer_at_head(slot)
-        if slot.queue and not slot.lease and not slot.asked:
-            slot.asked = True
+        if (slot.queue and not slot.turn.may_go() and not slot.turn.asked
+                and self.poisoned is None):
             estimate = None
             if not slot.estimated:
                 slot.estimated = True
                 self._switch(slot)
                 estimate = estimate_call(slot.runtime, slot.queue[0])
-            ready = Ready(is_iteration(slot.queue[0], slot.runtime.kinds), estimate)
-            _send(self.daemon, ready, None, slot.job)
-
-    def _note_ran(self, slot: Slot, done: CallDone) -> None:
-        """Add one leased call to the next report (sent at most every REPORT_EVERY_S)."""
-        if slot.ran is None:
-            slot.ran = RanSoFar(time.monotonic(), done.began)
-        slot.ran.add(done)
+            ready = slot.turn.ask(is_iteration(slot.queue[0], slot.runtime.kinds), estimate)
+            if ready is not None:
+                _send(self.daemon, ready, None, slot.job)
 
     def _report_ran(self) -> None:
         for slot in self.slots.values():
-            if slot.ran is not None:
-                ran, slot.ran = slot.ran, None
-                _send(self.daemon, ran.report(), None, slot.job)
+            if (ran := slot.turn.report()) is not None:
+                _send(self.daemon, ran, None, slot.job)
 
     def _answer_client(self, slot: Slot, reply: Any, hold: bool = False) -> None:
         """Send `reply` on the job's line, after the results held back there. With `hold` (a
@@ -581,8 +525,80 @@ class Executor:
         while slot.queue:
             self._next_call(slot)
             self._answer_client(slot, error)
-        slot.asked = False
+        slot.turn.asked = False
         self._give_back(slot)
+
+    def _run_granted(self, slot: Slot) -> CallDone:
+        """The daemon granted the call at the head of the job's queue its turn: run it (the
+        client's reply first, then the daemon's `CallDone`)."""
+        self._answer_at_head(slot)
+        if not slot.queue:  # it already ran under a lease granted meanwhile
+            slot.turn.granted = False
+            return CallDone(False, 0.0, None, False, None, None, empty=True)
+        self._switch(slot)
+        done, reply = run_call(slot.runtime, self._next_call(slot), forward=False)
+        self._after_call(slot)
+        self._give_back(slot, before_reply=True)
+        self._answer_client(slot, reply)
+        del reply
+        self._give_back(slot)
+        owed = slot.turn.done(done)
+        assert isinstance(owed, CallDone)
+        return owed
+
+
+class Contract:
+    """A contract or batch job's side of its turn (`turns.JobKind`): its calls run in this
+    loop, its state is the executor's to move."""
+
+    def __init__(self, executor: Executor, slot: Slot) -> None:
+        self.executor, self.slot = executor, slot
+        self.job, self.turn = slot.job, slot.turn
+
+    def run(self) -> Reply | None:
+        return self.executor._run_granted(self.slot)
+
+    def refuse(self, code: str, message: str) -> Reply | None:
+        self.executor._refuse_queued(self.slot, code, message)
+        return Ack()
+
+    def exit(self, code: str, message: str) -> Reply | None:
+        self.executor._refuse_queued(self.slot, code, message)
+        self.executor._drop(self.slot)
+        return Ack()
+
+    def place(self, device: str, message: Place) -> Reply:
+        self.executor._switch(self.slot)
+        try:
+            self.slot.runtime.place(device, message.budget_bytes, check_factor(message.slowdown))
+        except Exception as exc:
+            return Failed(error_text(exc)[:2000])
+        self.slot.lane_bytes = message.lane_bytes or 0
+        self.slot.shared_lane = message.shared
+        return Ack()
+
+    def swap_out(self) -> Reply:
+        self.executor._switch(self.slot)
+        try:
+            self.slot.runtime.swap_out()
+        except Exception as exc:
+            return Failed(error_text(exc)[:2000])
+        return Ack()
+
+    def other(self, message: Request, request: Any) -> tuple[Reply | None, Any]:
+        executor, slot = self.executor, self.slot
+        match message:
+            case DirectChannel():
+                executor._open_channel(slot, request)
+                return None, None
+            case Handover():
+                executor._handover(slot)
+                return None, None
+        executor._switch(slot)
+        reply, forward = handle(slot.runtime, message, request)
+        if isinstance(message, Run | Step):
+            executor._after_call(slot)
+        return reply, forward
 
 
 def serve(sock: socket.socket, zygote: int | None = None) -> int:
@@ -682,43 +698,8 @@ def handle(runtime: JobRuntime, message: Request, request: Any) -> tuple[Reply, 
                 return runtime.restore(where, gang, at), None
             case Checkpoint(dir=where, job=job):
                 return runtime.checkpoint(where, job), None
-            case Place(device=device, budget_bytes=budget, slowdown=slowdown, uuid=uuid,
-                       mps=mps, mps_limit_bytes=limit):
-                started = torch.cuda.is_initialized()
-                if mps is not None and not started:  # an MPS client from its CUDA's start
-                    os.environ.update(client_environment(mps, limit or budget))
-                seen = device_for(device, uuid, cuda_started=started, environ=os.environ)
-                runtime.place(seen, budget, check_factor(slowdown))
-                return Ack(), None
-            case SwapOut():
-                runtime.swap_out()
-                return Ack(), None
     except Exception as exc:
         with_frame = isinstance(message, Attach | Define | Pull)
         return (Failed(error_text(exc)[:2000], forward=with_frame),
                 _error(exc) if with_frame else None)
     return Failed(f"unknown executor op {message.op!r}"), None
-
-
-def child_main(fd: int, zygote: int) -> None:
-    """Entry point in an executor just forked by the zygote (pid `zygote`): keep only the
-    channel `fd` and stdio; lead a process group of its own, die with the zygote, and keep
-    the job's orphaned descendants as its children (the zygote kills them when it ends)."""
-    os.closerange(3, fd)
-    os.closerange(fd + 1, 65536)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.setpgid(0, 0)
-    die_with_parent(signal.SIGKILL, zygote)
-    reap_orphans()
-    sock = socket.socket(fileno=fd)
-    code = 1
-    try:
-        code = serve(sock, zygote)
-    except BaseException:
-        log.exception("executor failed")
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)

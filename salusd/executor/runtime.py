@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 from salus.daemon.executor import checkpoint, context, gang, unpickled
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
 from salus.daemon.executor.cuda_call import CudaCall
+from salus.daemon.executor.cuda_errors import is_sticky
 from salus.daemon.executor.measure import (
     EstimationError,
     estimate_call_peak,
@@ -110,8 +111,10 @@ class JobRuntime:
         self.meter = PeakMeter()  # peaks on a CPU device
         self.cuda: CudaCall | None = None  # the calls' CUDA side, while on a CUDA device
         self.cuda_rng: torch.Tensor | None = None  # the job's CUDA generator between calls
+        self.seed = torch.initial_seed()  # the client's seed: its CUDA generator starts there
         self.last_span = (0.0, 0.0)
         self.last_oom: int | None = None  # the last call's peak when it ran out of memory
+        self.poisoned: str | None = None  # a sticky CUDA error a call raised: the process ends
         self._held = 0
         self._settled = False
         self.iterations = 0  # counted calls run: a checkpoint's iteration
@@ -138,6 +141,7 @@ class JobRuntime:
                                                     for k in objects):
             raise TypeError("attached objects must be a dict of identifiers to objects")
         _set_rng(request)
+        self.seed = torch.initial_seed()  # what the client's `torch.manual_seed` set
         self._hold(objects)
         return Attached(state_bytes(objects.values()), torch.get_num_threads())
 
@@ -213,6 +217,8 @@ class JobRuntime:
             if cuda is not None:
                 rng, self.last_oom = cuda.failed(exc)
                 self.cuda_rng = self.cuda_rng if rng is None else rng
+                if is_sticky(exc):
+                    self.poisoned = error_text(exc)
             raise
         self.last_span = (began, time.monotonic())
         return result, self._settle(self.meter.peak() if cuda is None else cuda.peak())
@@ -228,6 +234,7 @@ class JobRuntime:
         self.context = context.JobContext(self.comm, cache and cache.dir, cache and cache.bytes)
         context.activate(self.context)
         job = load_entrypoint(request.path, request.function)
+        self.seed = torch.initial_seed()  # its entrypoint's `torch.manual_seed`, if it called it
         if request.pipeline is not None:  # imported here: only these need scipy
             from salus.daemon.executor import pipeline_job
 
@@ -407,9 +414,10 @@ class JobRuntime:
                 "modules": Pickled(modules, "the job's modules' modes")}
 
     def place(self, device: str, budget_bytes: int, slowdown: float = 1.0) -> None:
-        """Move the state to `device` and, on CUDA, cap this process's reserved memory at
-        `budget_bytes` (the job's persistent bytes plus its lane); the job's calls are slowed
-        by the device's simulated `slowdown` factor from now on."""
+        """Move the state to `device`, where the job may hold `budget_bytes` (its persistent
+        bytes plus its lane; the process's cap, which covers every job placed in it, is set
+        before: `cap.py`); the job's calls are slowed by the device's simulated `slowdown`
+        factor from now on."""
         target = torch.device(device)
         self.budget_bytes, self.slowdown.factor = budget_bytes, slowdown
         cuda = None
@@ -418,8 +426,9 @@ class JobRuntime:
                 target = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(target)
             total = torch.cuda.get_device_properties(target).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), target)
             cuda = CudaCall(target, min(budget_bytes, total))
+            if self.cuda_rng is None:  # as the client's `torch.manual_seed` seeds its GPUs
+                self.cuda_rng = seeded_state(target, self.seed)
         if target != self.device:
             self._move(target)
         self.cuda = cuda
@@ -446,7 +455,7 @@ class JobRuntime:
             self.cuda = None
         return {"objects": self._objects(), "functions": self.functions, "kinds": self.kinds,
                 "iterations": self.iterations, "cuda_rng": self.cuda_rng,
-                "settled": self._settled}
+                "seed": self.seed, "settled": self._settled}
 
     def take_over(self, state: dict[str, Any]) -> None:
         """Hold a job handed over by another executor (`handover_state`), on the host until
@@ -454,6 +463,7 @@ class JobRuntime:
         self._hold(state["objects"])
         self.functions, self.kinds = state["functions"], state["kinds"]
         self.iterations, self.cuda_rng = state["iterations"], state["cuda_rng"]
+        self.seed = state["seed"]
         self._settled = state["settled"]
 
     # ---- internals --------------------------------------------------------------------------
@@ -484,6 +494,15 @@ class JobRuntime:
         if fn is None:
             raise LookupError(f"the job has no function {fid!r}; define it first")
         return fn
+
+
+def seeded_state(device: torch.device, seed: int) -> torch.Tensor:
+    """The state of `device`'s generator once seeded with `seed` (as `torch.manual_seed(seed)`
+    leaves every device's generator), without touching the device's own generator: jobs that
+    share a process each start their stream there, not where the last job left it."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator.get_state()
 
 
 def _set_rng(request: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ Forking a warm process takes milliseconds (PipeSwitch's pre-started workers, And
 and the torch pages the children share copy-on-write keep many executors cheap in memory.
 
 The zygote runs as the daemon's user and never runs job code; its children drop privileges
-before they receive any (`main.become`). It starts no threads before forking. A zygote of
+before they receive any (`process.become`). It starts no threads before forking. A zygote of
 another interpreter (`salusd/zygotes.py`) runs as the owner whose jobs it forks, and first
 checks that it has the daemon's salusd version and torch.
 
@@ -111,7 +111,7 @@ def _fork(sock: socket.socket, frame: RawFrame) -> None:
     zygote = os.getpid()
     pid = os.fork()
     if pid == 0:
-        from salus.daemon.executor.main import child_main
+        from salus.daemon.executor.process import child_main
 
         sock.close()
         child_main(fd, zygote)

@@ -34,7 +34,8 @@ to the client as its answer. The executor also speaks unasked (`unsolicited`), b
   calls, iterations, seconds, the largest peak. The daemon takes the lease back (`Lease` false,
   answered once any running call has returned) as soon as the job must share its lane or stop.
 - `Exited` (a script job's command ended, with its exit status) and `Progress` (what a
-  script's framework callback reports: its step, planned steps and loss); `Swapped` answers a
+  script's framework callback reports: its step, planned steps and loss), `Poisoned` (a call hit
+  a sticky CUDA error: the executor ends right after it); `Swapped` answers a
   script job's `swap_out` (and the `place` after it) with what the move reached and left.
 
 A script job (`Script`, `salusd/executor/script.py`) speaks the same `Ready` / `Run` /
@@ -83,6 +84,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Message,
     PipelineOptions,
     Place,
+    Poisoned,
     Progress,
     Pull,
     Ran,
@@ -123,6 +125,7 @@ __all__ = [
     "Estimated",
     "Exit",
     "Exited",
+    "Poisoned",
     "Failed",
     "GangPlace",
     "HandedOver",

@@ -32,6 +32,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Loaded,
     PipelineOptions,
     Place,
+    Poisoned,
     Progress,
     Pull,
     Ran,
@@ -471,6 +472,10 @@ def decode_reply(d: object) -> Reply:
             return Exited(_int(d, "'exited'", "code"))
         if op == "progress":
             return _progress_reply(d)
+        if op == "poisoned":
+            _only(d, "'poisoned'", _keys("op", "unsolicited", "message", "forward"))
+            _false(d, "'poisoned'", "forward")
+            return Poisoned(_str(d, "'poisoned'", "message"))
         raise ValueError(f"unknown unsolicited executor message {op!r}")
     if "handed_over" in d:
         w = "'handover' reply"

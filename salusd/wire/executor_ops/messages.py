@@ -441,6 +441,14 @@ class Exited:
 
 
 @dataclass(frozen=True, slots=True)
+class Poisoned:
+    """Unsolicited: a call of the job hit a sticky CUDA error (`message`), which leaves the
+    process's CUDA context unusable; the executor ends right after it (its jobs fail)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class Progress:
     """Unsolicited: what a script's framework callback knows (`salus.lightning`,
     `salus.hf`): its own `step` count, its planned `max_steps` (None: unknown) and the last
@@ -461,5 +469,5 @@ class Swapped:
 
 
 Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loaded | Checkpointed
-         | CallDone | StepDone | Ready | Ran | Exited | Progress | Swapped)
+         | CallDone | StepDone | Ready | Ran | Exited | Poisoned | Progress | Swapped)
 Message = Request | Reply

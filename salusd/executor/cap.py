@@ -1,0 +1,80 @@
+"""The executor process's device-memory cap: what all the jobs placed in it may reserve.
+
+torch's caching allocator caps a process per device (`set_per_process_memory_fraction`),
+checked against its reserved segments plus the one it is about to create. The jobs one
+executor hosts share its allocator and run one call at a time, so the process may reserve their
+persistent bytes plus one lane, the largest of theirs (`cap_bytes`). It is recomputed whenever
+a job is placed (before that job's state moves in), leaves, swaps out, is handed over or ends.
+
+Setting a cap starts CUDA in the process. An executor that runs a script must leave CUDA's
+start to the script (a script that never touches the GPU must not pay for a context), so there
+the cap is queued to be set as CUDA starts: `torch.cuda._lazy_call`, the hook torch's own
+`manual_seed` uses for the same reason; it reads the cap as it stands then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Booking:
+    """One job's place in this process: its torch `device` and its bytes there."""
+
+    device: str
+    persistent: int
+    lane: int
+
+
+def cap_bytes(bookings: list[Booking], device: str) -> int:
+    """The bytes the process may reserve on `device`: its jobs' persistent bytes there plus
+    the largest of their lanes (they take turns in it)."""
+    here = [b for b in bookings if b.device == device]
+    return sum(b.persistent for b in here) + max((b.lane for b in here), default=0)
+
+
+class ProcessCap:
+    """The jobs booked in this process, and the caps they imply on its CUDA devices."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, Booking] = {}
+        self.capped: set[str] = set()  # CUDA devices a cap was set on (a job left: lowered)
+        self._queued = False
+
+    def book(self, job: int, device: str, persistent: int, lane: int) -> None:
+        """Job `job` is placed on torch `device` with `persistent` and `lane` bytes."""
+        self.jobs[job] = Booking(device, persistent, lane)
+        self.apply()
+
+    def drop(self, job: int) -> None:
+        """Job `job` left the device (ended, swapped out, handed over)."""
+        if self.jobs.pop(job, None) is not None:
+            self.apply()
+
+    def bytes_on(self, device: str) -> int:
+        return cap_bytes(list(self.jobs.values()), device)
+
+    def devices(self) -> set[str]:
+        """The CUDA devices whose cap this process sets: where jobs are, or were."""
+        return self.capped | {b.device for b in self.jobs.values() if b.device.startswith("cuda")}
+
+    def apply(self) -> None:
+        """Set the caps now where CUDA has started, else when it starts."""
+        if not self.devices():
+            return
+        if torch.cuda.is_initialized():
+            self._set()
+        elif not self._queued:
+            self._queued = True
+            torch.cuda._lazy_call(self._set)
+
+    def _set(self) -> None:
+        self._queued = False
+        for device in self.devices():
+            self.capped.add(device)
+            target = torch.device(device)
+            total = torch.cuda.get_device_properties(target).total_memory
+            fraction = min(1.0, self.bytes_on(device) / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, target)

@@ -1,0 +1,81 @@
+"""An executor process's start: forked by the zygote, it becomes the job's owner, then serves.
+
+The zygote (`zygote.py`) forks it with torch already imported, so it starts in milliseconds.
+Its first message from the daemon says who it becomes (`Become`): as root it drops to the
+owner's uid, gid and groups before it receives any job bytes, and then can do exactly what the
+owner could do by running the script. Its loop is `main.Executor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import resource
+import signal
+import socket
+import sys
+
+import torch
+
+from salus.daemon.executor.zygote import die_with_parent, reap_orphans
+from salus.daemon.wire.executor_ops import Become
+
+log = logging.getLogger("salusd.executor")
+_PR_SET_DUMPABLE = 4
+# cuBLAS takes its workspace from the caching allocator on a stream's first GEMM; fixed here
+# (8 chunks of 4 MiB, 32 MiB: what torch picks on sm90) so that its size is known wherever
+# the executor runs, and booked with the process (docs/runtime.md).
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def become(hello: Become) -> None:
+    """Drop to the owner's identity (when running as root) and set up the jobs' environment:
+    home, user name, intra-op threads, no core dumps, a known cuBLAS workspace (each job's
+    working directory is set when its code runs: `Executor._switch`)."""
+    uid, gid, groups = hello.uid, hello.gid, list(hello.groups)
+    if os.geteuid() == 0 and uid != 0:
+        os.setgroups(groups)
+        os.setgid(gid)
+        os.setuid(uid)
+        # Changing uid makes the process undumpable, which hands its /proc files to root and
+        # would hide /proc/self/clear_refs (the peak meter) from the job; its owner may see it.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+    if os.getuid() != uid:
+        raise PermissionError(f"executor runs as uid {os.getuid()} and cannot become {uid}")
+    os.environ.update({"HOME": hello.home or "/", "USER": hello.user, "LOGNAME": hello.user})
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    for place in (hello.home, "/"):
+        if isinstance(place, str):
+            with contextlib.suppress(OSError):
+                os.chdir(place)
+                break
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    torch.set_num_threads(max(1, hello.threads))
+
+
+def child_main(fd: int, zygote: int) -> None:
+    """Entry point in an executor just forked by the zygote (pid `zygote`): keep only the
+    channel `fd` and stdio; lead a process group of its own, die with the zygote, and keep
+    the job's orphaned descendants as its children (the zygote kills them when it ends)."""
+    from salus.daemon.executor.main import serve
+
+    os.closerange(3, fd)
+    os.closerange(fd + 1, 65536)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setpgid(0, 0)
+    die_with_parent(signal.SIGKILL, zygote)
+    reap_orphans()
+    sock = socket.socket(fileno=fd)
+    code = 1
+    try:
+        code = serve(sock, zygote)
+    except BaseException:
+        log.exception("executor failed")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
