@@ -298,11 +298,13 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Estimated:
-    """The call's peak ephemeral `bytes`, found by `method` ("fake-tensor")."""
+    """The call's peak ephemeral `bytes`, found by `method` ("fake-tensor"), and the CUDA
+    caching allocator's `reserved_bytes` for them (None, left out of the wire: not sent)."""
 
     bytes: int
     method: str
     forward: bool = False
+    reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,22 +317,26 @@ class EstimateFailed:
 
 @dataclass(frozen=True, slots=True)
 class Attached:
-    """The attached objects hold `persistent_bytes`; the executor runs `threads` intra-op
-    threads."""
+    """The attached objects hold `persistent_bytes` (`persistent_reserved_bytes` in the CUDA
+    caching allocator's units; None, left out of the wire: not sent); the executor runs
+    `threads` intra-op threads."""
 
     persistent_bytes: int
     threads: int
     forward: bool = False
+    persistent_reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """A batch job's entrypoint or a checkpoint was loaded: the state's `persistent_bytes` and
-    the iteration it stands at (0: from the start)."""
+    """A batch job's entrypoint or a checkpoint was loaded: the state's `persistent_bytes`
+    (`persistent_reserved_bytes` as in `Attached`) and the iteration it stands at (0: from the
+    start)."""
 
     persistent_bytes: int
     iteration: int
     forward: bool = False
+    persistent_reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
