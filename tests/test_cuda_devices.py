@@ -220,16 +220,31 @@ def test_the_context_is_measured_on_that_gpu_alone() -> None:
         seen.update(kw)
         return subprocess.CompletedProcess(args, 0, '{"used": 500000000, "reserved": 0}\n', "")
 
-    cost = executor_cost(GPU, run=run)
-    assert (cost.bytes, cost.measured) == (500_000_000, True)
+    cost = executor_cost(GPU, run=run, environ={"PATH": "/bin"})
+    # The context, and the cuBLAS(Lt) workspaces the probe's reserved bytes left out: 8 x 4096
+    # KiB in a 32 MiB segment of their own and cuBLASLt's 1 MiB in a 2 MiB small segment.
+    assert cost.workspace_bytes == 32 * 2**20 + 2 * 2**20
+    assert (cost.bytes, cost.measured) == (500_000_000 + cost.workspace_bytes, True)
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == A
+    assert seen["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_the_workspace_booked_follows_the_callers_cublas_config() -> None:
+    def run(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(args, 0, '{"used": 500000000, "reserved": 0}\n', "")
+
+    # 2 x 4096 KiB + 8 x 16 KiB: between 1 and 10 MiB, so a 20 MiB segment; cuBLASLt 2 MiB.
+    small = executor_cost(GPU, run=run, environ={"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"})
+    assert small.workspace_bytes == 20 * 2**20 + 2 * 2**20
+    assert executor_cost(cpu_devices(1, GIB)[0]).workspace_bytes == 0
 
 
 def test_an_unmeasurable_context_books_the_estimate_and_a_cpu_device_its_executor() -> None:
     def no_nvml(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(args, 1, "", "ModuleNotFoundError: pynvml")
 
-    assert executor_cost(GPU, run=no_nvml).bytes == GPU_CONTEXT_ESTIMATE_BYTES
+    estimated = executor_cost(GPU, run=no_nvml)
+    assert estimated.bytes == GPU_CONTEXT_ESTIMATE_BYTES + estimated.workspace_bytes
     assert not executor_cost(GPU, run=no_nvml).measured
     cpu = executor_cost(cpu_devices(1, GIB)[0])
     assert (cpu.bytes, cpu.measured) == (CPU_EXECUTOR_BYTES, False)

@@ -164,9 +164,10 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """Run on torch `device` within `budget_bytes` (persistent bytes plus the lane; enforced
-    on CUDA), slowed by the device's simulated `slowdown` factor (1.0: none). On a GPU, `uuid`
-    names it as NVML and `CUDA_VISIBLE_DEVICES` do ("GPU-…", filled in by the supervisor).
+    """Run on torch `device` within `budget_bytes` (persistent bytes plus the lane, and on CUDA
+    the process's cuBLAS(Lt) workspaces; enforced on CUDA), slowed by the device's simulated
+    `slowdown` factor (1.0: none). On a GPU, `uuid` names it as NVML and
+    `CUDA_VISIBLE_DEVICES` do ("GPU-…", filled in by the supervisor).
     `lane` is the lane's id and `lane_bytes` its size: an executor hosting several jobs of
     one lane caps its process at their persistent bytes plus one lane. `shared`: other
     processes run in the same lane, so this one returns its cached device memory after each
