@@ -32,6 +32,7 @@ from salus.daemon.devices import (
     probe_cuda_devices,
     visible_uuids,
 )
+from salus.daemon.memory.reserve import blas_workspace_reserved
 
 GIB = 2**30
 A, B, C = ("GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000",
@@ -277,6 +278,25 @@ def test_a_cuda_context_measures_between_100_mib_and_2_gib() -> None:
     cost = executor_cost(probed[0])
     assert cost.measured, cost.how
     assert 100 * 2**20 < cost.bytes < 2 * GIB
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"), reason="needs a CUDA device")
+def test_a_first_matmul_reserves_no_more_than_the_booked_workspace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    a = torch.ones(64, 64, device="cuda")
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    (a @ a).sum().item()
+    grew = torch.cuda.memory_reserved() - before
+    print(f"a first matmul reserved {grew} B")
+    assert 0 < grew <= blas_workspace_reserved(os.environ)
 
 
 def test_serve_refuses_a_gpu_memory_fraction_outside_zero_to_one(tmp_path: Path) -> None:

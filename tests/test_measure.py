@@ -265,16 +265,18 @@ def test_estimate_tracks_the_measured_peak_of_a_cuda_iteration() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reserved_figures_cover_what_the_caching_allocator_reserves() -> None:
     torch.manual_seed(0)
+    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
+    base = torch.cuda.memory_reserved()  # the batch's, which is not the job's state
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3))).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     state = SimpleNamespace(model=model, opt=opt)
-    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
     persistent = state_footprint([model, opt]).reserved_bytes
     estimate = estimate_call_peak(_mse_iteration, state, (x, y), {}).reserved_bytes
     _mse_iteration(state, x, y)  # the state's gradients and momentum now exist
     torch.cuda.synchronize()
+    # The cuBLAS(Lt) workspaces sit in the allocator too; they are booked per process, apart.
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved() - base
     torch.cuda.reset_peak_memory_stats()
@@ -282,8 +284,8 @@ def test_reserved_figures_cover_what_the_caching_allocator_reserves() -> None:
     torch.cuda.synchronize()
     call = torch.cuda.max_memory_reserved() - base - held
     print(f"persistent reserved {held} booked {persistent}; call {call} booked {estimate}")
-    assert held <= persistent + 34 * MIB  # the cuBLAS(Lt) workspaces sit in the allocator too
-    assert call <= estimate
+    assert held <= persistent
+    assert call <= estimate + 2 * (32 + 2) * MIB  # with the workspaces of two threads at most
 
 
 def _mse_iteration(s: SimpleNamespace, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
