@@ -4,8 +4,12 @@ On a GPU that is its CUDA context (and the cuBLAS handle a first matmul adds): d
 outside torch's caching allocator, so `set_per_process_memory_fraction` never sees it (about
 300-700 MiB by others' measurements, docs: GPU-NOTES). It is measured once per GPU at start in a
 throw-away subprocess that sees only that GPU: NVML's used memory for that process minus torch's
-reserved bytes. On a CPU device it is the executor's private memory beside the zygote, measured
-by `bench/executor_memory.py` (13.3-13.4 MiB in three runs on the 2-vCPU build VM, torch 2.13.0
+reserved bytes. Beside it, the cuBLAS and cuBLASLt workspaces the process's first GEMMs take
+*inside* the caching allocator (so not in the probe's figure): their reserved bytes follow from
+the executors' ``CUBLAS_WORKSPACE_CONFIG``, which salusd sets where the caller did not
+(`workspace_config`), and are booked once per process too (`ExecutorCost.workspace_bytes`).
+On a CPU device it is the executor's private memory beside the zygote, measured by
+`bench/executor_memory.py` (13.3-13.4 MiB in three runs on the 2-vCPU build VM, torch 2.13.0
 CPU; booked as `CPU_EXECUTOR_BYTES`). The daemon never imports torch for either.
 """
 
@@ -16,10 +20,11 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from salus.daemon.devices import DeviceSpec, format_size
+from salus.daemon.memory.reserve import CUBLAS_WORKSPACE_CONFIG, blas_workspace_reserved
 
 log = logging.getLogger("salusd.context_cost")
 
@@ -42,25 +47,38 @@ print(json.dumps({"used": used[0] if used else None, "reserved": reserved}))
 
 @dataclass(frozen=True)
 class ExecutorCost:
-    """Bytes one more executor holds on a device, and how the figure was found."""
+    """Bytes one more executor holds on a device, and how the figure was found; on a GPU
+    `bytes` includes the `workspace_bytes` its cuBLAS(Lt) workspaces reserve in the caching
+    allocator."""
 
     bytes: int
     measured: bool
     how: str
+    workspace_bytes: int = 0
+
+
+def workspace_config(environ: Mapping[str, str]) -> str:
+    """The ``CUBLAS_WORKSPACE_CONFIG`` executors run with: the caller's (`environ`), else
+    `reserve.CUBLAS_WORKSPACE_CONFIG`, so that the workspace's size does not depend on the
+    GPU."""
+    return environ.get("CUBLAS_WORKSPACE_CONFIG") or CUBLAS_WORKSPACE_CONFIG
 
 
 def executor_cost(device: DeviceSpec, timeout_s: float = MEASURE_TIMEOUT_S,
                   run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
-                  ) -> ExecutorCost:
+                  environ: Mapping[str, str] = os.environ) -> ExecutorCost:
     """What one more executor costs `device` (bytes): on a GPU its CUDA context, measured in a
     subprocess that sees only that GPU (`run`: `subprocess.run` or a stand-in), or the
     `GPU_CONTEXT_ESTIMATE_BYTES` estimate where that fails (no nvidia-ml-py, NVML that cannot
-    see the process's pid inside a container); on a CPU device `CPU_EXECUTOR_BYTES`."""
+    see the process's pid inside a container), plus the reserved bytes of its cuBLAS(Lt)
+    workspaces under the daemon's environment `environ`; on a CPU device
+    `CPU_EXECUTOR_BYTES`."""
     if device.kind != "cuda" or device.uuid is None:
         return ExecutorCost(CPU_EXECUTOR_BYTES, False, "an executor's private memory beside "
                             "the zygote (bench/executor_memory.py)")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": device.uuid,
-           "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    env = {**environ, "CUDA_VISIBLE_DEVICES": device.uuid, "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+           "CUBLAS_WORKSPACE_CONFIG": workspace_config(environ)}
+    workspace = blas_workspace_reserved(env)
     try:
         done = run([sys.executable, "-c", _MEASURE], env=env, capture_output=True, text=True,
                    timeout=timeout_s, stdin=subprocess.DEVNULL)
@@ -73,12 +91,15 @@ def executor_cost(device: DeviceSpec, timeout_s: float = MEASURE_TIMEOUT_S,
         log.warning("could not measure a CUDA context on %s (%s): booking an estimate of %s "
                     "per executor", device.uuid, why or "NVML did not report the process",
                     format_size(GPU_CONTEXT_ESTIMATE_BYTES))
-        return ExecutorCost(GPU_CONTEXT_ESTIMATE_BYTES, False, "estimate: a CUDA context "
-                            "could not be measured")
+        return ExecutorCost(GPU_CONTEXT_ESTIMATE_BYTES + workspace, False, "estimate: a CUDA "
+                            "context could not be measured; plus the cuBLAS(Lt) workspaces",
+                            workspace)
     log.info("a CUDA context on %s costs %s (NVML's use by one process minus torch's reserved "
-             "bytes)", device.uuid, format_size(context))
-    return ExecutorCost(context, True, "NVML per-process used memory minus torch's reserved "
-                        "bytes, measured at start")
+             "bytes), its cuBLAS(Lt) workspaces %s", device.uuid, format_size(context),
+             format_size(workspace))
+    return ExecutorCost(context + workspace, True, "NVML per-process used memory minus torch's "
+                        "reserved bytes, measured at start; plus the cuBLAS(Lt) workspaces",
+                        workspace)
 
 
 def context_bytes(stdout: str) -> int | None:

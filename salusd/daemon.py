@@ -117,7 +117,8 @@ class Daemon:
             data_cache=data_cache,
             compute_slowdowns=[d.compute_slowdown for d in config.devices],
             estimate_first=estimate_first, context_bytes=[c.bytes for c in self.contexts],
-            share_lanes=config.isolation == "lane")
+            share_lanes=config.isolation == "lane",
+            workspace_bytes=[c.workspace_bytes for c in self.contexts])
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:

@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from salus.daemon.context_cost import workspace_config
 from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
 from salus.daemon.loop import Link, Loop
 from salus.daemon.state.job_output import output_path
@@ -166,10 +167,13 @@ def describe_status(status: int) -> str:
 
 def executor_environment(base: Mapping[str, str], gpu_uuids: Sequence[str]) -> dict[str, str]:
     """The zygote's (so every executor's) environment: `base` with CUDA pinned to the daemon's
-    GPUs (`gpu_uuids`, in the daemon's device order; none on a CPU host)."""
+    GPUs (`gpu_uuids`, in the daemon's device order; none on a CPU host) and, on a GPU host, the
+    cuBLAS workspace's size fixed where `base` leaves it to torch (the daemon books it:
+    `context_cost.workspace_config`)."""
     env = {**base, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     if gpu_uuids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
+        env["CUBLAS_WORKSPACE_CONFIG"] = workspace_config(base)
     return env
 
 

@@ -32,6 +32,7 @@ from salus.daemon.devices import (
     probe_cuda_devices,
     visible_uuids,
 )
+from salus.daemon.memory.reserve import blas_workspace_reserved
 
 GIB = 2**30
 A, B, C = ("GPU-aaaa1111-0000-0000-0000-000000000000", "GPU-bbbb2222-0000-0000-0000-000000000000",
@@ -220,16 +221,31 @@ def test_the_context_is_measured_on_that_gpu_alone() -> None:
         seen.update(kw)
         return subprocess.CompletedProcess(args, 0, '{"used": 500000000, "reserved": 0}\n', "")
 
-    cost = executor_cost(GPU, run=run)
-    assert (cost.bytes, cost.measured) == (500_000_000, True)
+    cost = executor_cost(GPU, run=run, environ={"PATH": "/bin"})
+    # The context, and the cuBLAS(Lt) workspaces the probe's reserved bytes left out: 8 x 4096
+    # KiB in a 32 MiB segment of their own and cuBLASLt's 1 MiB in a 2 MiB small segment.
+    assert cost.workspace_bytes == 32 * 2**20 + 2 * 2**20
+    assert (cost.bytes, cost.measured) == (500_000_000 + cost.workspace_bytes, True)
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == A
+    assert seen["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_the_workspace_booked_follows_the_callers_cublas_config() -> None:
+    def run(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(args, 0, '{"used": 500000000, "reserved": 0}\n', "")
+
+    # 2 x 4096 KiB + 8 x 16 KiB: between 1 and 10 MiB, so a 20 MiB segment; cuBLASLt 2 MiB.
+    small = executor_cost(GPU, run=run, environ={"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"})
+    assert small.workspace_bytes == 20 * 2**20 + 2 * 2**20
+    assert executor_cost(cpu_devices(1, GIB)[0]).workspace_bytes == 0
 
 
 def test_an_unmeasurable_context_books_the_estimate_and_a_cpu_device_its_executor() -> None:
     def no_nvml(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(args, 1, "", "ModuleNotFoundError: pynvml")
 
-    assert executor_cost(GPU, run=no_nvml).bytes == GPU_CONTEXT_ESTIMATE_BYTES
+    estimated = executor_cost(GPU, run=no_nvml)
+    assert estimated.bytes == GPU_CONTEXT_ESTIMATE_BYTES + estimated.workspace_bytes
     assert not executor_cost(GPU, run=no_nvml).measured
     cpu = executor_cost(cpu_devices(1, GIB)[0])
     assert (cpu.bytes, cpu.measured) == (CPU_EXECUTOR_BYTES, False)
@@ -262,6 +278,25 @@ def test_a_cuda_context_measures_between_100_mib_and_2_gib() -> None:
     cost = executor_cost(probed[0])
     assert cost.measured, cost.how
     assert 100 * 2**20 < cost.bytes < 2 * GIB
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"), reason="needs a CUDA device")
+def test_a_first_matmul_reserves_no_more_than_the_booked_workspace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    a = torch.ones(64, 64, device="cuda")
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    (a @ a).sum().item()
+    grew = torch.cuda.memory_reserved() - before
+    print(f"a first matmul reserved {grew} B")
+    assert 0 < grew <= blas_workspace_reserved(os.environ)
 
 
 def test_serve_refuses_a_gpu_memory_fraction_outside_zero_to_one(tmp_path: Path) -> None:

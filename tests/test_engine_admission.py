@@ -7,7 +7,7 @@ from fake_executor import FakeExecutors
 
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, Owner
-from salus.daemon.wire.executor_ops import Attached, CallDone, Place, Run
+from salus.daemon.wire.executor_ops import Attached, CallDone, Estimated, Place, Run
 from salus.daemon.wire.frames import json_frame
 
 MiB = 2**20
@@ -79,3 +79,58 @@ def test_a_call_out_of_device_memory_re_admits_its_job_with_twice_its_lane() -> 
     job = engine.dispatch.job(record.job_id)
     assert job is not None and job.done_iterations == 1  # the failed call is no iteration
     engine.check_invariants()
+
+
+def _estimated_job(device: str, workspace: int = 0) -> tuple[Engine, FakeExecutors, JobRecord]:
+    """The mlp(1024) trainer of `tests/test_reserve.py`: 36 MiB of state exactly, 42 MiB
+    reserved; its first call estimated at 5 MiB, 22 MiB reserved."""
+    port = FakeExecutors()
+    engine = Engine([1024 * MiB], "pack", port, clock=lambda: 0.0, timers=NoTimers(),
+                    torch_devices=[device], workspace_bytes=[workspace])
+    port.engine = engine
+    record = engine.open(Owner("u", 1000, 1000), "job", 100, None)
+    engine.attach(record, json_frame({}), lambda f: None)
+    port.answer(record.executor, Attached(36 * MiB, 1, forward=True,
+                                          persistent_reserved_bytes=42 * MiB),
+                json_frame({"ok": True}))
+    engine.call(record, json_frame({}), lambda f: None, counted=True)
+    port.answer(record.executor, Estimated(5 * MiB, "fake-tensor", reserved_bytes=22 * MiB))
+    return engine, port, record
+
+
+def test_on_cuda_the_state_and_the_estimate_are_booked_in_reserved_bytes() -> None:
+    engine, port, record = _estimated_job("cuda:0", workspace=34 * MiB)
+    job = engine.dispatch.job(record.job_id)
+    assert job is not None and job.persistent_bytes == 42 * MiB
+    assert _lane_bytes(engine, record) == 22 * MiB
+    assert engine.core.ledgers[0].size(("job", record.job_id)) == 42 * MiB
+    while not record.executor.unanswered or not isinstance(
+            record.executor.unanswered[0][0], Place):
+        port.answer(record.executor)
+    place = record.executor.unanswered[0][0]
+    # The process's cap also holds its cuBLAS(Lt) workspaces (booked with its context).
+    assert isinstance(place, Place) and place.budget_bytes == 42 * MiB + 22 * MiB + 34 * MiB
+    engine.check_invariants()
+
+
+def test_on_the_cpu_the_exact_bytes_are_booked_and_reserved_ones_ignored() -> None:
+    engine, _, record = _estimated_job("cpu")
+    job = engine.dispatch.job(record.job_id)
+    assert job is not None and job.persistent_bytes == 36 * MiB
+    assert _lane_bytes(engine, record) == 5 * MiB
+    engine.check_invariants()
+
+
+def test_on_cuda_an_executor_that_sends_no_reserved_figure_is_booked_its_exact_bytes() -> None:
+    port = FakeExecutors()
+    engine = Engine([1024 * MiB], "pack", port, clock=lambda: 0.0, timers=NoTimers(),
+                    torch_devices=["cuda:0"])
+    port.engine = engine
+    record = engine.open(Owner("u", 1000, 1000), "job", 100, None)
+    engine.attach(record, json_frame({}), lambda f: None)
+    port.answer(record.executor, Attached(36 * MiB, 1, forward=True), json_frame({"ok": True}))
+    engine.call(record, json_frame({}), lambda f: None, counted=True)
+    port.answer(record.executor, Estimated(5 * MiB, "fake-tensor"))
+    job = engine.dispatch.job(record.job_id)
+    assert job is not None and job.persistent_bytes == 36 * MiB
+    assert _lane_bytes(engine, record) == 5 * MiB

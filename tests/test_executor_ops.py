@@ -87,7 +87,7 @@ maybe = st.none().__or__
 counters = st.dictionaries(texts, st.integers(0, 2**40) | texts, max_size=3)
 gangs = st.builds(GangPlace, ints, ints, maybe(ints), maybe(ints), maybe(texts), maybe(texts),
                   maybe(st.booleans()))
-estimates = (st.builds(Estimated, ints, texts, st.just(False))
+estimates = (st.builds(Estimated, ints, texts, st.just(False), maybe(ints))
              | st.builds(EstimateFailed, texts, st.just(False)))
 
 requests: st.SearchStrategy[Request] = st.one_of(
@@ -129,10 +129,10 @@ replies: st.SearchStrategy[Reply] = st.one_of(
     st.builds(Failed, maybe(texts), st.booleans()),
     st.builds(HandedOver, st.booleans(), st.booleans(), maybe(texts), st.booleans(),
               st.booleans()),
-    st.builds(Estimated, ints, texts, st.booleans()),
+    st.builds(Estimated, ints, texts, st.booleans(), maybe(ints)),
     st.builds(EstimateFailed, texts, st.booleans()),
-    st.builds(Attached, ints, ints, st.booleans()),
-    st.builds(Loaded, ints, ints, st.booleans()),
+    st.builds(Attached, ints, ints, st.booleans(), maybe(ints)),
+    st.builds(Loaded, ints, ints, st.booleans(), maybe(ints)),
     st.builds(Checkpointed, ints, ints, floats, texts, floats, st.booleans()),
     st.builds(CallDone, st.booleans(), floats, maybe(ints), st.booleans(), maybe(floats),
               maybe(floats), maybe(texts), maybe(counters), maybe(counters), st.booleans(),
@@ -205,6 +205,36 @@ def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
     assert encode(Ready(True, EstimateFailed("no"))) == {
         "op": "ready", "unsolicited": True, "counted": True,
         "estimate": {"ok": False, "reason": "no"}, "forward": False}
+    assert encode(Estimated(4096, "fake-tensor")) == {
+        "ok": True, "bytes": 4096, "method": "fake-tensor", "forward": False}
+    assert encode(Attached(1 << 20, 1)) == {
+        "ok": True, "persistent_bytes": 1 << 20, "threads": 1, "forward": False}
+    assert encode(Loaded(1 << 20, 4)) == {
+        "ok": True, "persistent_bytes": 1 << 20, "iteration": 4, "forward": False}
+
+
+def test_reserved_figures_are_optional_fields_beside_the_exact_ones() -> None:
+    """An executor that sends no reserved figure speaks the older form, which still decodes;
+    one that does adds a key the daemon reads on CUDA devices."""
+    assert encode(Estimated(4096, "fake-tensor", reserved_bytes=2 * MiB)) == {
+        "ok": True, "bytes": 4096, "method": "fake-tensor", "forward": False,
+        "reserved_bytes": 2 * MiB}
+    assert encode(Attached(1 << 20, 1, True, 20 * MiB)) == {
+        "ok": True, "persistent_bytes": 1 << 20, "threads": 1, "forward": True,
+        "persistent_reserved_bytes": 20 * MiB}
+    assert encode(Loaded(1 << 20, 4, persistent_reserved_bytes=20 * MiB)) == {
+        "ok": True, "persistent_bytes": 1 << 20, "iteration": 4, "forward": False,
+        "persistent_reserved_bytes": 20 * MiB}
+    ready = encode(Ready(True, Estimated(4096, "fake-tensor", reserved_bytes=2 * MiB)))
+    assert ready["estimate"]["reserved_bytes"] == 2 * MiB
+    assert decode_reply(ready) == Ready(True, Estimated(4096, "fake-tensor",
+                                                        reserved_bytes=2 * MiB))
+    old = {"ok": True, "persistent_bytes": 1 << 20, "threads": 1, "forward": False}
+    assert decode_reply(old) == Attached(1 << 20, 1)
+    for wire in (old, {"ok": True, "bytes": 1, "method": "m", "forward": False}):
+        key = "persistent_reserved_bytes" if "threads" in wire else "reserved_bytes"
+        with pytest.raises(ValueError, match=repr(key)):
+            decode_reply({**wire, key: None})
 
 
 def test_which_requests_carry_the_clients_frame() -> None:
@@ -232,6 +262,9 @@ SAMPLES: list[Message] = [
     Restore("/d"), Checkpoint("/d", 3), Refuse("job_cancelled", "gone"), Exit("x", "y"),
     Ack(True), Failed("no"), Estimated(4096, "fake-tensor"), EstimateFailed("data-dependent"),
     Attached(1 << 20, 1, True), Loaded(1 << 20, 4), Checkpointed(4, 100, 0.5, "/d/4", 1e9),
+    Estimated(4096, "fake-tensor", reserved_bytes=2 * MiB), Attached(1 << 20, 1, True, 2 * MiB),
+    Loaded(1 << 20, 4, persistent_reserved_bytes=20 * MiB),
+    Ready(True, Estimated(4096, "fake-tensor", reserved_bytes=2 * MiB)),
     CallDone(True, 0.01, 4096, True, 1.0, 1.01, None, {"hits": 1}, {"bytes_sent": 2}),
     StepDone(True, 0.01, None, True, 1.0, 1.01, 3, 0.25, 0.5),
     StepDone(False, 0.01, None, True, 1.0, 1.01, 3, message="boom", traceback="tb"),

@@ -37,9 +37,12 @@ def _environ(pid: int) -> dict[str, str]:
 def test_the_executors_environment_lists_the_daemons_gpus_in_its_order() -> None:
     env = executor_environment({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1,0"}, [B, A])
     assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": f"{B},{A}",
-                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert executor_environment({"PATH": "/bin"}, []) == {
         "PATH": "/bin", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    # The caller's cuBLAS workspace stays (the daemon books the size it sets).
+    assert executor_environment({"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, [A])[
+        "CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object]) -> dict[str, object]:

@@ -16,7 +16,10 @@ from salus.daemon.executor.measure import (
     estimate_call_peak,
     optimizer_state_tensors,
     state_bytes,
+    state_footprint,
 )
+
+MIB = 2**20
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptimizerFactory] = {
@@ -128,6 +131,32 @@ def test_state_bytes_counts_frozen_parameters_without_gradients() -> None:
     assert state_bytes([model]) == weight + bias + weight
 
 
+def test_state_footprint_books_the_mlp_1024_trainer_in_reserved_units() -> None:
+    # bench/gpu/models.py mlp(1024) with SGD momentum, before its first step. By hand, from
+    # the caching allocator's rules: nine 4 MiB tensors (weights, gradients, momentum) take
+    # 20 MiB segments five at a time (two segments), nine 4 KiB biases one 2 MiB segment.
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    footprint = state_footprint([model, opt])
+    assert footprint.bytes == state_bytes([model, opt]) == 3 * 3 * (1024 * 1024 + 1024) * 4
+    assert footprint.reserved_bytes == 42 * MIB
+
+
+def test_the_estimate_replays_the_calls_storages_in_reserved_units() -> None:
+    state = SimpleNamespace(w=torch.zeros(1024, 1024))
+
+    def call(s: SimpleNamespace, x: torch.Tensor) -> torch.Tensor:
+        a = s.w * 2  # 4 MiB: a 20 MiB segment, split
+        b = a + 1  # 4 MiB from the rest
+        del a
+        c = b * x  # a's freed block, the best fit
+        return c.sum()  # 4 bytes: a 2 MiB small segment
+
+    peak = estimate_call_peak(call, state, (torch.ones(()),), {})
+    assert peak.bytes == 8 * MIB + 4
+    assert peak.reserved_bytes == 20 * MIB + 2 * MIB
+
+
 @pytest.mark.parametrize("opt_name", ["sgd-momentum", "adam"])
 @pytest.mark.parametrize("model_name", MODELS)
 def test_estimate_tracks_the_measured_peak(model_name: str, opt_name: str) -> None:
@@ -141,7 +170,7 @@ def test_estimate_tracks_the_measured_peak(model_name: str, opt_name: str) -> No
         x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
         before = {k: v.clone() for k, v in model.state_dict().items()}
         rng = torch.get_rng_state()
-        estimate = estimate_call_peak(_iteration, state, (x, y), {})
+        estimate = estimate_call_peak(_iteration, state, (x, y), {}).bytes
         assert torch.equal(rng, torch.get_rng_state())
         assert not opt.state and all(p.grad is None for p in model.parameters())
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -160,7 +189,7 @@ def test_estimate_of_a_users_own_iteration_function_matches_the_measured_peak() 
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
 
     rng = torch.get_rng_state()
-    estimate = estimate_call_peak(_iteration, state, (x, y), {})
+    estimate = estimate_call_peak(_iteration, state, (x, y), {}).bytes
     assert torch.equal(torch.get_rng_state(), rng)
     assert not opt.state and all(p.grad is None for p in model.parameters())  # untouched
     assert estimate == _measured_peak(_iteration, state, x, y)
@@ -185,7 +214,7 @@ def test_estimate_handles_data_dependent_scalars() -> None:
 
     model = Gate()
     state = SimpleNamespace(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1))
-    estimate = estimate_call_peak(step, state, (torch.randn(16, 32),), {})
+    estimate = estimate_call_peak(step, state, (torch.randn(16, 32),), {}).bytes
     assert estimate >= 16 * 32 * 4  # at least the linear layer's output
 
 
@@ -211,7 +240,7 @@ def test_estimate_follows_foreach_optimizer_kernels() -> None:
         model = _mlp()
         state = SimpleNamespace(model=model,
                                 opt=torch.optim.Adam(model.parameters(), foreach=foreach))
-        estimates.append(estimate_call_peak(_iteration, state, (x, y), {}))
+        estimates.append(estimate_call_peak(_iteration, state, (x, y), {}).bytes)
         measured.append(_measured_peak(_iteration, state, x, y))
         assert 0.5 * measured[-1] <= estimates[-1] <= 2 * measured[-1]
     # foreach Adam holds one temporary per parameter at once, the single-tensor loop holds two
@@ -227,6 +256,41 @@ def test_estimate_tracks_the_measured_peak_of_a_cuda_iteration() -> None:
     model = _mlp().cuda()
     state = SimpleNamespace(model=model, opt=torch.optim.Adam(model.parameters()))
     x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
-    estimate = estimate_call_peak(_iteration, state, (x, y), {})
+    estimate = estimate_call_peak(_iteration, state, (x, y), {}).bytes
     measured = _measured_peak(_iteration, state, x, y)
     assert 0.5 * measured <= estimate <= 2 * measured
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reserved_figures_cover_what_the_caching_allocator_reserves() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()  # the batch's, which is not the job's state
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3))).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = SimpleNamespace(model=model, opt=opt)
+    persistent = state_footprint([model, opt]).reserved_bytes
+    estimate = estimate_call_peak(_mse_iteration, state, (x, y), {}).reserved_bytes
+    _mse_iteration(state, x, y)  # the state's gradients and momentum now exist
+    torch.cuda.synchronize()
+    # The cuBLAS(Lt) workspaces sit in the allocator too; they are booked per process, apart.
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved() - base
+    torch.cuda.reset_peak_memory_stats()
+    _mse_iteration(state, x, y)
+    torch.cuda.synchronize()
+    call = torch.cuda.max_memory_reserved() - base - held
+    print(f"persistent reserved {held} booked {persistent}; call {call} booked {estimate}")
+    assert held <= persistent
+    assert call <= estimate + 2 * (32 + 2) * MIB  # with the workspaces of two threads at most
+
+
+def _mse_iteration(s: SimpleNamespace, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    s.opt.zero_grad()
+    loss = nn.functional.mse_loss(s.model(x), y)
+    loss.backward()
+    s.opt.step()
+    return loss.detach()

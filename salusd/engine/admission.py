@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from salus.daemon.engine.booking import booked_estimate
 from salus.daemon.engine.core import Core, LaneKey
 from salus.daemon.engine.ledger import aligned
 from salus.daemon.engine.registry import JobRecord, may_share_executor
@@ -21,12 +22,13 @@ call); overshoots of a lane below this are noise, not growth."""
 
 
 def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
-    """The first call's ephemeral size is known (`meta["bytes"]`), or not (`ok` false: the
+    """The first call's ephemeral size is known (`meta["bytes"]`; on a CUDA device its
+    reserved bytes, `booking.booked_estimate`), or not (`ok` false: the
     persistent size is the guess and the first call is measured): submit the job."""
     if not record.live:
         return
     if meta.get("ok"):
-        ephemeral = int(meta["bytes"])
+        ephemeral = booked_estimate(record.device_kind, meta)
         record.estimate_method = str(meta.get("method", "fake-tensor"))
     else:
         # No estimate: admit with a guess; the first real call is measured and the job's lane

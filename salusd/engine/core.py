@@ -43,6 +43,8 @@ class Config:
     cluster: ClusterSpec | None = None
     store: JobStore | None = None
     share_lanes: bool = False  # an owner's interactive jobs of one lane share an executor
+    # per device: bytes an executor's cuBLAS(Lt) workspaces reserve beside its jobs (0: none)
+    workspace_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -82,8 +82,9 @@ def merge(metas: list[dict[str, Any]]) -> dict[str, Any]:
         values = [m[key] for m in metas if isinstance(m.get(key), int | float)]
         if values:
             out[key] = pick(values)
-    if "persistent_bytes" in out:
-        out["persistent_bytes"] = max(int(m.get("persistent_bytes", 0)) for m in metas)
+    for key in ("persistent_bytes", "persistent_reserved_bytes"):
+        if key in out:
+            out[key] = max(int(m.get(key, 0)) for m in metas)
     if out["ok"] and "bytes" in out:  # a checkpoint: every replica wrote its part
         out["bytes"] = sum(int(m.get("bytes", 0)) for m in metas)
     caches = [m["cache"] for m in metas if isinstance(m.get("cache"), dict)]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from salus.daemon.engine import admission, checkpoints, gang_failures, scripts
+from salus.daemon.engine.booking import booked_persistent
 from salus.daemon.engine.core import Core, LaneKey, error_frame
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
@@ -78,7 +79,7 @@ class Replies:
         elif sent.kind == "channel" and ok:
             record.direct = True
         elif sent.kind == "attach" and ok:
-            record.persistent_bytes = int(meta["persistent_bytes"])
+            record.persistent_bytes = booked_persistent(record.device_kind, meta)
             record.phase = "attached" if record.live else record.phase
             core.event("attach", record.job_id, persistent_bytes=record.persistent_bytes)
         elif sent.kind == "attach":
@@ -185,7 +186,7 @@ class Replies:
             core.end(record, "failed", "the job could not be loaded: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
             return
-        record.persistent_bytes = int(meta.get("persistent_bytes", 0))
+        record.persistent_bytes = booked_persistent(record.device_kind, meta)
         iteration = int(meta.get("iteration", 0))
         if record.resumed_from and not iteration and record.live:
             # The registry recorded a checkpoint that the executor found none of: going on from

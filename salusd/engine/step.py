@@ -73,8 +73,10 @@ class Stepper:
             if record is None or job is None or (p.device, p.lane_id) not in lanes:
                 continue  # ended, or placed again since
             replica = lanes.index((p.device, p.lane_id))
+            # The cap also holds the executor's cuBLAS workspaces, booked with its context.
+            budget = job.persistent_bytes + p.lane_bytes + core.config.workspace_bytes[p.device]
             core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
-                core.config.torch_devices[p.device], job.persistent_bytes + p.lane_bytes,
+                core.config.torch_devices[p.device], budget,
                 core.config.compute_slowdowns[p.device], lane=p.lane_id,
                 lane_bytes=p.lane_bytes))
 

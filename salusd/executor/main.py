@@ -665,8 +665,8 @@ def estimate_call(runtime: JobRuntime, request: Any) -> Estimated | EstimateFail
     """The peak ephemeral bytes of `request` (None: a batch job's next batch) on fake
     tensors, or why they cannot be found."""
     try:
-        nbytes, method = runtime.estimate(request)
-        return Estimated(nbytes, method)
+        peak, method = runtime.estimate(request)
+        return Estimated(peak.bytes, method, reserved_bytes=peak.reserved_bytes)
     except (EstimationError, Exception) as exc:
         return EstimateFailed(error_text(exc))
 

@@ -11,8 +11,12 @@ CUDA device by `cuda_call.CudaCall`). The zygote calls `warm_up` once, so that f
 find this machinery initialised.
 
 What the tracker sees: every tensor storage created by an operator while it is active, at the
-dispatcher level, with its exact byte size. It does not see allocator rounding (the CUDA caching
-allocator rounds to 512 bytes) nor scratch memory inside kernels (cuBLAS/cuDNN workspaces).
+dispatcher level, with its exact byte size. It does not see scratch memory inside kernels
+(cuBLAS/cuDNN workspaces). Both figures also come in the CUDA caching allocator's reserved
+bytes (`Footprint.reserved_bytes`, `salusd/memory/reserve.py`), which is what a CUDA device's
+ledger books and what `set_per_process_memory_fraction` caps: the state's tensors as if
+allocated together in order, the call's storages replayed in the order the tracker saw them
+created and freed.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -33,13 +37,22 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from salus.daemon.executor.optimizer_state import layout_bytes
+from salus.daemon.executor.optimizer_state import layout_sizes
+from salus.daemon.memory.reserve import peak_reserved, reserved_for
 
 T = TypeVar("T")
 
 
 class EstimationError(RuntimeError):
     """The iteration cannot run on fake tensors (e.g. an output shape depends on data)."""
+
+
+class Footprint(NamedTuple):
+    """Device memory in two units: exact tensor `bytes`, and the `reserved_bytes` the CUDA
+    caching allocator would reserve for them."""
+
+    bytes: int
+    reserved_bytes: int
 
 
 def _nbytes(t: Tensor) -> int:
@@ -69,7 +82,9 @@ class StorageTracker(TorchDispatchMode):
     """Dispatch mode that records every tensor storage created while it is active (bytes).
 
     Frees are seen through ``weakref.finalize`` on the storage, also after the mode exits, so
-    ``live_bytes`` stays current. ``peak_bytes`` is the largest ``live_bytes`` while active.
+    ``live_bytes`` stays current. ``peak_bytes`` is the largest ``live_bytes`` while active;
+    ``events`` the storages' sizes while active, in order (``(id, bytes)``, 0 bytes: freed),
+    for `reserve.peak_reserved`.
     Works for CPU, CUDA and fake tensors; frees may come from other threads (the autograd
     engine's), hence the lock.
     """
@@ -84,6 +99,7 @@ class StorageTracker(TorchDispatchMode):
         self._active = False
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.events: list[tuple[int, int]] = []
 
     def __enter__(self) -> StorageTracker:
         self._active = True
@@ -98,12 +114,13 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes += delta
         if self._active:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.events.append((uid, self._sizes.get(uid, 0)))
 
     def _freed(self, key: int, uid: int) -> None:
         with self._lock:
             if self._uid_of.get(key) == uid:
                 del self._uid_of[key]
-            self._record(uid, -self._sizes.pop(uid))
+            self._record(uid, -self._sizes.pop(uid))  # popped first: recorded as 0 bytes
 
     def _see(self, t: Tensor, inputs: set[int]) -> None:
         key = _storage_key(t)
@@ -122,8 +139,8 @@ class StorageTracker(TorchDispatchMode):
                 weakref.finalize(storage, self._freed, key, uid)
                 self._record(uid, size)
             elif self._sizes[uid] != size:  # resized in place (out= arguments)
-                self._record(uid, size - self._sizes[uid])
-                self._sizes[uid] = size
+                old, self._sizes[uid] = self._sizes[uid], size
+                self._record(uid, size - old)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -185,15 +202,20 @@ def _tensors_of(obj: object) -> list[Tensor]:
     return []
 
 
-def held_bytes(objects: Iterable[object]) -> int:
-    """Bytes of every distinct tensor storage the objects hold now (no predictions)."""
+def _held_sizes(objects: Iterable[object]) -> list[int]:
+    """Bytes of each distinct tensor storage the objects hold now, in the order they hold them."""
     seen: dict[int, int] = {}
     for obj in objects:
         for t in _tensors_of(obj):
             key = _storage_key(t)
             if key is not None:
                 seen[key] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    return list(seen.values())
+
+
+def held_bytes(objects: Iterable[object]) -> int:
+    """Bytes of every distinct tensor storage the objects hold now (no predictions)."""
+    return sum(_held_sizes(objects))
 
 
 def _fake_optimizer(mode: FakeTensorMode, optimizer: Optimizer) -> tuple[Optimizer,
@@ -224,25 +246,48 @@ def _fake_optimizer(mode: FakeTensorMode, optimizer: Optimizer) -> tuple[Optimiz
     return copied, fakes
 
 
-def _predicted_optimizer_state(optimizer: Optimizer, params: list[Tensor]) -> int:
-    """Bytes of the state `optimizer`'s first ``step()`` creates for `params`: from its layout
-    where `optimizer_state` knows it (SGD, Adam, AdamW), else by stepping a fake copy of it
-    (same class and hyperparameters) under ``FakeTensorMode``."""
-    known = layout_bytes(optimizer, params)
+def _predicted_optimizer_state(optimizer: Optimizer, params: list[Tensor]) -> list[int]:
+    """Bytes of each tensor of state `optimizer`'s first ``step()`` creates for `params`: from
+    its layout where `optimizer_state` knows it (SGD, Adam, AdamW), else by stepping a fake copy
+    of it (same class and hyperparameters) under ``FakeTensorMode``."""
+    known = layout_sizes(optimizer, params)
     if known is not None:
         return known
-    return _fake_optimizer_state(optimizer, params)
+    return _fake_optimizer_sizes(optimizer, params)
+
+
+def _fake_optimizer_sizes(optimizer: Optimizer, params: list[Tensor]) -> list[int]:
+
+    def predict(mode: FakeTensorMode) -> list[int]:
+        fake, fakes = _fake_optimizer(mode, optimizer)
+        fake.step()
+        return [_nbytes(v) for p in params
+                for v in fake.state.get(fakes[id(p)], {}).values() if isinstance(v, Tensor)]
+
+    return _run_fake("predict the optimizer state", predict)
 
 
 def _fake_optimizer_state(optimizer: Optimizer, params: list[Tensor]) -> int:
+    return sum(_fake_optimizer_sizes(optimizer, params))
 
-    def predict(mode: FakeTensorMode) -> int:
-        fake, fakes = _fake_optimizer(mode, optimizer)
-        fake.step()
-        return sum(_nbytes(v) for p in params
-                   for v in fake.state.get(fakes[id(p)], {}).values() if isinstance(v, Tensor))
 
-    return _run_fake("predict the optimizer state", predict)
+def _state_sizes(objects: Iterable[object]) -> list[int]:
+    """Bytes of each tensor of a job's persistent state (see `state_bytes`): what it holds,
+    then the gradients, then the optimizer state, as a first training step creates them."""
+    objects = list(objects)
+    sizes = _held_sizes(objects)
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            sizes += [_nbytes(p) for p in obj.parameters() if p.requires_grad and p.grad is None]
+    for obj in objects:
+        if isinstance(obj, Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            stateless = [p for p in params if p.requires_grad and not obj.state.get(p)]
+            if stateless:
+                # Otherwise it is counted once it exists: the first call is measured.
+                with contextlib.suppress(EstimationError):
+                    sizes += _predicted_optimizer_state(obj, stateless)
+    return sizes
 
 
 def state_bytes(objects: Iterable[object]) -> int:
@@ -250,19 +295,14 @@ def state_bytes(objects: Iterable[object]) -> int:
     gradient per requires-grad parameter that has none yet, and the optimizer state that each
     optimizer's first `step()` will create (predicted on fake tensors). Every tensor counts
     wherever it lives (a CPU ``step`` counter next to CUDA parameters too)."""
-    objects = list(objects)
-    total = held_bytes(objects)
-    for obj in objects:
-        if isinstance(obj, nn.Module):
-            total += sum(_nbytes(p) for p in obj.parameters() if p.requires_grad and p.grad is None)
-        if isinstance(obj, Optimizer):
-            params = [p for g in obj.param_groups for p in g["params"]]
-            stateless = [p for p in params if p.requires_grad and not obj.state.get(p)]
-            if stateless:
-                # Otherwise it is counted once it exists: the first call is measured.
-                with contextlib.suppress(EstimationError):
-                    total += _predicted_optimizer_state(obj, stateless)
-    return total
+    return sum(_state_sizes(objects))
+
+
+def state_footprint(objects: Iterable[object]) -> Footprint:
+    """`state_bytes`, and the CUDA caching allocator's reserved bytes for the same tensors
+    allocated together in that order (on any device: the state may move to a GPU later)."""
+    sizes = _state_sizes(objects)
+    return Footprint(sum(sizes), reserved_for(sizes))
 
 
 def _fake_state(mode: FakeTensorMode, state: object) -> object:
@@ -285,14 +325,16 @@ def _fake_state(mode: FakeTensorMode, state: object) -> object:
 
 
 def estimate_call_peak(fn: Callable[..., Any], state: object, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> int:
+                       kwargs: dict[str, Any]) -> Footprint:
     """Peak ephemeral bytes of `fn(state, *args, **kwargs)`, estimated by running it on fake
-    copies of the state and arguments (no data, no real compute). When an optimizer holds no
+    copies of the state and arguments (no data, no real compute); its reserved bytes are those
+    of a fresh caching allocator replaying the call's storages (the state's segments are
+    booked apart, so the call is not counted on their free space). When an optimizer holds no
     state yet, the call first runs once untracked so that the measured run is in steady state.
     The real state is not touched. Raises EstimationError when the call cannot run on fake
     tensors (data-dependent control flow, objects that cannot be copied)."""
 
-    def estimate(mode: FakeTensorMode) -> int:
+    def estimate(mode: FakeTensorMode) -> Footprint:
         fake = _fake_state(mode, state)
         fargs, fkwargs = tree_map_only(Tensor, lambda t: mode.from_tensor(t), (args, kwargs))
         if any(isinstance(o, Optimizer) and not o.state for o in vars(fake).values()):
@@ -300,7 +342,7 @@ def estimate_call_peak(fn: Callable[..., Any], state: object, args: tuple[Any, .
         with StorageTracker() as tracker:
             out = fn(fake, *fargs, **fkwargs)
             del out
-        return tracker.peak_bytes
+        return Footprint(tracker.peak_bytes, peak_reserved(tracker.events))
 
     return _run_fake("estimate the call", estimate)
 

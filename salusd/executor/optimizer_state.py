@@ -35,31 +35,39 @@ def _step_bytes(fused: bool) -> int | None:
     return int(torch.empty((), dtype=scalar_dtype(is_fused=fused)).element_size())
 
 
-def _group_bytes(cls: type, group: dict, params: Sequence[Tensor]) -> int | None:
+def _group_sizes(cls: type, group: dict, params: Sequence[Tensor]) -> list[int] | None:
     sizes = [p.numel() * p.element_size() for p in params]
     if cls is torch.optim.SGD:
-        return sum(sizes) if group.get("momentum", 0) != 0 else 0
+        return sizes if group.get("momentum", 0) != 0 else []
     step = _step_bytes(bool(group.get("fused")))
     if step is None:
         return None
     buffers = 3 if group.get("amsgrad") else 2
-    return buffers * sum(sizes) + step * len(sizes)
+    # per parameter, in the order torch's first step creates them: step, then the buffers
+    return [size for p in sizes for size in (step, *[p] * buffers)]
+
+
+def layout_sizes(optimizer: Optimizer, params: Sequence[Tensor]) -> list[int] | None:
+    """Bytes of each tensor of state `optimizer`'s first step creates for `params` (each to be
+    given a gradient), in creation order, or None where its layout is not known here."""
+    cls = type(optimizer)
+    if cls not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        return None
+    wanted = {id(p) for p in params}
+    out: list[int] = []
+    for group in optimizer.param_groups:
+        mine = [p for p in group["params"] if id(p) in wanted]
+        if not mine:
+            continue
+        sizes = _group_sizes(cls, group, mine)
+        if sizes is None:
+            return None
+        out += sizes
+    return out
 
 
 def layout_bytes(optimizer: Optimizer, params: Sequence[Tensor]) -> int | None:
     """Bytes of the state `optimizer`'s first step creates for `params` (each to be given a
     gradient), or None where its layout is not known here."""
-    cls = type(optimizer)
-    if cls not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-        return None
-    wanted = {id(p) for p in params}
-    total = 0
-    for group in optimizer.param_groups:
-        mine = [p for p in group["params"] if id(p) in wanted]
-        if not mine:
-            continue
-        bytes_ = _group_bytes(cls, group, mine)
-        if bytes_ is None:
-            return None
-        total += bytes_
-    return total
+    sizes = layout_sizes(optimizer, params)
+    return None if sizes is None else sum(sizes)

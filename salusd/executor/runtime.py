@@ -35,9 +35,10 @@ from salus.daemon.executor.cuda_call import CudaCall
 from salus.daemon.executor.cuda_errors import is_sticky
 from salus.daemon.executor.measure import (
     EstimationError,
+    Footprint,
     estimate_call_peak,
     held_bytes,
-    state_bytes,
+    state_footprint,
 )
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.executor.results import error_text, is_iteration, result_message
@@ -143,7 +144,9 @@ class JobRuntime:
         _set_rng(request)
         self.seed = torch.initial_seed()  # what the client's `torch.manual_seed` set
         self._hold(objects)
-        return Attached(state_bytes(objects.values()), torch.get_num_threads())
+        state = state_footprint(objects.values())
+        return Attached(state.bytes, torch.get_num_threads(),
+                        persistent_reserved_bytes=state.reserved_bytes)
 
     def define(self, request: dict[str, Any]) -> None:
         fid, payload = request.get("fid"), request.get("fn")
@@ -157,9 +160,9 @@ class JobRuntime:
         self.functions[fid] = fn
         self.kinds[fid] = str(request.get("kind", "function"))
 
-    def estimate(self, request: Any) -> tuple[int, str]:
-        """Peak ephemeral bytes of the call on fake copies of the state; EstimationError when
-        the call cannot run on fake tensors."""
+    def estimate(self, request: Any) -> tuple[Footprint, str]:
+        """Peak ephemeral bytes of the call on fake copies of the state (exact and in reserved
+        units); EstimationError when the call cannot run on fake tensors."""
         kwargs: dict[str, Any]
         if request is None and self.batch is not None and self.cursor is not None:
             fn, args, kwargs = self.batch.iteration, (self.cursor.peek(),), {}
@@ -246,7 +249,11 @@ class JobRuntime:
             iteration = self.restore(request.dir, request.gang, request.at).iteration
         elif self.comm is not None:
             gang.broadcast_state(self.comm, self._objects())
-        return Loaded(state_bytes(self._objects().values()), iteration)
+        return self._loaded(iteration)
+
+    def _loaded(self, iteration: int) -> Loaded:
+        state = state_footprint(self._objects().values())
+        return Loaded(state.bytes, iteration, persistent_reserved_bytes=state.reserved_bytes)
 
     def restore(self, where: str | None, place: GangPlace | None = None,
                 at: int | None = None) -> Loaded:
@@ -257,7 +264,7 @@ class JobRuntime:
         loaded = checkpoint.load_latest(Path(str(where)), at)
         if loaded is None:
             if self.batch is not None:
-                return Loaded(state_bytes(self._objects().values()), 0)
+                return self._loaded(0)
             raise FileNotFoundError(f"no checkpoint in {where}")
         payload = loaded.payload
         self._hold(payload["objects"])
@@ -275,7 +282,7 @@ class JobRuntime:
         if isinstance(cuda_rng, torch.Tensor):
             self.cuda_rng = cuda_rng
         self.iterations = int(payload["iterations"])
-        return Loaded(state_bytes(self._objects().values()), self.iterations)
+        return self._loaded(self.iterations)
 
     def checkpoint(self, where: str | None, job: int) -> Checkpointed:
         """Write the job's persistent state at this boundary (see `checkpoint.py`)."""

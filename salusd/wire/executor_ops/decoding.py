@@ -361,10 +361,11 @@ def _decode_estimate(d: Wire, what: str, keys: frozenset[str]) -> Estimated | Es
         _false(d, what, "ok")
         return EstimateFailed(_str(d, what, "reason"), forward)
     _true(d, what, "ok")
-    return Estimated(_int(d, what, "bytes"), _str(d, what, "method"), forward)
+    return Estimated(_int(d, what, "bytes"), _str(d, what, "method"), forward,
+                     _maybe_int(d, what, "reserved_bytes"))
 
 
-_ESTIMATE_KEYS = _keys("ok", "bytes", "method", "reason")
+_ESTIMATE_KEYS = _keys("ok", "bytes", "method", "reason", "reserved_bytes")
 _CALL_DONE_KEYS = _keys("ok", "seconds", "peak", "counted", "began", "ended", "message",
                         "cache", "comm", "empty", "forward", "oom")
 _STEP_DONE_KEYS = _keys("ok", "seconds", "peak", "counted", "began", "ended", "iteration",
@@ -503,12 +504,16 @@ def decode_reply(d: object) -> Reply:
                             forward)
     if "threads" in d:
         w = "'attach' reply"
-        forward = _plain_reply(d, w, _keys("persistent_bytes", "threads"))
-        return Attached(_int(d, w, "persistent_bytes"), _int(d, w, "threads"), forward)
+        forward = _plain_reply(d, w, _keys("persistent_bytes", "threads",
+                                           "persistent_reserved_bytes"))
+        return Attached(_int(d, w, "persistent_bytes"), _int(d, w, "threads"), forward,
+                        _maybe_int(d, w, "persistent_reserved_bytes"))
     if "persistent_bytes" in d:
         w = "'load' reply"
-        forward = _plain_reply(d, w, _keys("persistent_bytes", "iteration"))
-        return Loaded(_int(d, w, "persistent_bytes"), _int(d, w, "iteration"), forward)
+        forward = _plain_reply(d, w, _keys("persistent_bytes", "iteration",
+                                           "persistent_reserved_bytes"))
+        return Loaded(_int(d, w, "persistent_bytes"), _int(d, w, "iteration"), forward,
+                      _maybe_int(d, w, "persistent_reserved_bytes"))
     if "method" in d or "reason" in d:
         estimate = _decode_estimate(d, "'estimate' reply", _ESTIMATE_KEYS)
         _bool(d, "'estimate' reply", "forward")

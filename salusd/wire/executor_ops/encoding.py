@@ -85,6 +85,12 @@ def _at(at: int | None) -> Wire:
     return {} if at is None else {"at": at}
 
 
+def _with_reserved(out: Wire, key: str, nbytes: int | None) -> Wire:
+    if nbytes is not None:
+        out[key] = nbytes
+    return out
+
+
 def _with_frame(out: Wire, frame: bool | None) -> Wire:
     if frame is not None:
         out["frame"] = frame
@@ -93,7 +99,8 @@ def _with_frame(out: Wire, frame: bool | None) -> Wire:
 
 def _estimate(e: Estimated | EstimateFailed) -> Wire:
     if type(e) is Estimated:
-        return {"ok": True, "bytes": e.bytes, "method": e.method}
+        return _with_reserved({"ok": True, "bytes": e.bytes, "method": e.method},
+                              "reserved_bytes", e.reserved_bytes)
     assert type(e) is EstimateFailed
     return {"ok": False, "reason": e.reason}
 
@@ -216,10 +223,12 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
                        {"ok": False, "message": m.message, "forward": m.forward}),
     Estimated: lambda m: {**_estimate(m), "forward": m.forward},
     EstimateFailed: lambda m: {**_estimate(m), "forward": m.forward},
-    Attached: lambda m: {"ok": True, "persistent_bytes": m.persistent_bytes,
-                         "threads": m.threads, "forward": m.forward},
-    Loaded: lambda m: {"ok": True, "persistent_bytes": m.persistent_bytes,
-                       "iteration": m.iteration, "forward": m.forward},
+    Attached: lambda m: _with_reserved({"ok": True, "persistent_bytes": m.persistent_bytes,
+                                        "threads": m.threads, "forward": m.forward},
+                                       "persistent_reserved_bytes", m.persistent_reserved_bytes),
+    Loaded: lambda m: _with_reserved({"ok": True, "persistent_bytes": m.persistent_bytes,
+                                      "iteration": m.iteration, "forward": m.forward},
+                                     "persistent_reserved_bytes", m.persistent_reserved_bytes),
     Checkpointed: lambda m: {"ok": True, "iteration": m.iteration, "bytes": m.bytes,
                              "seconds": m.seconds, "path": m.path, "time": m.time,
                              "forward": m.forward},

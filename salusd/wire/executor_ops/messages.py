@@ -164,9 +164,10 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class Place:
-    """Run on torch `device` within `budget_bytes` (persistent bytes plus the lane; enforced
-    on CUDA), slowed by the device's simulated `slowdown` factor (1.0: none). On a GPU, `uuid`
-    names it as NVML and `CUDA_VISIBLE_DEVICES` do ("GPU-…", filled in by the supervisor).
+    """Run on torch `device` within `budget_bytes` (persistent bytes plus the lane, and on CUDA
+    the process's cuBLAS(Lt) workspaces; enforced on CUDA), slowed by the device's simulated
+    `slowdown` factor (1.0: none). On a GPU, `uuid` names it as NVML and
+    `CUDA_VISIBLE_DEVICES` do ("GPU-…", filled in by the supervisor).
     `lane` is the lane's id and `lane_bytes` its size: an executor hosting several jobs of
     one lane caps its process at their persistent bytes plus one lane. `shared`: other
     processes run in the same lane, so this one returns its cached device memory after each
@@ -298,11 +299,13 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Estimated:
-    """The call's peak ephemeral `bytes`, found by `method` ("fake-tensor")."""
+    """The call's peak ephemeral `bytes`, found by `method` ("fake-tensor"), and the CUDA
+    caching allocator's `reserved_bytes` for them (None, left out of the wire: not sent)."""
 
     bytes: int
     method: str
     forward: bool = False
+    reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,22 +318,26 @@ class EstimateFailed:
 
 @dataclass(frozen=True, slots=True)
 class Attached:
-    """The attached objects hold `persistent_bytes`; the executor runs `threads` intra-op
-    threads."""
+    """The attached objects hold `persistent_bytes` (`persistent_reserved_bytes` in the CUDA
+    caching allocator's units; None, left out of the wire: not sent); the executor runs
+    `threads` intra-op threads."""
 
     persistent_bytes: int
     threads: int
     forward: bool = False
+    persistent_reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """A batch job's entrypoint or a checkpoint was loaded: the state's `persistent_bytes` and
-    the iteration it stands at (0: from the start)."""
+    """A batch job's entrypoint or a checkpoint was loaded: the state's `persistent_bytes`
+    (`persistent_reserved_bytes` as in `Attached`) and the iteration it stands at (0: from the
+    start)."""
 
     persistent_bytes: int
     iteration: int
     forward: bool = False
+    persistent_reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
