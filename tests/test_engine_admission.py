@@ -108,8 +108,10 @@ def test_on_cuda_the_state_and_the_estimate_are_booked_in_reserved_bytes() -> No
             record.executor.unanswered[0][0], Place):
         port.answer(record.executor)
     place = record.executor.unanswered[0][0]
-    # The process's cap also holds its cuBLAS(Lt) workspaces (booked with its context).
-    assert isinstance(place, Place) and place.budget_bytes == 42 * MiB + 22 * MiB + 34 * MiB
+    # The process's cap also holds its cuBLAS(Lt) workspaces (booked with its context), once
+    # per process however many jobs it hosts: sent beside the job's budget.
+    assert isinstance(place, Place) and place.budget_bytes == 42 * MiB + 22 * MiB
+    assert place.workspace_bytes == 34 * MiB
     engine.check_invariants()
 
 

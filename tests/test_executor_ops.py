@@ -254,7 +254,8 @@ def test_which_requests_carry_the_clients_frame() -> None:
 SAMPLES: list[Message] = [
     Become(1000, 1000, (1000, 27), "ada", "/home/ada", 1),
     Host("/tmp", True), Host(None, False, "/state/7/output.log"), Handover(), Adopt(True),
-    Place("cuda:0", 3 << 20, 1.0, "GPU-1", 5, 1 << 20, True), HandedOver(True, True),
+    Place("cuda:0", 3 << 20, 1.0, "GPU-1", 5, 1 << 20, True, workspace_bytes=34 << 20),
+    HandedOver(True, True),
     Attach(GangPlace(0, 2, local=2, store="h:29500", key="salus/ada/j", loopback=True)),
     Estimate(False), Run(True, True), Lease(True), Place("cpu:0", 1 << 20, 1.0),
     Load("/j.py", "make", True, PipelineOptions("even", 2), CachePlace("/c", 1 << 30), "/d",

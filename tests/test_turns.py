@@ -168,14 +168,15 @@ def test_a_script_placed_on_a_gpu_sees_only_that_gpu_and_its_cap_waits_for_cuda(
     ours, theirs = socket.socketpair()
     theirs.settimeout(5)
     boundaries = Boundaries(Channel(ours), 5, estimate=False)
-    place = Place("cuda:1", 96 << 20, 1.0, "GPU-bbbb", lane=2, lane_bytes=64 << 20)
+    place = Place("cuda:1", 96 << 20, 1.0, "GPU-bbbb", lane=2, lane_bytes=64 << 20,
+                  workspace_bytes=34 << 20)
     Channel(theirs).send(addressed(encode(place), 5))
     boundaries._handle(boundaries.daemon.recv())
     assert _recv_reply(theirs) == Ack()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb"
     assert isinstance(boundaries.meter, DeviceMeter)
     assert boundaries.meter.device == torch.device("cuda", 0)
-    assert boundaries.cap.bytes_on("cuda:0") == 96 << 20
+    assert boundaries.cap.bytes_on("cuda:0") == (96 + 34) << 20  # the workspace beside it
     assert len(queued) == 1  # set when the script starts CUDA
     ours.close()
     theirs.close()

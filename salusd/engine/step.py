@@ -74,11 +74,11 @@ class Stepper:
                 continue  # ended, or placed again since
             replica = lanes.index((p.device, p.lane_id))
             # The cap also holds the executor's cuBLAS workspaces, booked with its context.
-            budget = job.persistent_bytes + p.lane_bytes + core.config.workspace_bytes[p.device]
+            workspace = core.config.workspace_bytes[p.device]
             core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
-                core.config.torch_devices[p.device], budget,
+                core.config.torch_devices[p.device], job.persistent_bytes + p.lane_bytes,
                 core.config.compute_slowdowns[p.device], lane=p.lane_id,
-                lane_bytes=p.lane_bytes))
+                lane_bytes=p.lane_bytes, workspace_bytes=workspace or None))
 
     def _reconcile(self) -> None:
         """Make each device's ledger hold exactly the scheduler's bookings: every placed job's

@@ -28,11 +28,13 @@ class Booking:
     lane: int
 
 
-def cap_bytes(bookings: list[Booking], device: str) -> int:
+def cap_bytes(bookings: list[Booking], device: str, workspace: int = 0) -> int:
     """The bytes the process may reserve on `device`: its jobs' persistent bytes there plus
-    the largest of their lanes (they take turns in it)."""
+    the largest of their lanes (they take turns in it), and its cuBLAS `workspace` once."""
     here = [b for b in bookings if b.device == device]
-    return sum(b.persistent for b in here) + max((b.lane for b in here), default=0)
+    if not here:
+        return 0
+    return sum(b.persistent for b in here) + max(b.lane for b in here) + workspace
 
 
 class ProcessCap:
@@ -41,11 +43,15 @@ class ProcessCap:
     def __init__(self) -> None:
         self.jobs: dict[int, Booking] = {}
         self.capped: set[str] = set()  # CUDA devices a cap was set on (a job left: lowered)
+        self.workspace: dict[str, int] = {}  # the cuBLAS workspaces reserved per device
         self._queued = False
 
-    def book(self, job: int, device: str, persistent: int, lane: int) -> None:
-        """Job `job` is placed on torch `device` with `persistent` and `lane` bytes."""
+    def book(self, job: int, device: str, persistent: int, lane: int,
+             workspace: int = 0) -> None:
+        """Job `job` is placed on torch `device` with `persistent` and `lane` bytes; the
+        process's cuBLAS `workspace` there is reserved once beside them."""
         self.jobs[job] = Booking(device, persistent, lane)
+        self.workspace[device] = workspace
         self.apply()
 
     def drop(self, job: int) -> None:
@@ -54,7 +60,7 @@ class ProcessCap:
             self.apply()
 
     def bytes_on(self, device: str) -> int:
-        return cap_bytes(list(self.jobs.values()), device)
+        return cap_bytes(list(self.jobs.values()), device, self.workspace.get(device, 0))
 
     def devices(self) -> set[str]:
         """The CUDA devices whose cap this process sets: where jobs are, or were."""

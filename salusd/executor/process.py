@@ -24,16 +24,12 @@ from salus.daemon.wire.executor_ops import Become
 
 log = logging.getLogger("salusd.executor")
 _PR_SET_DUMPABLE = 4
-# cuBLAS takes its workspace from the caching allocator on a stream's first GEMM; fixed here
-# (8 chunks of 4 MiB, 32 MiB: what torch picks on sm90) so that its size is known wherever
-# the executor runs, and booked with the process (docs/runtime.md).
-CUBLAS_WORKSPACE = ":4096:8"
 
 
 def become(hello: Become) -> None:
     """Drop to the owner's identity (when running as root) and set up the jobs' environment:
-    home, user name, intra-op threads, no core dumps, a known cuBLAS workspace (each job's
-    working directory is set when its code runs: `Executor._switch`)."""
+    home, user name, intra-op threads, no core dumps (each job's working directory is set
+    when its code runs: `Executor._switch`)."""
     uid, gid, groups = hello.uid, hello.gid, list(hello.groups)
     if os.geteuid() == 0 and uid != 0:
         os.setgroups(groups)
@@ -45,7 +41,6 @@ def become(hello: Become) -> None:
     if os.getuid() != uid:
         raise PermissionError(f"executor runs as uid {os.getuid()} and cannot become {uid}")
     os.environ.update({"HOME": hello.home or "/", "USER": hello.user, "LOGNAME": hello.user})
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     for place in (hello.home, "/"):
         if isinstance(place, str):
             with contextlib.suppress(OSError):

@@ -260,9 +260,10 @@ def _become_the_script(message: Script, command: Command, cwd: str | None) -> No
 
 
 def _caller_env(message: Script) -> dict[str, str]:
-    """The script's environment: who `Become` made the executor, then the caller's own, and
-    the job's resume directory."""
-    who = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if k in os.environ}
+    """The script's environment: who `Become` made the executor and the cuBLAS workspace the
+    daemon books for it, then the caller's own, and the job's resume directory."""
+    who = {k: os.environ[k] for k in ("HOME", "USER", "LOGNAME", "CUBLAS_WORKSPACE_CONFIG")
+           if k in os.environ}
     resume = {} if message.resume_dir is None else {api.RESUME_ENV: message.resume_dir}
     return {**who, **message.env, **resume}
 

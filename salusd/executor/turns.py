@@ -187,7 +187,8 @@ def on_place(kind: JobKind, message: Place, request: Any, cap: ProcessCap) -> Re
                                              message.mps_limit_bytes or message.budget_bytes))
     seen = device_for(message.device, message.uuid, cuda_started=started, environ=os.environ)
     lane = message.lane_bytes or 0
-    cap.book(kind.job, seen, max(0, message.budget_bytes - lane), lane)
+    cap.book(kind.job, seen, max(0, message.budget_bytes - lane), lane,
+             message.workspace_bytes or 0)
     return kind.place(seen, message)
 
 

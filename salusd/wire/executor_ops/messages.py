@@ -172,7 +172,9 @@ class Place:
     one lane caps its process at their persistent bytes plus one lane. `shared`: other
     processes run in the same lane, so this one returns its cached device memory after each
     call. `mps`: the pipe directory of the GPU's MPS server, which a process whose CUDA has
-    not started joins as a client held to `mps_limit_bytes` (`salusd/mps.py`). A None or
+    not started joins as a client held to `mps_limit_bytes` (`salusd/mps.py`).
+    `workspace_bytes`: the cuBLAS workspaces the process reserves on a GPU, once however many
+    jobs it hosts, outside `budget_bytes` (the cap adds them: `executor/cap.py`). A None or
     False field is left out of the wire."""
 
     op: ClassVar[str] = "place"
@@ -185,6 +187,7 @@ class Place:
     shared: bool = False
     mps: str | None = None
     mps_limit_bytes: int | None = None
+    workspace_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
