@@ -180,3 +180,16 @@ def test_a_script_placed_on_a_gpu_sees_only_that_gpu_and_its_cap_waits_for_cuda(
     assert len(queued) == 1  # set when the script starts CUDA
     ours.close()
     theirs.close()
+
+
+def test_a_swap_that_would_leave_a_view_of_a_parameter_behind_is_refused() -> None:
+    """`suspend --swap` moves a script's parameters in place; a view kept in a local would
+    go on with the old storage, so the swap is refused and says why."""
+    from salus.daemon.executor.script_swap import unsafe
+
+    weight = torch.nn.Parameter(torch.ones(4, 4))
+    moment = torch.zeros(4, 4)
+    assert unsafe([weight, moment], [weight, moment, torch.ones(2)]) is None
+    row = weight.data[0]  # a view the script kept
+    why = unsafe([weight, moment], [weight, moment, row])
+    assert why is not None and "1 live tensor(s)" in why

@@ -10,6 +10,11 @@ is placed again. What it cannot reach it leaves, and says so: tensors of modules
 steps (a frozen teacher, a parent's own buffers), and on a GPU the device bytes still allocated
 after the move (batches, activations, anything else the script holds). On the CPU every tensor
 is in host memory already: nothing moves, and the bookkeeping is the same.
+
+A swap that would leave the script wrong is refused, with the reason, and moves nothing
+(`unsafe`): a live tensor outside what is moved that shares a moved storage (a view of a
+parameter kept in a local) would go on reading and writing the old device copy, and a CUDA
+graph replays kernels on the addresses it was captured with.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ class ScriptSwap:
         owners = [m for m in modules
                   if any(id(p) in stepped for p in m.parameters(recurse=False))]
         found = destinations([*optimizers, *owners], _HOST)
+        if any(t.device != _HOST for t, _ in found):
+            why = unsafe([t for t, _ in found], gc.get_objects())
+            if why is not None:
+                return {"refused": why, "moved_bytes": 0, "note": NOTE}
         self.home = [(t, t.device) for t, _ in found]
         moved = relocate([(t, _HOST) for t, where in self.home if where != _HOST])
         reached = {id(t) for t, _ in found}
@@ -68,6 +77,30 @@ class ScriptSwap:
         moves = [(t, where) for t, where in self.home if t.device != where]
         self.home = []
         return {"moved_back_bytes": relocate(moves)}
+
+
+def unsafe(moved: list[Tensor], live: Iterable[object]) -> str | None:
+    """Why moving the tensors `moved` in place would leave the script wrong, among the `live`
+    objects (the process's, from the collector), or None: another tensor that shares one of
+    their storages, or a captured CUDA graph."""
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    storages = {t.untyped_storage()._cdata for t in moved}
+    ours = {id(t) for t in moved}
+    aliases = 0
+    for obj in live:
+        if graph is not None and isinstance(obj, graph):
+            return ("the script holds a captured CUDA graph, which would replay on the "
+                    "device addresses it was captured with")
+        if isinstance(obj, Tensor) and id(obj) not in ours and obj.layout == torch.strided:
+            try:
+                aliases += obj.untyped_storage()._cdata in storages
+            except (NotImplementedError, RuntimeError):  # no storage of its own
+                continue
+    if aliases:
+        return (f"{aliases} live tensor(s) outside the optimizers' reach share storage with "
+                "what would move (views of parameters or optimizer state), and would keep "
+                "using the device copy")
+    return None
 
 
 def _live_modules() -> list[nn.Module]:
