@@ -22,7 +22,16 @@ from salus.daemon.executor.runtime import JobRuntime, State, seeded_state
 from salus.daemon.executor.slot import Slot
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.codec import PickledPayload
-from salus.daemon.wire.executor_ops import Poisoned, Ran, decode_reply
+from salus.daemon.wire.executor_ops import (
+    CallDone,
+    Poisoned,
+    Ran,
+    Ready,
+    Run,
+    addressed,
+    decode_reply,
+    encode,
+)
 from tests.test_cuda_call import _call, _runtime
 
 ILLEGAL = "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be..."
@@ -121,3 +130,68 @@ def test_a_jobs_generator_starts_from_its_clients_seed() -> None:
 
 def _pickled(objects: dict[str, object]) -> PickledPayload:
     return PickledPayload(cloudpickle.dumps(objects), [])
+
+
+def test_a_call_out_of_memory_with_its_state_intact_runs_again_once_placed_anew() -> None:
+    """The first guess of a lane was small: the leased call that ran out of memory without
+    touching the state is not failed to its client; the daemon hears of it at once, the call
+    waits at the head of the queue (`Ready`), and runs when granted, answering the client
+    once, as a direct run would."""
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(5)
+    daemon = Channel(theirs)
+    executor = Executor(ours)
+    executor.streams = output.Streams({"stdout": sys.stdout, "stderr": sys.stderr})
+    runtime = _runtime([])
+    tries: list[int] = []
+
+    def first_too_big(s: State, x: torch.Tensor) -> torch.Tensor:
+        tries.append(1)
+        if len(tries) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return s.model(x)
+
+    runtime.functions[3], runtime.kinds[3] = first_too_big, "iteration"
+    slot = Slot(1, runtime, executor.streams.sink(None), None, None, True)
+    executor.slots[1] = slot
+    mine, client_sock = socket.socketpair()
+    client_sock.settimeout(5)
+    executor._attach_channel(slot, mine.detach())
+    client = Channel(client_sock)
+    slot.turn.lease = True
+    slot.queue.append(_call(3))
+    executor._run_queued()
+    got = []
+    for _ in range(2):
+        meta = daemon.recv()
+        got.append((meta.pop("for_job"), decode_reply(meta)))
+    (_, ran), (_, ready) = got
+    assert isinstance(ran, Ran) and ran.oom and ran.iterations == 0
+    assert isinstance(ready, Ready) and len(slot.queue) == 1 and not slot.turn.lease
+    assert runtime.iterations == 0 and not client.readable(0)  # the client still waits
+    daemon.send(addressed(encode(Run(True, False)), 1))
+    assert executor._from_daemon() is False
+    meta = daemon.recv()
+    meta.pop("for_job")
+    done = decode_reply(meta)
+    assert isinstance(done, CallDone) and done.ok and done.counted
+    reply = client.recv()
+    assert reply.tensors[0].shape == (2, 4) and len(tries) == 2
+    assert runtime.iterations == 1 and not slot.queue
+    for sock in (ours, theirs, client_sock):
+        sock.close()
+
+
+def test_a_call_out_of_memory_after_writing_the_state_fails_as_before() -> None:
+    """A call that changed the state before it ran out of memory (here, a parameter written in
+    place) cannot run again as if it had not run: its client gets the error."""
+    runtime = _runtime([])
+
+    def write_then_oom(s: State, x: torch.Tensor) -> None:
+        with torch.no_grad():
+            s.model.weight.add_(1.0)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    runtime.functions[3], runtime.kinds[3] = write_then_oom, "iteration"
+    reply, seconds, peak = runtime.run(_call(3))
+    assert reply["ok"] is False and not runtime.retry and peak is not None

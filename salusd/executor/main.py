@@ -62,6 +62,7 @@ from salus.daemon.wire.executor_ops import (
     Place,
     Poisoned,
     Pull,
+    Ran,
     Reply,
     Request,
     Restore,
@@ -459,7 +460,14 @@ class Executor:
             self._switch(slot)
             # The client's reply first, the daemon's accounting after it (3-8 µs less per call
             # on the build VM, bench/call_stages.py `back`, one-off A/B runs).
-            reply, ran = answer_call(slot.runtime, self._next_call(slot))
+            lent = id(slot.queue[0]) == slot.lender
+            request = self._next_call(slot)
+            reply, ran = answer_call(slot.runtime, request)
+            if slot.runtime.retry:
+                slot.turn.lease = False  # the daemon places the job anew before it runs again
+                self._retry(slot, request, lent, ran)
+                break
+            del request  # (its arguments may view the client's pool: see `_give_back`)
             self._give_back(slot, before_reply=True)
             self._answer_client(slot, reply, hold=ran.seconds < HOLD_S)
             del reply  # (it may view an argument lent out of the client's pool)
@@ -528,6 +536,20 @@ class Executor:
         slot.turn.asked = False
         self._give_back(slot)
 
+    def _retry(self, slot: Slot, request: Any, lent: bool, ran: Answered) -> CallDone:
+        """The call ran out of device memory with the job's state intact: it goes back to the
+        head of the queue, unanswered, and runs again once the daemon, told at once (`oom`),
+        has placed the job in a bigger lane (or fails it where none fits)."""
+        slot.runtime.rewind()
+        slot.queue.appendleft(request)
+        if lent:
+            slot.lender = id(request)
+        done = call_done(slot.runtime, ran._replace(counted=False), forward=False)
+        report = slot.turn.done(done)
+        if isinstance(report, Ran):  # under a lease: reported at once (`Turn.done`)
+            _send(self.daemon, report, None, slot.job)
+        return done
+
     def _run_granted(self, slot: Slot) -> CallDone:
         """The daemon granted the call at the head of the job's queue its turn: run it (the
         client's reply first, then the daemon's `CallDone`)."""
@@ -536,7 +558,13 @@ class Executor:
             slot.turn.granted = False
             return CallDone(False, 0.0, None, False, None, None, empty=True)
         self._switch(slot)
-        done, reply = run_call(slot.runtime, self._next_call(slot), forward=False)
+        lent = id(slot.queue[0]) == slot.lender
+        request = self._next_call(slot)
+        reply, ran = answer_call(slot.runtime, request)
+        if slot.runtime.retry:
+            return self._retry(slot, request, lent, ran)
+        del request  # (its arguments may view the client's pool: see `_give_back`)
+        done = call_done(slot.runtime, ran, forward=False)
         self._after_call(slot)
         self._give_back(slot, before_reply=True)
         self._answer_client(slot, reply)
@@ -637,8 +665,13 @@ class Answered(NamedTuple):
 
 def run_call(runtime: JobRuntime, request: Any, forward: bool) -> tuple[CallDone, Any]:
     """Run the client's call `request`: (what the daemon is told, the client's reply).
-    `forward`: the client's reply goes through the daemon."""
+    `forward`: the client's reply goes through the daemon (which keeps no copy of the call: it
+    is never run again)."""
     reply, ran = answer_call(runtime, request)
+    if runtime.retry:
+        runtime.retry = False
+        if ran.counted:
+            runtime.iterations += 1
     return call_done(runtime, ran, forward), reply
 
 
@@ -648,6 +681,8 @@ def answer_call(runtime: JobRuntime, request: Any) -> tuple[Any, Answered]:
     if counted:
         runtime.iterations += 1
     reply, seconds, peak = runtime.run(request)
+    if runtime.retry and counted:  # it runs again (`Executor._retry`): not an iteration yet
+        runtime.iterations -= 1
     failed = isinstance(reply, dict) and reply.get("ok") is False
     return reply, Answered(counted, seconds, peak,
                            str(reply.get("message", ""))[:2000] if failed else None)

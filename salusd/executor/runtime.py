@@ -33,6 +33,7 @@ from salus.daemon.executor import checkpoint, context, gang, unpickled
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
 from salus.daemon.executor.cuda_call import CudaCall
 from salus.daemon.executor.cuda_errors import is_sticky
+from salus.daemon.executor.intact import snapshot, unchanged
 from salus.daemon.executor.measure import (
     EstimationError,
     Footprint,
@@ -116,6 +117,8 @@ class JobRuntime:
         self.last_span = (0.0, 0.0)
         self.last_oom: int | None = None  # the last call's peak when it ran out of memory
         self.poisoned: str | None = None  # a sticky CUDA error a call raised: the process ends
+        self.retry = False  # the last call ran out of memory and left the state intact
+        self._rewind: tuple[torch.Tensor, torch.Tensor | None] | None = None  # its rng before
         self._held = 0
         self._settled = False
         self.iterations = 0  # counted calls run: a checkpoint's iteration
@@ -180,7 +183,10 @@ class JobRuntime:
         the call drew before it failed, as a loop that caught the exception would go on)."""
         start = time.perf_counter()
         before: torch.Tensor | None = None
-        self.last_oom = None
+        self.last_oom, self.retry, self._rewind = None, False, None
+        # On a GPU a call that runs out of memory may run again in a bigger lane (`intact.py`).
+        state = snapshot(self._objects().values()) if self.cuda is not None else None
+        cuda_rng = self.cuda_rng
         try:
             fn, args, kwargs = self._decode_call(request)
             if self.gang is not None:  # this replica's part of the client's arguments
@@ -190,6 +196,10 @@ class JobRuntime:
             result = to_host(result)
         except BaseException as exc:  # noqa: BLE001 - SystemExit in job code fails the call
             reply = call_error(exc)
+            if (self.last_oom is not None and state is not None and before is not None
+                    and unchanged(state, self._objects().values())):
+                self.retry = True  # it may run again, placed anew (`rewind`)
+                self._rewind = (before, cuda_rng)
             after = torch.get_rng_state()
             if before is not None and not torch.equal(before, after):
                 reply["rng"] = after
@@ -197,6 +207,13 @@ class JobRuntime:
         after = torch.get_rng_state()
         rng = None if torch.equal(before, after) else after
         return result_message(request, result, rng), time.perf_counter() - start, peak
+
+    def rewind(self) -> None:
+        """Before the last call runs again (`retry`): the random state as it found it."""
+        assert self._rewind is not None
+        cpu, self.cuda_rng = self._rewind
+        torch.set_rng_state(cpu)
+        self._rewind, self.retry = None, False
 
     def _invoke(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 slowed: bool = True) -> tuple[Any, int | None]:
