@@ -7,7 +7,7 @@ from fake_executor import FakeExecutors
 
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, Owner
-from salus.daemon.wire.executor_ops import Attached, CallDone, Estimated, Place, Run
+from salus.daemon.wire.executor_ops import Attached, CallDone, Estimated, Place, Placed, Run
 from salus.daemon.wire.frames import json_frame
 
 MiB = 2**20
@@ -136,3 +136,21 @@ def test_on_cuda_an_executor_that_sends_no_reserved_figure_is_booked_its_exact_b
     job = engine.dispatch.job(record.job_id)
     assert job is not None and job.persistent_bytes == 36 * MiB
     assert _lane_bytes(engine, record) == 5 * MiB
+
+
+def test_state_measured_on_the_gpu_above_its_booking_is_booked_as_measured() -> None:
+    """After `place` the executor sends what the state really reserves on its GPU: more than
+    the model booked re-admits the job with the measured bytes; less keeps the booking."""
+    engine, port, record = _measured_job("cuda:0", 64 * MiB)
+    executor = record.executor
+    assert isinstance(executor.unanswered[0][0], Place)
+    port.answer(executor, Placed(70 * MiB))
+    job = engine.dispatch.job(record.job_id)
+    assert job is not None and job.persistent_bytes == 70 * MiB
+    assert engine.core.ledgers[0].size(("job", record.job_id)) == 70 * MiB
+    while not isinstance(executor.unanswered[0][0], Place):
+        port.answer(executor)
+    port.answer(executor, Placed(60 * MiB))  # under the booking: kept
+    job = engine.dispatch.job(record.job_id)
+    assert job is not None and job.persistent_bytes == 70 * MiB
+    engine.check_invariants()

@@ -56,6 +56,8 @@ from salus.daemon.wire.executor_ops import (
     Message,
     PipelineOptions,
     Place,
+    Placed,
+    Poisoned,
     Pull,
     Ran,
     Ready,
@@ -142,6 +144,8 @@ replies: st.SearchStrategy[Reply] = st.one_of(
     st.builds(Ran, ints, ints, ints, floats, maybe(ints), floats, floats, st.booleans()),
     st.builds(Swapped, st.dictionaries(texts, maybe(ints | texts), max_size=4),
               st.booleans()),
+    st.builds(Placed, ints, st.booleans()),
+    st.builds(Poisoned, texts),
 )
 
 

@@ -119,3 +119,27 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
         return
     core.event("requeue", record.job_id, *key, peak=peak)
     core.take(update)
+
+
+def placed(core: Core, record: JobRecord, reserved: int) -> None:
+    """The executor measured what moving the job's state onto its GPU made the process
+    reserve (bytes). Where that is more than was booked (the allocator model errs high, so
+    this is rare), the job is re-admitted with the measured persistent bytes: the ledger holds
+    what the device does. A gang's replicas keep the booking (one figure books them all)."""
+    job = core.dispatch.job(record.job_id)
+    if job is None or record.gang > 1:
+        return
+    core.event("placed", record.job_id, reserved_bytes=reserved, booked=job.persistent_bytes)
+    if aligned(reserved) <= job.persistent_bytes:
+        return
+    log.info("job %d reserves %d B of state on its GPU, %d B booked: re-admitting",
+             record.job_id, reserved, job.persistent_bytes)
+    record.persistent_bytes = aligned(reserved)
+    try:
+        update = core.dispatch.requeue(record.job_id, aligned(reserved), job.ephemeral_bytes)
+    except ValueError as exc:
+        core.end(record, "failed", str(DoesNotFit(
+            f"job {record.job_id} holds {reserved} bytes of state on its GPU, more than any "
+            f"device can hold beside its lane: {exc}")))
+        return
+    core.take(update)

@@ -94,6 +94,8 @@ class Replies:
             checkpoints.written(core, record, meta)
         elif sent.kind in ("swap_out", "place") and isinstance(meta.get("swap"), dict):
             scripts.swapped(core, record, meta["swap"])
+        elif sent.kind == "place" and ok and type(meta.get("placed_reserved_bytes")) is int:
+            admission.placed(self.core, record, meta["placed_reserved_bytes"])
         elif sent.kind == "place" and not ok and record.live:
             core.end(record, "failed", f"job {record.job_id} could not be placed: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")

@@ -60,6 +60,7 @@ from salus.daemon.wire.executor_ops import (
     Host,
     Load,
     Place,
+    Placed,
     Poisoned,
     Pull,
     Ran,
@@ -596,13 +597,20 @@ class Contract:
         return Ack()
 
     def place(self, device: str, message: Place) -> Reply:
+        """Move the job's state to `device`; on a GPU, what the move made the process reserve
+        goes back to the daemon (`Placed`)."""
         self.executor._switch(self.slot)
+        runtime = self.slot.runtime
+        gpu = device.startswith("cuda")
+        before = torch.cuda.memory_reserved(device) if gpu else 0  # 0 before CUDA started
         try:
-            self.slot.runtime.place(device, message.budget_bytes, check_factor(message.slowdown))
+            runtime.place(device, message.budget_bytes, check_factor(message.slowdown))
         except Exception as exc:
             return Failed(error_text(exc)[:2000])
         self.slot.lane_bytes = message.lane_bytes or 0
         self.slot.shared_lane = message.shared
+        if runtime.cuda is not None and (grew := torch.cuda.memory_reserved(device) - before):
+            return Placed(max(0, grew))
         return Ack()
 
     def swap_out(self) -> Reply:

@@ -32,6 +32,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Loaded,
     PipelineOptions,
     Place,
+    Placed,
     Poisoned,
     Progress,
     Pull,
@@ -488,6 +489,10 @@ def decode_reply(d: object) -> Reply:
                           _bool(d, w, "forward"), "pool" in d)
     if "seconds" in d and "path" not in d:
         return _step_done_reply(d) if "iteration" in d else _call_done_reply(d)
+    if "placed_reserved_bytes" in d:
+        w = "'place' reply"
+        forward = _plain_reply(d, w, _keys("placed_reserved_bytes"))
+        return Placed(_int(d, w, "placed_reserved_bytes"), forward)
     if "swap" in d:
         w = "'swap' reply"
         forward = _plain_reply(d, w, _keys("swap"))

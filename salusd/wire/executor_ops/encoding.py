@@ -31,6 +31,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Loaded,
     Message,
     Place,
+    Placed,
     Poisoned,
     Progress,
     Pull,
@@ -243,4 +244,6 @@ _ENCODERS: dict[type, Callable[[Any], Wire]] = {
     Progress: lambda m: {"op": "progress", "unsolicited": True, "step": m.step,
                          "max_steps": m.max_steps, "loss": m.loss, "forward": False},
     Swapped: lambda m: {"ok": True, "swap": dict(m.swap), "forward": m.forward},
+    Placed: lambda m: {"ok": True, "placed_reserved_bytes": m.reserved_bytes,
+                       "forward": m.forward},
 }

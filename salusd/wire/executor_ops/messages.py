@@ -451,6 +451,16 @@ class Exited:
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """Done (`place` on a GPU): moving the job's state in made the process reserve
+    `reserved_bytes` more (measured: `torch.cuda.memory_reserved`), which the daemon books
+    where it is more than its model of the allocator gave."""
+
+    reserved_bytes: int
+    forward: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Poisoned:
     """Unsolicited: a call of the job hit a sticky CUDA error (`message`), which leaves the
     process's CUDA context unusable; the executor ends right after it (its jobs fail)."""
@@ -479,5 +489,5 @@ class Swapped:
 
 
 Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loaded | Checkpointed
-         | CallDone | StepDone | Ready | Ran | Exited | Poisoned | Progress | Swapped)
+         | CallDone | StepDone | Ready | Ran | Exited | Placed | Poisoned | Progress | Swapped)
 Message = Request | Reply
