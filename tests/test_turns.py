@@ -193,3 +193,16 @@ def test_a_swap_that_would_leave_a_view_of_a_parameter_behind_is_refused() -> No
     row = weight.data[0]  # a view the script kept
     why = unsafe([weight, moment], [weight, moment, row])
     assert why is not None and "1 live tensor(s)" in why
+
+
+def test_a_callers_gpu_pin_is_honoured_where_it_holds_the_placed_gpu_and_refused_elsewhere(
+        ) -> None:
+    from salus.daemon.executor.boundaries import pinned_elsewhere
+
+    gpus = "GPU-aaaa-1111,GPU-bbbb-2222"
+    assert pinned_elsewhere(None, gpus, "GPU-bbbb-2222") is None  # no pin
+    assert pinned_elsewhere("GPU-bbbb", gpus, "GPU-bbbb-2222") is None  # a prefix
+    assert pinned_elsewhere("0,1", gpus, "GPU-bbbb-2222") is None  # the daemon's indices
+    refused = pinned_elsewhere("0", gpus, "GPU-bbbb-2222")
+    assert refused is not None and "GPU-bbbb-2222" in refused and "'0'" in refused
+    assert pinned_elsewhere("", gpus, "GPU-aaaa-1111") is not None  # it hides every GPU

@@ -107,6 +107,8 @@ class Boundaries:
         self.seen = 0  # boundaries so far
         self.began = time.monotonic()
         self.ended = False  # the script ended: a granted run has nothing to run
+        # The caller's CUDA_VISIBLE_DEVICES (None: unset) and the daemon's GPUs by UUID.
+        self.pin: tuple[str | None, str] = (None, "")
         self.main = threading.main_thread().ident
         self.inside = False  # the main thread is in a boundary: a Ctrl-C waits
         self.interrupted = False
@@ -265,6 +267,9 @@ class Boundaries:
     def place(self, device: str, message: Place) -> Reply:
         """The script runs where it was placed from its first line (its executor sees only
         that GPU); placed again after a swap, what the swap moved goes back."""
+        refused = pinned_elsewhere(*self.pin, message.uuid)
+        if refused is not None:
+            return Failed(refused)
         if device.startswith("cuda") and not isinstance(self.meter, DeviceMeter):
             self.meter = DeviceMeter(device)
         if self.swap.home:
@@ -291,6 +296,27 @@ class Boundaries:
 
     def _send(self, reply: Reply) -> None:
         self.daemon.send(addressed(encode(reply), self.job))
+
+
+def pinned_elsewhere(pin: str | None, daemon_gpus: str, uuid: str | None) -> str | None:
+    """Why a script whose caller set `CUDA_VISIBLE_DEVICES` to `pin` cannot run on the GPU
+    `uuid` it was placed on, or None where the pin allows it (or there is none). An entry of
+    the pin is a UUID or its prefix, or an index into the daemon's GPUs (`daemon_gpus`, its
+    executors' `CUDA_VISIBLE_DEVICES`, by UUID in the daemon's order)."""
+    if pin is None or uuid is None:
+        return None
+    gpus = [g.strip() for g in daemon_gpus.split(",") if g.strip()]
+    allowed = []
+    for entry in (e.strip() for e in pin.split(",")):
+        if entry.isdigit() and int(entry) < len(gpus):
+            allowed.append(gpus[int(entry)])
+        elif entry and not entry.isdigit() and not entry.startswith("-"):
+            allowed += [g for g in gpus if g.startswith(entry)]
+    if uuid in allowed:
+        return None
+    return (f"the script's CUDA_VISIBLE_DEVICES={pin!r} does not include {uuid}, the GPU salusd "
+            "placed it on; salusd chooses the GPU and shows the script only that one: unset "
+            "CUDA_VISIBLE_DEVICES, or pin a GPU the daemon serves")
 
 
 class _Stop(BaseException):

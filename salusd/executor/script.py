@@ -122,8 +122,10 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     if stdio is not None:
         _install_stdio(stdio)
     _make_streams(command.unbuffered)
+    daemon_gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")  # the daemon's, by UUID
     _become_the_script(message, command, cwd)
     boundaries = Boundaries(daemon, job, estimate)
+    boundaries.pin = (message.env.get("CUDA_VISIBLE_DEVICES"), daemon_gpus)
     signal.signal(signal.SIGINT, boundaries.on_sigint)
     automatic = message.env.get(api.BOUNDARY_ENV) != "explicit"
     register_optimizer_step_post_hook(lambda opt, *_: boundaries.stepped(opt, automatic))
