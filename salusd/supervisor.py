@@ -56,6 +56,7 @@ from typing import Any
 
 from salus.daemon.context_cost import workspace_config
 from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
+from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.loop import Link, Loop
 from salus.daemon.state.job_output import output_path
 from salus.daemon.wire.executor_ops import (
@@ -173,6 +174,7 @@ def executor_environment(base: Mapping[str, str], gpu_uuids: Sequence[str]) -> d
     env = {**base, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     if gpu_uuids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
+        env[DEVICE_KIND_ENV] = "cuda"
         env["CUBLAS_WORKSPACE_CONFIG"] = workspace_config(base)
     return env
 

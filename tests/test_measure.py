@@ -294,3 +294,35 @@ def _mse_iteration(s: SimpleNamespace, x: torch.Tensor, y: torch.Tensor) -> torc
     loss.backward()
     s.opt.step()
     return loss.detach()
+
+
+def test_on_a_gpu_host_the_call_is_estimated_on_fake_cuda_tensors_without_starting_cuda(
+        ) -> None:
+    """Faked on the GPU, a call is estimated as it will run there: its arguments' copy onto
+    the device counts (as the executor's does); no CUDA context is made for it. Where torch
+    has CUDA, a training step with Adam runs too, its `step` kept on the CPU as placing the
+    state keeps it (backward and autocast on fake CUDA tensors need torch's CUDA build)."""
+    model = nn.Linear(256, 512, bias=False)
+    state = SimpleNamespace(model=model, opt=torch.optim.Adam(model.parameters()))
+
+    def forward(s: SimpleNamespace, x: torch.Tensor) -> torch.Tensor:
+        return s.model(x)
+
+    def train(s: SimpleNamespace, x: torch.Tensor) -> torch.Tensor:
+        s.opt.zero_grad()
+        loss = s.model(x).square().mean()
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
+    x = torch.ones(8, 256)
+    served = SimpleNamespace(model=nn.Linear(256, 512, bias=False).requires_grad_(False))
+    on_cpu = estimate_call_peak(forward, served, (x,), {})
+    on_gpu = estimate_call_peak(forward, served, (x,), {}, torch.device("cuda"))
+    assert on_cpu.bytes == 8 * 512 * 4  # the output alone
+    assert on_gpu.bytes == 8 * 256 * 4 + 8 * 512 * 4  # and the argument's copy on the GPU
+    assert not torch.cuda.is_initialized()
+    if torch.cuda.is_available():  # backward on fake CUDA tensors needs torch's CUDA build
+        trained = estimate_call_peak(train, state, (x,), {}, torch.device("cuda"))
+        assert trained.bytes >= 512 * 256 * 4  # at least the gradient
+        assert not state.opt.state  # the real state untouched

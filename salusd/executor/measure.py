@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from salus.daemon.executor.optimizer_state import layout_sizes
+from salus.daemon.executor.state_move import destinations
 from salus.daemon.memory.reserve import peak_reserved, reserved_for
 
 T = TypeVar("T")
@@ -305,15 +306,22 @@ def state_footprint(objects: Iterable[object]) -> Footprint:
     return Footprint(sum(sizes), reserved_for(sizes))
 
 
-def _fake_state(mode: FakeTensorMode, state: object) -> object:
+def _fake_state(mode: FakeTensorMode, state: object,
+                device: torch.device | None = None) -> object:
     """A deep copy of the job's state whose tensors are fake (same shapes, no data); shared
-    tensors stay shared and optimizers keep pointing at the copied parameters."""
+    tensors stay shared and optimizers keep pointing at the copied parameters. With `device`,
+    each tensor is faked where placing the state on that device puts it (`state_move`): a
+    fake CUDA tensor needs no CUDA, so autocast and kernels choose as they will on the GPU."""
     memo: dict[int, Any] = {}
+    where = ({} if device is None else
+             {id(t): d for t, d in destinations(vars(state).values(), device)})
     for obj in vars(state).values():
         for t in _tensors_of(obj):
             if id(t) in memo:
                 continue
             fake: Tensor = mode.from_tensor(t.detach())
+            if id(t) in where and where[id(t)] != fake.device:
+                fake = _moved(fake, where[id(t)])
             if isinstance(t, nn.Parameter):
                 fake = nn.Parameter(fake, requires_grad=t.requires_grad)
             memo[id(t)] = fake
@@ -325,26 +333,43 @@ def _fake_state(mode: FakeTensorMode, state: object) -> object:
 
 
 def estimate_call_peak(fn: Callable[..., Any], state: object, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> Footprint:
+                       kwargs: dict[str, Any], device: torch.device | None = None) -> Footprint:
     """Peak ephemeral bytes of `fn(state, *args, **kwargs)`, estimated by running it on fake
     copies of the state and arguments (no data, no real compute); its reserved bytes are those
     of a fresh caching allocator replaying the call's storages (the state's segments are
     booked apart, so the call is not counted on their free space). When an optimizer holds no
     state yet, the call first runs once untracked so that the measured run is in steady state.
-    The real state is not touched. Raises EstimationError when the call cannot run on fake
-    tensors (data-dependent control flow, objects that cannot be copied)."""
+    The real state is not touched. With `device` (the GPU the job will run on) the state and
+    the arguments are faked there, the arguments' copy counted in the call as the executor's
+    is. Raises EstimationError when the call cannot run on fake tensors (data-dependent control
+    flow, objects that cannot be copied)."""
 
     def estimate(mode: FakeTensorMode) -> Footprint:
-        fake = _fake_state(mode, state)
+        fake = _fake_state(mode, state, device)
         fargs, fkwargs = tree_map_only(Tensor, lambda t: mode.from_tensor(t), (args, kwargs))
         if any(isinstance(o, Optimizer) and not o.state for o in vars(fake).values()):
-            fn(fake, *fargs, **fkwargs)
+            fn(fake, *_on(device, fargs), **_on(device, fkwargs))
         with StorageTracker() as tracker:
-            out = fn(fake, *fargs, **fkwargs)
+            out = fn(fake, *_on(device, fargs), **_on(device, fkwargs))
             del out
         return Footprint(tracker.peak_bytes, peak_reserved(tracker.events))
 
     return _run_fake("estimate the call", estimate)
+
+
+def _on(device: torch.device | None, tree: T) -> T:
+    """`tree` with its tensors on `device` (None: as they are)."""
+    if device is None:
+        return tree
+    return tree_map_only(Tensor, lambda t: _moved(t, device), tree)
+
+
+def _moved(fake: Tensor, device: torch.device) -> Tensor:
+    """A fake tensor like `fake` on `device` (made, not copied: fakes hold no data, and a
+    copy would need torch's CUDA build where a made fake CUDA tensor does not)."""
+    if fake.device == device:
+        return fake
+    return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=device)
 
 
 def warm_up() -> None:

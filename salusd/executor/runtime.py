@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import time
 import traceback
 import types
@@ -44,6 +45,7 @@ from salus.daemon.executor.measure import (
 from salus.daemon.executor.peak import PeakMeter
 from salus.daemon.executor.results import error_text, is_iteration, result_message
 from salus.daemon.executor.state_move import move_state
+from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.slowdown import ComputeSlowdown
 from salus.daemon.wire import compact
@@ -172,8 +174,12 @@ class JobRuntime:
         else:
             fn, args, kwargs = self._decode_call(request)
         rng = torch.get_rng_state()
+        # On a GPU host the call is estimated on fake CUDA tensors (no CUDA starts for them;
+        # `is_available` asks NVML, `PYTORCH_NVML_BASED_CUDA_CHECK`).
+        gpu = os.environ.get(DEVICE_KIND_ENV) == "cuda" and torch.cuda.is_available()
+        device = torch.device("cuda") if gpu else None
         try:
-            return estimate_call_peak(fn, self.state, args, kwargs), "fake-tensor"
+            return estimate_call_peak(fn, self.state, args, kwargs, device), "fake-tensor"
         finally:
             torch.set_rng_state(rng)  # the estimate must not consume the job's stream
 

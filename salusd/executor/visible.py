@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
+# Set in executors on a GPU host (`supervisor.executor_environment`): the device kind their
+# jobs will run on, which a first call's estimate fakes its tensors on (`measure.py`).
+DEVICE_KIND_ENV = "SALUS_DEVICE_KIND"
+
 
 class BoundToAnotherGpu(RuntimeError):
     """CUDA has started in this executor on GPUs that do not include the one it is placed on."""
