@@ -6,7 +6,10 @@ environment, `sys.argv`), its iterations scheduled at its optimizer steps
 (on a socket pair whose other end travels to the executor through the daemon), so the script
 reads and writes the terminal as a direct run does; it then waits for the script's exit status
 and exits with it. The first Ctrl-C is raised in the script (SIGINT, as in a direct run); a
-second cancels the job. With `--restart on-failure` a failed run's command runs again, still
+second cancels the job. SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to this process are raised
+in the script, as Slurm's `srun` forwards them: a script that saves a checkpoint on SIGTERM
+does so, and this process exits with the script's status (143 where the script dies of it).
+With `--restart on-failure` a failed run's command runs again, still
 attached to this terminal, and the status is the last run's. Exit statuses of its own: 125
 when the job could not be run, 128 + N when the script died of signal N, 1 when the job ended
 otherwise (cancelled, the daemon went away), with the reason on stderr.
@@ -34,6 +37,9 @@ from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_fra
 
 CANNOT_RUN = 125  # as `env` and container runners say "the command did not run"
 INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py)
+# The other signals forwarded to the script, each as one byte on the same socket.
+FORWARDED = {signal.SIGTERM: b"T", signal.SIGHUP: b"H", signal.SIGUSR1: b"1",
+             signal.SIGUSR2: b"2"}
 MAX_ITERATIONS = 2**53
 ENDED = ("finished", "failed", "cancelled")
 ENDED_WAIT_S = 10.0
@@ -171,8 +177,13 @@ def _name(command: list[str]) -> str:
 
 
 def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
-    """Forward Ctrl-C until the script's exit status comes; the status to exit with."""
+    """Forward Ctrl-C and `FORWARDED` signals until the script's exit status comes; the status
+    to exit with."""
     interrupts = 0
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(OSError):
+            ours.send(FORWARDED[signal.Signals(signum)])
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
         nonlocal interrupts
@@ -185,11 +196,14 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
             with contextlib.suppress(OSError):
                 channel.send({"op": "cancel", "job": job})
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint)}
+    for signum in FORWARDED:
+        previous[signum] = signal.signal(signum, forward)
     try:
         status = _status(ours)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if status is not None:
         _ended_info(channel, job)  # so that what follows sees the job ended
         return status

@@ -315,6 +315,51 @@ def test_a_second_ctrl_c_cancels_the_job(daemon: str, tmp_path: Path) -> None:
     assert "cancelled" in err
 
 
+def test_sigterm_to_salusd_run_runs_the_scripts_handler(daemon: str, tmp_path: Path) -> None:
+    """Slurm's and Kubernetes' preemption: SIGTERM sent to `salusd run` reaches the script,
+    whose handler saves a checkpoint and exits 0; `salusd run` exits with that status."""
+    path = script(tmp_path, """\
+        import pathlib, signal, sys, time
+        import salus.adapters.torch as salus
+
+        def save(signum, frame):
+            pathlib.Path("checkpoint").write_text(f"saved on {signal.Signals(signum).name}")
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, save)
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    code, _, _ = finish(proc)
+    assert code == 0
+    assert (tmp_path / "checkpoint").read_text() == "saved on SIGTERM"
+
+
+def test_a_script_without_a_handler_dies_of_the_forwarded_signal_and_is_not_finished(
+        daemon: str, tmp_path: Path) -> None:
+    """As a direct run: SIGUSR1 without a handler ends the script with that signal; `salusd
+    run` exits 128 + 10 and says the job failed."""
+    path = script(tmp_path, """\
+        import time
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGUSR1)
+    code, _, err = finish(proc)
+    assert code == 128 + signal.SIGUSR1
+    assert "failed" in err and "SIGUSR1" in err
+
+
 def test_stdin_is_the_callers(daemon: str, tmp_path: Path) -> None:
     path = script(tmp_path, """\
         import sys

@@ -5,8 +5,10 @@ the caller's environment and arguments. With a client (`salusd run`) the client'
 stdout and stderr descriptors arrive on its socket and become this process's 0, 1 and 2, so
 the script writes to the caller's terminal as a direct run does (C output and child processes
 too, in order) and reads the caller's stdin; a byte `I` on that socket is a Ctrl-C, raised in
-the script as SIGINT. Without a client (REST) stdin is empty and both streams go, through a
-pipe, to the job's log (bounded and rotated, `salusd/state/job_output.py`).
+the script as SIGINT, and `T`, `H`, `1`, `2` are SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to
+`salusd run`, raised in the script (never in the middle of a boundary's exchange with the
+daemon: they wait for the boundary's lock). Without a client (REST) stdin is empty and both
+streams go, through a pipe, to the job's log (bounded and rotated, `salusd/state/job_output.py`).
 
 Its iteration boundaries are `boundaries.py`'s: every optimizer step and `salus.step()`; the
 code before the first boundary is the first iteration, what follows the last one is not an
@@ -35,6 +37,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import types
 from collections.abc import Callable
@@ -53,7 +56,10 @@ from salus.daemon.wire.executor_ops import RESTARTING, Ack, Failed, Script, addr
 
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
+SIGNAL_SETTLE_S = 0.005  # a forwarded signal's handler runs within this (between bytecodes)
 INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
+SIGNALS = {INTERRUPT[0]: signal.SIGINT, ord("T"): signal.SIGTERM, ord("H"): signal.SIGHUP,
+           ord("1"): signal.SIGUSR1, ord("2"): signal.SIGUSR2}  # client -> executor
 STDIO_AGAIN = b'{"stdio": true}\n'  # executor -> client: a rerun asks for the descriptors
 
 
@@ -130,7 +136,8 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     automatic = message.env.get(api.BOUNDARY_ENV) != "explicit"
     register_optimizer_step_post_hook(lambda opt, *_: boundaries.stepped(opt, automatic))
     api.install(boundaries.boundary, boundaries.progress)
-    stop_interrupts = _forward_interrupts(client) if client is not None else None
+    stop_interrupts = (_forward_signals(client, boundaries.lock) if client is not None
+                       else None)
     boundaries.start()
     code = _execute(command)
     _wind_down()
@@ -327,9 +334,12 @@ def _wind_down() -> None:
     flush()
 
 
-def _forward_interrupts(client: socket.socket) -> Callable[[], None]:
-    """Raise SIGINT in the script for each Ctrl-C the client forwards, on a thread; returns
-    what stops that thread (no byte the client sends to a rerun is read here after it)."""
+def _forward_signals(client: socket.socket, boundary: Any) -> Callable[[], None]:
+    """Raise in the script each signal the client forwards (`SIGNALS`), on a thread; returns
+    what stops that thread (no byte the client sends to a rerun is read here after it). A
+    signal is raised while holding `boundary` (the boundaries' lock), so that the script's
+    handler never runs in the middle of a boundary's messages to the daemon (a Ctrl-C there is
+    held by `Boundaries.on_sigint` too)."""
     stop_read, stop_write = os.pipe()
 
     def forward() -> None:
@@ -343,8 +353,13 @@ def _forward_interrupts(client: socket.socket) -> Callable[[], None]:
                 return
             if not data:
                 return
-            for _ in range(data.count(INTERRUPT)):
-                os.kill(os.getpid(), signal.SIGINT)
+            for byte in data:
+                if byte == INTERRUPT[0]:  # `Boundaries.on_sigint` holds it during a boundary
+                    os.kill(os.getpid(), signal.SIGINT)
+                elif byte in SIGNALS:
+                    with boundary:  # the script's own handler: outside boundaries
+                        os.kill(os.getpid(), SIGNALS[byte])
+                        time.sleep(SIGNAL_SETTLE_S)  # for the main thread to run it
 
     thread = threading.Thread(target=forward, daemon=True)
     thread.start()
