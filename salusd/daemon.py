@@ -54,6 +54,7 @@ class DaemonConfig:
     max_connections: int = 1024
     frame_timeout_s: float = 30.0
     cancel_grace_s: float = 5.0
+    script_grace_s: float = 30.0
     retention_s: float = 3600.0
     standby_executors: int = 2
     shutdown_timeout_s: float = 60.0
@@ -113,6 +114,7 @@ class Daemon:
             clock=time.monotonic, timers=self.loop,
             torch_devices=[d.torch_device for d in config.devices], threads=config.threads,
             retention_s=config.retention_s, cancel_grace_s=config.cancel_grace_s,
+            script_grace_s=config.script_grace_s,
             store=self.store, checkpoints=checkpoints, cluster=config.cluster,
             data_cache=data_cache,
             compute_slowdowns=[d.compute_slowdown for d in config.devices],

@@ -412,6 +412,12 @@ class Supervisor:
         assert isinstance(executor, ExecutorHandle)
         self._kill_process(executor.process)
 
+    def terminate(self, executor: object) -> None:
+        assert isinstance(executor, ExecutorHandle)
+        if executor.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(executor.process.pid, signal.SIGTERM)
+
     def _kill_process(self, proc: ExecutorProcess) -> None:
         if proc.pid is None:
             proc.kill_when_forked = True

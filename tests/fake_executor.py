@@ -127,6 +127,7 @@ class FakeExecutors:
         self.engine: Engine | None = None
         self.executors: list[FakeExecutor] = []
         self.killed: list[FakeExecutor] = []
+        self.terminated: list[FakeExecutor] = []
         self.on_send: Callable[[FakeExecutor, Request], None] | None = None
 
     # ---- ExecutorPort -------------------------------------------------------------------------
@@ -149,6 +150,10 @@ class FakeExecutors:
     def kill(self, executor: object) -> None:
         assert isinstance(executor, FakeExecutor)
         self.killed.append(executor)
+
+    def terminate(self, executor: object) -> None:
+        assert isinstance(executor, FakeExecutor)
+        self.terminated.append(executor)
 
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:

@@ -360,6 +360,41 @@ def test_a_script_without_a_handler_dies_of_the_forwarded_signal_and_is_not_fini
     assert "failed" in err and "SIGUSR1" in err
 
 
+def test_a_cancelled_script_gets_sigterm_and_its_grace(daemon: str, tmp_path: Path) -> None:
+    """Cancelling a script job (here by a second Ctrl-C) sends its command SIGTERM and lets it
+    run on to its handler's end: the handler flags, the next step saves a checkpoint and the
+    script exits 0 within the grace."""
+    path = script(tmp_path, """\
+        import pathlib, signal, sys, time
+        import salus.adapters.torch as salus
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        ready = True
+        while True:
+            try:
+                if ready:
+                    ready = False
+                    print("ready", flush=True)
+                time.sleep(0.01)
+                salus.step()
+                if stop:
+                    pathlib.Path("checkpoint").write_text("saved after the last step")
+                    sys.exit(0)
+            except KeyboardInterrupt:
+                print("ignored", flush=True)
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline() == "ignored\n"
+    proc.send_signal(signal.SIGINT)  # the second cancels the job
+    code, _, err = finish(proc)
+    assert code == 0, err
+    assert (tmp_path / "checkpoint").read_text() == "saved after the last step"
+
+
 def test_stdin_is_the_callers(daemon: str, tmp_path: Path) -> None:
     path = script(tmp_path, """\
         import sys

@@ -45,6 +45,7 @@ class Config:
     share_lanes: bool = False  # an owner's interactive jobs of one lane share an executor
     # per device: bytes an executor's cuBLAS(Lt) workspaces reserve beside its jobs (0: none)
     workspace_bytes: list[int] = field(default_factory=list)
+    script_grace_s: float = 30.0  # a cancelled script's SIGTERM before its SIGKILL
 
 
 @dataclass(eq=False)
@@ -106,6 +107,14 @@ class Core:
         log.info("job %d %s: %s", record.job_id, state, reason)
         if executor_gone:
             return
+        if record.script is not None and state == "cancelled":
+            # As Kubernetes and Slurm end a job: SIGTERM, so that its handler may save a
+            # checkpoint and exit (then `scripts.exited` lets it go), SIGKILL after the grace.
+            record.grace = True
+            self.outbox.terminate_all(record)
+            self.timers.call_later(self.config.script_grace_s,
+                                   lambda: self.outbox.kill_all(record))
+            return
         if self.dispatch.running(record.job_id):
             record.cancel_requested = True
             self.timers.call_later(self.config.cancel_grace_s,
@@ -121,7 +130,10 @@ class Core:
             self.outbox.kill_all(record)
 
     def finalize(self, record: JobRecord) -> None:
-        """Retire an ended job's executors once they answered what they were sent."""
+        """Retire an ended job's executors once they answered what they were sent (a script in
+        its grace is let go when its command ends, or killed after it: `end`)."""
+        if record.grace:
+            return
         code = "job_failed" if record.end_state == "failed" else "job_cancelled"
         self.outbox.retire_all(record, code, f"job {record.job_id} has {record.end_state}: "
                                f"{record.reason}")

@@ -78,13 +78,13 @@ class Engine:
         data_cache: DataCachePolicy | None = None,
         compute_slowdowns: Sequence[float] | None = None, estimate_first: bool = True,
         context_bytes: Sequence[int] | None = None, share_lanes: bool = False,
-        workspace_bytes: Sequence[int] | None = None,
+        workspace_bytes: Sequence[int] | None = None, script_grace_s: float = 30.0,
     ) -> None:
         config = Config(list(torch_devices),
                         list(compute_slowdowns or [1.0] * len(capacities)), threads,
                         cancel_grace_s, max_queued_calls, estimate_first, checkpoints,
                         data_cache, cluster, store, share_lanes,
-                        list(workspace_bytes or [0] * len(capacities)))
+                        list(workspace_bytes or [0] * len(capacities)), script_grace_s)
         ledgers = [DeviceLedger(c) for c in capacities]
         self.core = Core(config, clock, timers, Outbox(executors),
                          Dispatcher([ld.capacity for ld in ledgers], make_policy(policy), clock,

@@ -81,6 +81,12 @@ class Outbox:
             if self.alive(executor):
                 self.port.kill(executor)
 
+    def terminate_all(self, record: JobRecord) -> None:
+        """Send SIGTERM to every executor of the job that is still running."""
+        for executor in record.replicas:
+            if self.alive(executor):
+                self.port.terminate(executor)
+
     def retire_all(self, record: JobRecord, code: str, message: str) -> None:
         for executor in record.replicas:
             if self.alive(executor):

@@ -25,6 +25,11 @@ class ExecutorPort(Protocol):
         """End the executor now (SIGKILL)."""
         ...
 
+    def terminate(self, executor: object) -> None:
+        """Send the executor SIGTERM: a script job's command gets its grace (its handler may
+        save a checkpoint and exit)."""
+        ...
+
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:
         """Ask the executor to exit once it has answered what it was sent; calls still queued

@@ -81,6 +81,7 @@ class JobRecord:
     swap_requested: bool = False
     swapped: bool = False
     cancel_requested: bool = False
+    grace: bool = False  # a cancelled script's command runs on after SIGTERM (`Core.end`)
     end_state: EndState | None = None
     reason: str = ""
     ended_s: float | None = None

@@ -15,7 +15,7 @@ from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError
-from salus.daemon.wire.executor_ops import Estimate, Refuse
+from salus.daemon.wire.executor_ops import Estimate, Lease, Refuse
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler.dispatch import Finished, RanUnderLease
 
@@ -106,6 +106,11 @@ class Replies:
         core = self.core
         op = meta.get("op")
         if op == "ready":
+            if not record.live and record.grace and not core.stopping:
+                # A cancelled script in its grace (`Core.end`): it runs on to its handler's
+                # end, its memory no longer booked, as a terminating pod does.
+                core.outbox.send(record, Sent("lease"), Lease(True))
+                return
             if not record.live or core.stopping:
                 core.outbox.send(record, Sent("refuse"), Refuse(
                     "shutting_down" if core.stopping else "job_cancelled",

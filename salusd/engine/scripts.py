@@ -128,7 +128,9 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     reruns left a non-zero status lets its executor go, and the command runs again once it
     is gone (`executor_gone`)."""
     code = int(meta.get("code", 1))
-    if not record.live:
+    if not record.live:  # cancelled: its command ended within its grace
+        record.grace = False
+        core.finalize(record)
         return
     why = f"its command exited with status {code}: {_shown(record)}"
     if code != 0 and may_rerun(core, record):
