@@ -34,6 +34,8 @@ class Control:
             self.close()
             raise DaemonUnavailable(str(hello["refused"]))
         self.owner: str = hello.get("owner", "")
+        state_dir = hello.get("state_dir")
+        self.state_dir: str | None = state_dir if isinstance(state_dir, str) else None
 
     def status(self) -> dict[str, Any]:
         """Devices (budget, lanes) and jobs (state, progress, memory)."""

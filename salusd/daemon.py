@@ -131,7 +131,8 @@ class Daemon:
             self.rest = self._make_rest(config.http)
         self.supervisor.on_reply = self.engine.on_executor_reply
         self.supervisor.on_died = self.engine.on_executor_died
-        self.server = SocketServer(config.socket_path, self.loop, Handlers(self.engine),
+        self.server = SocketServer(config.socket_path, self.loop, Handlers(
+            self.engine, state_dir=None if config.state_dir is None else str(config.state_dir)),
                                    group=config.group, max_connections=config.max_connections,
                                    frame_timeout_s=config.frame_timeout_s)
         self._stop = False

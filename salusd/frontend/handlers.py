@@ -96,9 +96,11 @@ def _segment_bytes(frame: RawFrame, op: str) -> int | None:
 class Handlers:
     """Routes each request of a connection to the engine."""
 
-    def __init__(self, engine: Engine, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, engine: Engine, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 state_dir: str | None = None) -> None:
         self.engine = engine
         self.max_frame_bytes = max_frame_bytes
+        self.state_dir = state_dir  # said in `ping`: where the operator's CLI finds the REST API
         self._ops: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
             "ping": self._ping, "open": self._open, "info": self._info, "close": self._close,
             "status": self._status, "suspend": self._suspend, "resume": self._resume,
@@ -203,7 +205,7 @@ class Handlers:
     def _ping(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
         return {"version": VERSION, "max_frame_bytes": self.max_frame_bytes,
                 "owner": client.owner.name, "compact": COMPACT_REVISION,
-                "refused": client.refused or None}
+                "refused": client.refused or None, "state_dir": self.state_dir}
 
     def _open(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
         cwd = request.get("cwd")

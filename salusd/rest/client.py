@@ -32,7 +32,23 @@ class RestError(SalusError):
 
 
 def state_dirs(explicit: Path | None) -> list[Path]:
-    return [explicit] if explicit else [default_state_dir(), Path("/var/lib/salusd")]
+    """Where to look for the daemon's REST address and admin token: `explicit`, else the state
+    dir of the daemon at `$SALUS_ADDRESS` (its socket says), then the default places."""
+    if explicit:
+        return [explicit]
+    found = [] if not os.environ.get("SALUS_ADDRESS") else _asked(os.environ["SALUS_ADDRESS"])
+    return [*found, default_state_dir(), Path("/var/lib/salusd")]
+
+
+def _asked(address: str) -> list[Path]:
+    """The state dir the daemon listening at `address` says it keeps ([] if none answers)."""
+    from salus.daemon.control import Control
+
+    try:
+        with Control(address, timeout_s=5.0) as ctl:
+            return [Path(ctl.state_dir)] if ctl.state_dir else []
+    except (SalusError, OSError, ValueError):
+        return []
 
 
 def find_url(url: str | None, state_dir: Path | None) -> str:
