@@ -230,12 +230,13 @@ def test_peer_credentials_name_the_owner(tmp_path: Path) -> None:
 def test_the_operators_status_finds_the_daemon_by_salus_address_alone(tmp_path: Path) -> None:
     """`salusd status` with only `SALUS_ADDRESS` set (no --url, --state-dir, SALUS_URL; a HOME
     without a default state dir) asks the daemon at that socket where its REST API is."""
-    with salusd(tmp_path, "--http", "127.0.0.1:0") as (_, address):
-        with salus.connect(name="found-by-socket", iterations=3, address=address):
-            env = {k: v for k, v in os.environ.items() if k not in ("SALUS_URL", "SALUS_TOKEN")}
-            env.update(SALUS_ADDRESS=address, HOME=str(tmp_path / "home"), COLUMNS="400",
-                       XDG_STATE_HOME=str(tmp_path / "home" / "state"))
-            status = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "status"],
-                                    capture_output=True, text=True, timeout=60, env=env)
-            assert status.returncode == 0, status.stderr
-            assert "found-by-socket" in status.stdout
+    env = {k: v for k, v in os.environ.items() if k not in ("SALUS_URL", "SALUS_TOKEN")}
+    env.update(HOME=str(tmp_path / "home"), COLUMNS="400",
+               XDG_STATE_HOME=str(tmp_path / "home" / "state"))
+    with (salusd(tmp_path, "--http", "127.0.0.1:0") as (_, address),
+          salus.connect(name="found-by-socket", iterations=3, address=address)):
+        status = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "status"],
+                                capture_output=True, text=True, timeout=60,
+                                env={**env, "SALUS_ADDRESS": address})
+        assert status.returncode == 0, status.stderr
+        assert "found-by-socket" in status.stdout
