@@ -48,6 +48,8 @@ from salus.daemon.wire.executor_ops import (
     Run,
     Step,
     StepDone,
+    SwapOut,
+    Swapped,
     decode_request,
     encode,
 )
@@ -56,7 +58,7 @@ from salus.daemon.wire.frames import RawFrame, json_frame
 _FITS: dict[type, tuple[type, ...]] = {
     Run: (CallDone,), Step: (StepDone,), Estimate: (Estimated, EstimateFailed),
     Attach: (Attached, Failed), Load: (Loaded, Failed), Restore: (Loaded, Failed),
-    Checkpoint: (Checkpointed, Failed),
+    Checkpoint: (Checkpointed, Failed), SwapOut: (Ack, Swapped, Failed),
 }
 """The replies each request may get (any other request: `Ack` or `Failed`)."""
 
