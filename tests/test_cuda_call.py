@@ -320,7 +320,7 @@ def test_a_swapped_out_job_trains_on_exactly_as_one_that_stayed() -> None:
     swapped.swap_out()
     assert swapped.device.type == "cpu" and swapped.cuda is None
     assert torch.cuda.memory_allocated(GPU) < held  # its state left the device
-    assert swapped.state.model.weight.is_pinned()
+    assert not swapped.state.model.weight.is_pinned()  # pageable: the pinned ring is fixed
     swapped.place("cuda:0", torch.cuda.get_device_properties(GPU).total_memory)
     for _ in range(2):
         a = run_call(swapped, _call(0, torch.ones(1)), forward=False)[1]

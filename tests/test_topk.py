@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from salus.daemon.services import topk as topk_mod
-from salus.daemon.services.topk import choose_method, mstopk, sampled_topk, topk
+from salus.daemon.services.topk import (
+    Kernel,
+    choose_kernel,
+    choose_method,
+    mstopk,
+    mstopk_kernel,
+    sampled_topk,
+    topk,
+)
 
 METHODS = ["exact", "sampled", "mstopk", "auto"]
 EXACT_METHODS = ["exact", "sampled", "auto"]
@@ -232,11 +242,72 @@ def test_auto_rule() -> None:
         (lambda: topk(torch.ones(3), True), TypeError, "bool"),
         (lambda: topk(torch.ones(3), 1, method="fast"), ValueError, "method"),
         (lambda: mstopk(torch.ones(3), 1, iterations=0), ValueError, "iterations"),
+        (lambda: mstopk(torch.ones(3), 1, kernel="triton"), ValueError, "kernel"),
+        (lambda: mstopk(torch.ones(3), 1, kernel="cupy"), ValueError, "CUDA tensor"),
     ],
 )
 def test_bad_arguments(call: Callable[[], object], err: type[Exception], match: str) -> None:
     with pytest.raises(err, match=match):
         call()
+
+
+def reference_mstopk(x: torch.Tensor, k: int, iterations: int) -> list[int]:
+    """The bisection as mstopk's docstring describes it, in numpy, thresholds compared in
+    float32 (the magnitudes' dtype): every index >= hi ascending, then the lowest band ones."""
+    a = np.abs(x.reshape(-1).numpy().astype(np.float32))
+
+    def count(thr: float) -> int:
+        return int(np.count_nonzero(a >= np.float32(thr)))
+
+    top = float(a.max())
+    lo = float(torch.from_numpy(a).mean())  # float32, summed as torch sums
+    if count(lo) < k:
+        lo = float(a.min())
+    hi, hi_count = top, count(top)
+    if hi_count > k:
+        lo, hi, hi_count = top, math.inf, 0
+    for _ in range(iterations):
+        mid = lo + (hi - lo) / 2
+        if hi_count == k or not lo < mid < hi:
+            break
+        c = count(mid)
+        if c <= k:
+            hi, hi_count = mid, c
+        else:
+            lo = mid
+    sure = np.flatnonzero(a >= np.float32(hi))
+    band = np.flatnonzero((a >= np.float32(lo)) & ~(a >= np.float32(hi)))
+    return [*sure.tolist(), *band[: k - hi_count].tolist()]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize(("n", "k", "iterations", "seed"), [
+    (1000, 10, 20, 0), (4097, 300, 3, 1), (1 << 16, 1234, 8, 2), (257, 256, 20, 3)])
+def test_mstopk_on_the_cpu_runs_the_torch_passes_and_matches_the_bisection(
+        kernel: Kernel, n: int, k: int, iterations: int, seed: int) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    assert mstopk_kernel(x, kernel) == "torch"
+    vals, idx = mstopk(x, k, iterations, kernel=kernel)
+    check_contract(x, k, vals, idx)
+    assert idx.tolist() == reference_mstopk(x, k, iterations)
+
+
+def test_ties_at_the_maximum_match_the_bisection() -> None:
+    x = torch.tensor([3.0, -3.0, 1.0, 3.0, 2.0, -3.0, 0.5])
+    assert mstopk(x, 2)[1].tolist() == reference_mstopk(x, 2, 20) == [0, 1]
+
+
+@pytest.mark.parametrize(("kernel", "is_cuda", "cupy", "want"), [
+    ("auto", False, False, "torch"), ("auto", False, True, "torch"),
+    ("auto", True, False, "torch"), ("auto", True, True, "cupy"),
+    ("torch", True, True, "torch"), ("cupy", True, True, "cupy")])
+def test_the_kernel_choice(kernel: Kernel, is_cuda: bool, cupy: bool, want: str) -> None:
+    assert choose_kernel(kernel, is_cuda, cupy) == want
+
+
+def test_forcing_the_cupy_kernel_without_cupy_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="needs cupy"):
+        choose_kernel("cupy", True, False)
 
 
 @pytest.mark.cuda

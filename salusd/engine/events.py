@@ -32,6 +32,8 @@ class Event:
       executor_died (reason);
     - restart (reason, restarts): a script job's command runs again (`--restart on-failure`);
       script_swap (what a script job's `suspend --swap` moved and left, or moved back);
+      swapped_out (device_bytes_left): a contract job's state left its device, and what
+      stayed allocated there (0 on a CPU device);
       progress (step, max_steps, loss): what a script's framework callback reported;
     - reject (reason): admission found the job can never fit (a `failed` follows);
     - checkpoint (iteration, seconds, bytes, path, time in Unix seconds): the job's state was

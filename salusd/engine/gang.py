@@ -5,8 +5,8 @@ answers on its own executor link, in its own time. `GangReply` collects the answ
 all are in, gives one reply in the single-executor form: ok only when every replica was ok (the
 first failure's message, named by replica), the slowest replica's seconds, the largest peak
 (each device holds one replica), the mean loss, replica 0's evaluation and iteration, the sum
-of the replicas' data cache and communication counters, and for a checkpoint the bytes of all
-replicas.
+of the replicas' data cache and communication counters, for a checkpoint the bytes of all
+replicas, and for a swap-out the device bytes all replicas left.
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def merge(metas: list[dict[str, Any]]) -> dict[str, Any]:
     comms = [m["comm"] for m in metas if isinstance(m.get("comm"), dict)]
     if comms:  # bytes and calls of all replicas; the algorithm replica 0's "auto" picked
         out["comm"] = {**sum_counters(comms), "last_algorithm": comms[0].get("last_algorithm")}
+    lefts = [m["swap"].get("device_bytes_left") for m in metas if isinstance(m.get("swap"), dict)]
+    if len(lefts) == len(metas) and all(type(v) is int for v in lefts):  # each on its device
+        out["swap"] = {**out["swap"], "device_bytes_left": sum(lefts)}
     iterations = {m.get("iteration") for m in metas}
     if out["ok"] and len(iterations) > 1:
         out["ok"] = False

@@ -92,6 +92,9 @@ class Replies:
             self._loaded(record, meta)
         elif sent.kind == "checkpoint":
             checkpoints.written(core, record, meta)
+        elif sent.kind == "swap_out" and record.script is None and isinstance(
+                meta.get("swap"), dict):
+            self._swapped_out(record, meta["swap"])
         elif sent.kind in ("swap_out", "place") and isinstance(meta.get("swap"), dict):
             scripts.swapped(core, record, meta["swap"])
         elif sent.kind == "place" and ok and type(meta.get("placed_reserved_bytes")) is int:
@@ -99,6 +102,17 @@ class Replies:
         elif sent.kind == "place" and not ok and record.live:
             core.end(record, "failed", f"job {record.job_id} could not be placed: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
+
+    def _swapped_out(self, record: JobRecord, swap: dict[str, Any]) -> None:
+        """A contract job's executor moved its state to host memory: what it left allocated on
+        the device (bytes; a gang's replicas summed), in the job's events and the log."""
+        left = swap.get("device_bytes_left")
+        if type(left) is not int:
+            return
+        self.core.event("swapped_out", record.job_id, device_bytes_left=left)
+        if left:
+            log.info("job %d swapped out, leaving %d bytes allocated on its device",
+                     record.job_id, left)
 
     def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
         """`ready`: a direct call waits in the executor for its turn; `ran`: calls ran under

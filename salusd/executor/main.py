@@ -70,6 +70,7 @@ from salus.daemon.wire.executor_ops import (
     Run,
     Script,
     Step,
+    Swapped,
     address_of,
     addressed,
     client_frame_follows,
@@ -614,12 +615,15 @@ class Contract:
         return Ack()
 
     def swap_out(self) -> Reply:
+        """Move the job's state to host memory; on a GPU, say what it left on the device
+        beside what the process's other jobs hold (`left_behind.py`)."""
         self.executor._switch(self.slot)
+        others = [obj for other in self.executor.slots.values() if other is not self.slot
+                  for obj in vars(other.runtime.state).values()]
         try:
-            self.slot.runtime.swap_out()
+            return Swapped(self.slot.runtime.swap_out(others))
         except Exception as exc:
             return Failed(error_text(exc)[:2000])
-        return Ack()
 
     def other(self, message: Request, request: Any) -> tuple[Reply | None, Any]:
         executor, slot = self.executor, self.slot

@@ -21,7 +21,7 @@ import os
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, s
 from salus.daemon.executor.cuda_call import CudaCall
 from salus.daemon.executor.cuda_errors import is_sticky
 from salus.daemon.executor.intact import snapshot, unchanged
+from salus.daemon.executor.left_behind import device_bytes_left
 from salus.daemon.executor.measure import (
     EstimationError,
     Footprint,
@@ -466,13 +467,20 @@ class JobRuntime:
             self._join_placed()
         self.take_baseline()
 
-    def swap_out(self) -> None:
+    def swap_out(self, others: Iterable[object] = ()) -> dict[str, int | str | None]:
         """Move the state to host memory (a no-op for a CPU device, whose budget the daemon
-        has already released); from a CUDA device through pinned buffers (`transfer.py`)."""
+        has already released); from a CUDA device through pinned buffers (`transfer.py`).
+        Returns what the `Swapped` reply carries: `device_bytes_left`, the bytes still
+        allocated on the device after the move less what `others` (the objects of the
+        process's other jobs) hold there (`left_behind.py`); 0 on a CPU device."""
+        left = 0
         if self.device.type != "cpu":
+            device = self.device
             self._move(torch.device("cpu"))
             self.cuda = None
             torch.cuda.empty_cache()
+            left = device_bytes_left(device, others)
+        return {"device_bytes_left": left}
 
     def handover_state(self) -> dict[str, Any]:
         """What another executor of the owner needs to take the job over (`take_over`): its

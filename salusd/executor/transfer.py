@@ -1,22 +1,31 @@
 """Copying a job's storages between host and device memory, in bounded chunks.
 
-Between the CPU and a CUDA device the bytes go through pinned host memory: a swap-out copies
-each device storage into a pinned host buffer, a swap-in copies it back, both with
-`non_blocking=True` on a side stream of the CUDA device, in chunks of at most `CHUNK_BYTES`,
-and with one synchronisation at the end. The side stream first waits for the job's stream, so
-the state's last writes are copied; destinations are allocated on the job's stream, where they
-will be used (the caching allocator reuses a block only on the stream that allocated it).
-Anything else (CPU to CPU, one GPU to another) is one `Tensor.to` per storage.
+Between the CPU and a CUDA device the bytes go through a fixed ring of pinned host buffers
+(`PinnedRing`: `RING_SLOTS` buffers of `CHUNK_BYTES`, made once per process and chunk size),
+so the page-locked memory a swap holds stays bounded whatever the state's size; the host side
+of the state lives in ordinary pageable tensors. `plan_chunks` cuts the storages, laid end to
+end, into chunks of one buffer each. A swap-out copies chunk i from the device into buffer
+i mod `RING_SLOTS` (`non_blocking=True` on a side stream, then an event), and the host copies
+a buffer out into the pageable tensors once its event has completed, while the next chunks'
+copies run; a swap-in fills a buffer on the host once its previous copy to the device has
+completed, then copies it to the device on the side stream. The side stream first waits for the
+job's stream, so the state's last writes are copied; device destinations are allocated on the
+job's stream, where they will be used (the caching allocator reuses a block only on the stream
+that allocated it); one synchronisation ends the copy. Anything else (CPU to CPU, one GPU to
+another) is one `Tensor.to` per storage.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 CHUNK_BYTES = 64 * 2**20
+RING_SLOTS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +61,52 @@ def plan_chunks(sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES) -> list[li
     return chunks
 
 
+def offsets(chunk: Sequence[Piece]) -> list[tuple[Piece, int]]:
+    """Each piece of `chunk` with where it sits in the chunk's buffer (bytes): end to end
+    from 0, in order."""
+    placed, at = [], 0
+    for piece in chunk:
+        placed.append((piece, at))
+        at += piece.stop - piece.start
+    return placed
+
+
+class PinnedRing:
+    """`slots` pinned host buffers of `slot_bytes` each, and the event of each one's last copy;
+    one copy uses the ring at a time (`lock`)."""
+
+    def __init__(self, slot_bytes: int, slots: int = RING_SLOTS) -> None:
+        self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(slots)]
+        self.lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Pinned bytes the ring holds."""
+        return sum(b.numel() for b in self.buffers)
+
+
+_rings: dict[int, PinnedRing] = {}
+_rings_lock = threading.Lock()
+
+
+def pinned_ring(gpu: torch.device, slot_bytes: int = CHUNK_BYTES) -> PinnedRing:
+    """This process's ring of `slot_bytes` buffers, made on first use with `gpu` current (so
+    pinning creates no context on another device)."""
+    with _rings_lock:
+        ring = _rings.get(slot_bytes)
+        if ring is None:
+            with torch.cuda.device(gpu):
+                ring = _rings[slot_bytes] = PinnedRing(slot_bytes)
+        return ring
+
+
 def copy_storages(sources: Sequence[torch.Tensor], device: torch.device,
                   chunk_bytes: int = CHUNK_BYTES) -> list[torch.Tensor]:
     """Copies on `device` of `sources`: 1-D uint8 tensors on one device, each a whole storage.
-    Between the CPU and a CUDA device, through pinned host memory in chunks (see the module's
-    docstring); the copies are complete when this returns."""
+    Between the CPU and a CUDA device, through the process's ring of pinned buffers of
+    `chunk_bytes` (see the module's docstring), into pageable host tensors or from them; the
+    copies are complete when this returns."""
     if not sources:
         return []
     source = sources[0].device
@@ -65,13 +115,62 @@ def copy_storages(sources: Sequence[torch.Tensor], device: torch.device,
     gpu = device if device.type == "cuda" else source
     job_stream = torch.cuda.current_stream(gpu)
     side = torch.cuda.Stream(gpu)
-    targets = [torch.empty(s.numel(), dtype=torch.uint8, device=device,
-                           pin_memory=device.type == "cpu") for s in sources]
+    targets = [torch.empty(s.numel(), dtype=torch.uint8, device=device) for s in sources]
+    plan = plan_chunks([s.numel() for s in sources], chunk_bytes)
+    ring = pinned_ring(gpu, chunk_bytes)
     side.wait_stream(job_stream)
-    with torch.cuda.stream(side):
-        for chunk in plan_chunks([s.numel() for s in sources], chunk_bytes):
-            for piece in chunk:
-                targets[piece.item][piece.start:piece.stop].copy_(
-                    sources[piece.item][piece.start:piece.stop], non_blocking=True)
-    side.synchronize()
+    with ring.lock:
+        if device.type == "cpu":
+            _to_host(sources, targets, plan, ring, side)
+        else:
+            _to_device(sources, targets, plan, ring, side)
+        side.synchronize()
     return targets
+
+
+def _to_host(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+             plan: list[list[Piece]], ring: PinnedRing, side: torch.cuda.Stream) -> None:
+    """Device -> buffer on `side`; buffer -> pageable `targets` on the host once copied."""
+    events = [torch.cuda.Event() for _ in ring.buffers]
+    pending: deque[tuple[list[Piece], int]] = deque()
+
+    def drain() -> None:
+        chunk, slot = pending.popleft()
+        events[slot].synchronize()
+        buffer = ring.buffers[slot]
+        for p, at in offsets(chunk):
+            targets[p.item][p.start:p.stop].copy_(buffer[at:at + p.stop - p.start])
+
+    for i, chunk in enumerate(plan):
+        slot = i % len(ring.buffers)
+        if len(pending) == len(ring.buffers):
+            drain()  # the oldest chunk is the one in this slot
+        buffer = ring.buffers[slot]
+        with torch.cuda.stream(side):
+            for p, at in offsets(chunk):
+                buffer[at:at + p.stop - p.start].copy_(sources[p.item][p.start:p.stop],
+                                                       non_blocking=True)
+        events[slot].record(side)
+        pending.append((chunk, slot))
+    while pending:
+        drain()
+
+
+def _to_device(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+               plan: list[list[Piece]], ring: PinnedRing, side: torch.cuda.Stream) -> None:
+    """Pageable `sources` -> buffer on the host once its last copy left; buffer -> device on
+    `side`."""
+    events = [torch.cuda.Event() for _ in ring.buffers]
+    for i, chunk in enumerate(plan):
+        slot = i % len(ring.buffers)
+        if i >= len(ring.buffers):
+            events[slot].synchronize()
+        buffer = ring.buffers[slot]
+        placed = offsets(chunk)
+        for p, at in placed:
+            buffer[at:at + p.stop - p.start].copy_(sources[p.item][p.start:p.stop])
+        with torch.cuda.stream(side):
+            for p, at in placed:
+                targets[p.item][p.start:p.stop].copy_(buffer[at:at + p.stop - p.start],
+                                                      non_blocking=True)
+        events[slot].record(side)

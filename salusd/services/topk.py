@@ -16,34 +16,47 @@ Every selector returns exactly ``min(k, x.numel())`` unique indices into ``x.res
 Magnitudes are taken in float32 (float64 for float64/complex128 and for 32/64-bit integers,
 exact up to 2**53) after a dtype conversion, so integer minima such as ``int8 -128`` do not
 overflow. Input with NaN or Inf raises ``ValueError``: a top-k by magnitude is undefined for it.
-Everything is plain torch and runs on CPU and CUDA tensors alike.
+Everything runs on CPU and CUDA tensors alike in plain torch; ``mstopk`` on a CUDA tensor runs
+its count and compaction passes as CUDA kernels when cupy is installed (`topk_cuda.py`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
+from salus.daemon.services import topk_cuda
 from salus.daemon.services.sparse_allreduce import all_finite
+
+log = logging.getLogger("salusd.topk")
 
 __all__ = [
     "AUTO_MAX_DENSITY",
     "AUTO_MIN_NUMEL",
     "DENSE_BELOW_NUMEL",
+    "KERNELS",
+    "Kernel",
     "Method",
     "FLOAT_CODES",
     "METHODS",
+    "ThresholdPasses",
+    "TorchPasses",
+    "choose_kernel",
     "choose_method",
     "mstopk",
+    "mstopk_kernel",
     "sampled_topk",
     "topk",
 ]
 
 Method = Literal["auto", "mstopk", "sampled", "exact"]
 METHODS = ("auto", "mstopk", "sampled", "exact")
+Kernel = Literal["auto", "torch", "cupy"]
+KERNELS = ("auto", "torch", "cupy")
 
 AUTO_MIN_NUMEL = 1 << 20
 """``method="auto"`` uses ``exact`` below this many elements (sampling overhead dominates)."""
@@ -125,11 +138,104 @@ def _exact(flat: torch.Tensor, k: int, op: str) -> tuple[torch.Tensor, torch.Ten
     return flat[idx], idx
 
 
-def _count_at_least(a: torch.Tensor, thr: float) -> int:
-    return int(torch.count_nonzero(a >= thr))
+class ThresholdPasses(Protocol):
+    """The two primitives MSTopK's driver runs over the magnitudes: the torch path's
+    (`TorchPasses`) or the CUDA kernels' (`topk_cuda.CupyPasses`); thresholds compare in the
+    magnitudes' dtype."""
+
+    def count_at_least(self, thr: float) -> int:
+        """Elements ``>= thr``."""
+        ...
+
+    def select(self, lo: float, hi: float, hi_count: int, k: int) -> torch.Tensor:
+        """Indices (int64) of every element ``>= hi`` (``hi_count`` of them), ascending, then
+        of the lowest-index elements in ``[lo, hi)`` up to ``k`` in all."""
+        ...
 
 
-def mstopk(x: torch.Tensor, k: int, iterations: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+class TorchPasses:
+    """`ThresholdPasses` in plain torch, on any device."""
+
+    def __init__(self, a: torch.Tensor) -> None:
+        self.a = a
+
+    def count_at_least(self, thr: float) -> int:
+        return int(torch.count_nonzero(self.a >= thr))
+
+    def select(self, lo: float, hi: float, hi_count: int, k: int) -> torch.Tensor:
+        a = self.a
+        if hi_count == k:
+            return (a >= hi).nonzero().flatten()
+        band = (a >= lo).nonzero().flatten()
+        sure = a[band] >= hi
+        return torch.cat([band[sure], band[~sure][: k - hi_count]])
+
+
+def choose_kernel(kernel: Kernel, is_cuda: bool, cupy_installed: bool) -> Literal["torch", "cupy"]:
+    """The passes ``mstopk(kernel=...)`` runs: ``"auto"`` picks cupy's CUDA kernels for a CUDA
+    tensor when cupy is installed, torch otherwise; ``"cupy"`` needs both."""
+    if kernel not in KERNELS:
+        raise ValueError(f"mstopk: kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "cupy" and not is_cuda:
+        raise ValueError("mstopk: kernel='cupy' needs a CUDA tensor")
+    if kernel == "cupy" and not cupy_installed:
+        raise RuntimeError("mstopk: kernel='cupy' needs cupy: pip install 'salusd[gpu-cu12]' "
+                           "or 'salusd[gpu-cu13]'")
+    if kernel == "auto":
+        return "cupy" if is_cuda and cupy_installed else "torch"
+    return kernel
+
+
+def mstopk_kernel(x: torch.Tensor, kernel: Kernel = "auto") -> Literal["torch", "cupy"]:
+    """The passes ``mstopk(x, k, kernel=kernel)`` runs for ``x`` (see `choose_kernel`)."""
+    return choose_kernel(kernel, x.is_cuda, x.is_cuda and topk_cuda.cupy_module() is not None)
+
+
+def _cupy_passes(a: torch.Tensor, forced: bool) -> ThresholdPasses:
+    try:
+        return topk_cuda.CupyPasses(a)
+    except Exception as exc:
+        if forced:
+            raise
+        # cupy imports but its kernels do not build here (e.g. no NVRTC for its CUDA major).
+        if not _fell_back:
+            log.warning("mstopk: the CUDA kernels did not build (%s); using the torch path", exc)
+            _fell_back.append(exc)
+        return TorchPasses(a)
+
+
+_fell_back: list[Exception] = []
+
+
+def _bisect(a: torch.Tensor, k: int, iterations: int, passes: ThresholdPasses,
+            op: str) -> tuple[float, float, int]:
+    """MSTopK's driver over the magnitudes ``a``: the final ``(lo, hi, hi_count)`` with at
+    least ``k`` elements ``>= lo`` and ``hi_count <= k`` elements ``>= hi``."""
+    top = float(a.max())
+    if not math.isfinite(top):
+        raise _non_finite(op)
+    lo = float(a.mean())
+    if passes.count_at_least(lo) < k:
+        lo = float(a.min())
+    hi, hi_count = top, passes.count_at_least(top)
+    if hi_count > k:
+        # More than k ties at the maximum: the band is exactly those ties.
+        lo, hi, hi_count = top, math.inf, 0
+    for _ in range(iterations):
+        mid = lo + (hi - lo) / 2
+        if hi_count == k or not lo < mid < hi:
+            break
+        count = passes.count_at_least(mid)
+        if count <= k:
+            hi, hi_count = mid, count
+        else:
+            lo = mid
+    return lo, hi, hi_count
+
+
+def mstopk(
+    x: torch.Tensor, k: int, iterations: int = 20, *, kernel: Kernel = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MSTopK: ``k`` entries of largest magnitude, by bisection on a threshold (no sort).
 
     Bisects a threshold between ``mean(|x|)`` (``min(|x|)`` when fewer than ``k`` elements reach
@@ -141,6 +247,10 @@ def mstopk(x: torch.Tensor, k: int, iterations: int = 20) -> tuple[torch.Tensor,
     band width ``hi - lo <= (max|x| - min|x|) / 2**iterations``; when a step hits a count of
     exactly ``k`` the result is an exact top-k. Cost: about ``iterations + 6`` passes over ``x``.
 
+    ``kernel`` picks the count and compaction passes (`choose_kernel`): ``"auto"`` runs cupy's
+    CUDA kernels (`topk_cuda.py`) for a CUDA tensor when cupy is installed, else torch;
+    ``"torch"`` or ``"cupy"`` force one. Both give the same indices in the same order.
+
     Returns ``(values, indices)`` with ``values == x.reshape(-1)[indices]``.
     """
     op = "mstopk"
@@ -148,36 +258,15 @@ def mstopk(x: torch.Tensor, k: int, iterations: int = 20) -> tuple[torch.Tensor,
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"{op}: iterations must be an int >= 1, got {iterations!r}")
     n = flat.numel()
+    kind = mstopk_kernel(flat, kernel)  # bad arguments fail before the k shortcuts
     if k == 0:
         return _none(flat)
     if k == n:
         return _every(flat, op)
     a = _magnitude(flat)
-    top = float(a.max())
-    if not math.isfinite(top):
-        raise _non_finite(op)
-    lo = float(a.mean())
-    if _count_at_least(a, lo) < k:
-        lo = float(a.min())
-    hi, hi_count = top, _count_at_least(a, top)
-    if hi_count > k:
-        # More than k ties at the maximum: the band is exactly those ties.
-        lo, hi, hi_count = top, math.inf, 0
-    for _ in range(iterations):
-        mid = lo + (hi - lo) / 2
-        if hi_count == k or not lo < mid < hi:
-            break
-        count = _count_at_least(a, mid)
-        if count <= k:
-            hi, hi_count = mid, count
-        else:
-            lo = mid
-    if hi_count == k:
-        idx = (a >= hi).nonzero().flatten()
-    else:
-        band = (a >= lo).nonzero().flatten()
-        sure = a[band] >= hi
-        idx = torch.cat([band[sure], band[~sure][: k - hi_count]])
+    passes = _cupy_passes(a, kernel == "cupy") if kind == "cupy" else TorchPasses(a)
+    lo, hi, hi_count = _bisect(a, k, iterations, passes, op)
+    idx = passes.select(lo, hi, hi_count, k)
     return flat[idx], idx
 
 
