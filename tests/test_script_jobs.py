@@ -395,6 +395,20 @@ def test_a_cancelled_script_gets_sigterm_and_its_grace(daemon: str, tmp_path: Pa
     assert (tmp_path / "checkpoint").read_text() == "saved after the last step"
 
 
+def test_the_script_knows_its_job_id_and_name(daemon: str, tmp_path: Path) -> None:
+    """As Slurm's SLURM_JOB_ID: `SALUS_JOB_ID` is the id `salusd status` shows."""
+    path = script(tmp_path, """\
+        import os
+        print(os.environ["SALUS_JOB_ID"], os.environ["SALUS_JOB_NAME"])
+    """)
+    code, out, _ = finish(salusd_run(daemon, [str(path)], tmp_path, "--name", "sweep-3",
+                                     stdout=subprocess.PIPE))
+    job_id, name = out.split()
+    assert code == 0 and name == "sweep-3"
+    with Control(daemon) as ctl:
+        assert ctl.info(job_id)["name"] == "sweep-3"
+
+
 def test_stdin_is_the_callers(daemon: str, tmp_path: Path) -> None:
     path = script(tmp_path, """\
         import sys

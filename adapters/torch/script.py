@@ -4,6 +4,7 @@ in a direct run:
     import salus.adapters.torch as salus
     salus.step()            # an iteration boundary (inference loops, custom optimizers)
     salus.resume_dir()      # a directory for the script's own checkpoints
+    os.environ["SALUS_JOB_ID"], os.environ["SALUS_JOB_NAME"]  # set under salusd
 
 Under salusd every `torch.optim.Optimizer.step()` is a boundary already (`SALUS_BOUNDARY=explicit`
 turns that off, leaving `salus.step()` alone); outside salusd `step()` does nothing. The executor

@@ -33,6 +33,7 @@ MAX_RESTARTS = 3  # as many as a Kubernetes Job's default backoffLimit would all
 MAX_RESTARTS_LIMIT = 1000
 MAX_ARGS = 4096
 MAX_ENV_BYTES = 1 << 20
+JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,9 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
             core.end(record, "failed", "the script could not start: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
 
-    script = Script(command.command[0], command.command[1:], command.env, resume,
+    # The job's id and name in its environment, as Slurm's SLURM_JOB_ID and SLURM_JOB_NAME.
+    env = {**command.env, JOB_ID_ENV: str(record.job_id), JOB_NAME_ENV: record.name}
+    script = Script(command.command[0], command.command[1:], env, resume,
                     None if frame is not None else False, state.restarts)
     core.outbox.send(record, Sent("script", on_done=started), script, frame)
 
