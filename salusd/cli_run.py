@@ -44,6 +44,38 @@ MAX_ITERATIONS = 2**53
 ENDED = ("finished", "failed", "cancelled")
 ENDED_WAIT_S = 10.0
 MAX_RESTARTS = 3  # as salusd/engine/scripts.py (not imported: it would load the engine)
+TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
+TIME_LIMIT_REASON = "hit its time limit"  # in the job's reason (salusd/engine/engine.py)
+SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default
+
+
+def duration(text: str) -> float:
+    """Seconds of a Slurm-style duration: `90`, `90s`, `15m`, `2h`, `1d`, `M:S`, `H:M:S` or
+    `D-H:M:S`."""
+    try:
+        if text[-1:] in "smhd" and text[:-1].replace(".", "", 1).isdigit():
+            return float(text[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[text[-1]]
+        days, _, clock = text.rpartition("-")
+        parts = [float(p) for p in clock.split(":")]
+        if not 1 <= len(parts) <= 3 or (days and len(parts) != 3):
+            raise ValueError(text)
+        seconds = sum(p * 60**i for i, p in enumerate(reversed(parts)))
+        return seconds + (float(days) * 86400 if days else 0.0)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no duration: use seconds, N[smhd] or [[D-]H:]M:S") from None
+
+
+def early_signal(text: str) -> tuple[int, float]:
+    """`SIG[@SECONDS]` (Slurm's `--signal`): the signal's number and how long before the
+    time limit it is sent."""
+    name, _, before = text.partition("@")
+    try:
+        signum = int(name) if name.isdigit() else int(
+            signal.Signals["SIG" + name.upper().removeprefix("SIG")])
+        return signum, float(before) if before else SIGNAL_BEFORE_S
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r}: use SIG[@SECONDS], e.g. USR1@60") from None
 
 
 def add_parser(sub: Any) -> None:
@@ -66,6 +98,13 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, metavar="N",
                      help=f"with --restart on-failure, at most N reruns (default "
                      f"{MAX_RESTARTS})")
+    cmd.add_argument("--time", type=duration, default=None, metavar="DURATION",
+                     help="a time limit, as Slurm's: SECONDS, N[smhd] or [[D-]H:]M:S; at the "
+                     "limit the script gets SIGTERM, then SIGKILL after the daemon's grace, "
+                     f"and this exits {TIME_LIMIT}")
+    cmd.add_argument("--signal", type=early_signal, default=None, metavar="SIG[@SECONDS]",
+                     help="with --time: send SIG (TERM, INT, HUP, USR1, USR2 or a number) that "
+                     "many seconds before the limit (default 60), as Slurm's --signal")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -149,6 +188,10 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
                    "iterations": args.iterations or MAX_ITERATIONS,
                    "priority": args.priority, "devices": args.devices, "restart": args.restart,
                    "max_restarts": args.max_restarts}
+        if args.time is not None:
+            request["time_limit_s"] = args.time
+        if args.signal is not None:
+            request["signal"], request["signal_before_s"] = args.signal
         try:
             channel.send(request, theirs.fileno())
         finally:
@@ -205,7 +248,10 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if status is not None:
-        _ended_info(channel, job)  # so that what follows sees the job ended
+        info = _ended_info(channel, job)  # so that what follows sees the job ended
+        if TIME_LIMIT_REASON in str(info.get("reason")):
+            print(f"salusd run: job {job} {info.get('reason')}", file=sys.stderr)
+            return TIME_LIMIT
         return status
     return _ended(channel, job)
 
@@ -242,6 +288,8 @@ def _ended(channel: _Link, job: str) -> int:
     print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
     if reason.startswith("the script could not start"):
         return CANNOT_RUN
+    if TIME_LIMIT_REASON in reason:
+        return TIME_LIMIT
     died = re.search(r"died: signal (\d+)", reason)
     if died:
         return 128 + int(died.group(1))

@@ -412,11 +412,11 @@ class Supervisor:
         assert isinstance(executor, ExecutorHandle)
         self._kill_process(executor.process)
 
-    def terminate(self, executor: object) -> None:
+    def send_signal(self, executor: object, signum: int) -> None:
         assert isinstance(executor, ExecutorHandle)
         if executor.process.pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(executor.process.pid, signal.SIGTERM)
+                os.kill(executor.process.pid, signum)
 
     def _kill_process(self, proc: ExecutorProcess) -> None:
         if proc.pid is None:

@@ -127,7 +127,7 @@ class FakeExecutors:
         self.engine: Engine | None = None
         self.executors: list[FakeExecutor] = []
         self.killed: list[FakeExecutor] = []
-        self.terminated: list[FakeExecutor] = []
+        self.signalled: list[tuple[FakeExecutor, int]] = []
         self.on_send: Callable[[FakeExecutor, Request], None] | None = None
 
     # ---- ExecutorPort -------------------------------------------------------------------------
@@ -151,9 +151,9 @@ class FakeExecutors:
         assert isinstance(executor, FakeExecutor)
         self.killed.append(executor)
 
-    def terminate(self, executor: object) -> None:
+    def send_signal(self, executor: object, signum: int) -> None:
         assert isinstance(executor, FakeExecutor)
-        self.terminated.append(executor)
+        self.signalled.append((executor, signum))
 
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:

@@ -8,6 +8,7 @@ exit statuses, Ctrl-C, stdin, forks and scheduling commands behave as in a direc
 
 from __future__ import annotations
 
+import argparse
 import grp
 import json
 import os
@@ -729,3 +730,46 @@ def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
         starts = [int(line.split()[1]) for line in log.splitlines() if line.startswith("from")]
         assert starts[0] == 0 and starts[1] >= 5, log
         assert log.endswith("ended at 100\n")
+
+
+def test_a_time_limit_sends_the_early_signal_then_sigterm_and_says_so(
+        daemon: str, tmp_path: Path) -> None:
+    """Slurm's `--time 4 --signal USR1@2`: USR1 about 2 s in, SIGTERM at 4 s (the handler
+    saves and exits), and `salusd run` exits 124 saying the job hit its time limit."""
+    path = script(tmp_path, """\
+        import signal, sys, time
+        import salus.adapters.torch as salus
+        seen = []
+        signal.signal(signal.SIGUSR1, lambda *_: seen.append(("USR1", time.monotonic())))
+
+        def term(*_):
+            print(*[name for name, _ in seen], "TERM", flush=True)
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, term)
+        start = time.monotonic()
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    started = time.monotonic()
+    proc = salusd_run(daemon, [str(path)], tmp_path, "--time", "4", "--signal", "USR1@2",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    code, out, err = finish(proc)
+    took = time.monotonic() - started
+    assert out.splitlines() == ["ready", "USR1 TERM"]
+    assert code == 124 and "hit its time limit of 4 s" in err
+    assert 3.5 < took < 20
+
+
+def test_durations_and_signals_read_as_slurms() -> None:
+    from salus.daemon.cli_run import duration, early_signal
+
+    assert [duration(t) for t in ("90", "90s", "15m", "2h", "1d", "1:30", "1:00:05",
+                                  "1-00:00:10")] == [90, 90, 900, 7200, 86400, 90, 3605, 86410]
+    assert early_signal("USR1@30") == (signal.SIGUSR1, 30.0)
+    assert early_signal("TERM") == (signal.SIGTERM, 60.0)
+    assert early_signal("10@5") == (10, 5.0)
+    with pytest.raises(argparse.ArgumentTypeError):
+        duration("soon")

@@ -9,6 +9,7 @@ scheduler admitted are collected in `placed` and acted on by the next `step`.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,9 +87,10 @@ class Core:
         self.dispatch.withdraw(record.job_id)
 
     def end(self, record: JobRecord, state: EndState, reason: str, *,
-            executor_gone: bool = False) -> None:
+            executor_gone: bool = False, grace: bool = False) -> None:
         """End a live job: answer its queued calls, free its memory now, and retire or kill its
-        executor once its running call (if any) has returned."""
+        executor once its running call (if any) has returned. A script job that is cancelled,
+        or ended with `grace` (its time limit), gets SIGTERM and `script_grace_s` first."""
         error: SalusError = JobFailed(reason) if state == "failed" else JobCancelled(reason)
         while record.calls:
             refuse(record.calls.popleft(), error)
@@ -107,11 +109,11 @@ class Core:
         log.info("job %d %s: %s", record.job_id, state, reason)
         if executor_gone:
             return
-        if record.script is not None and state == "cancelled":
+        if record.script is not None and (state == "cancelled" or grace):
             # As Kubernetes and Slurm end a job: SIGTERM, so that its handler may save a
             # checkpoint and exit (then `scripts.exited` lets it go), SIGKILL after the grace.
             record.grace = True
-            self.outbox.terminate_all(record)
+            self.outbox.signal_all(record, signal.SIGTERM)
             self.timers.call_later(self.config.script_grace_s,
                                    lambda: self.outbox.kill_all(record))
             return

@@ -212,8 +212,29 @@ class Engine:
         record = self.open(owner, name, iterations, command.cwd, spec=scripts.spec(command),
                            priority=priority)
         scripts.start(self.core, record, command, frame)
+        self._limit(record, command)
         self._step()
         return record
+
+    def _limit(self, record: JobRecord, command: scripts.ScriptCommand) -> None:
+        """Slurm's `--time` and `--signal` for a script job: its `signal` that long before its
+        time limit, and at the limit the job ends failed, its command given SIGTERM and the
+        grace (`Core.end`)."""
+        limit = command.time_limit_s
+        if limit is None:
+            return
+        core = self.core
+        if command.signal is not None:
+            signum = command.signal
+            core.timers.call_later(max(0.0, limit - command.signal_before_s), lambda: (
+                core.outbox.signal_all(record, signum) if record.live else None))
+
+        def time_up() -> None:
+            if record.live:
+                core.end(record, "failed", f"job {record.job_id} hit its time limit of "
+                         f"{limit:g} s", grace=True)
+
+        core.timers.call_later(limit, lambda: self._after(time_up))
 
     def check_devices(self, devices: object) -> int:
         """`devices` when this node has that many devices; BadRequest says what it has."""

@@ -81,11 +81,11 @@ class Outbox:
             if self.alive(executor):
                 self.port.kill(executor)
 
-    def terminate_all(self, record: JobRecord) -> None:
-        """Send SIGTERM to every executor of the job that is still running."""
+    def signal_all(self, record: JobRecord, signum: int) -> None:
+        """Send `signum` to every executor of the job that is still running."""
         for executor in record.replicas:
             if self.alive(executor):
-                self.port.terminate(executor)
+                self.port.send_signal(executor, signum)
 
     def retire_all(self, record: JobRecord, code: str, message: str) -> None:
         for executor in record.replicas:

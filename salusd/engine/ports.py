@@ -25,9 +25,9 @@ class ExecutorPort(Protocol):
         """End the executor now (SIGKILL)."""
         ...
 
-    def terminate(self, executor: object) -> None:
-        """Send the executor SIGTERM: a script job's command gets its grace (its handler may
-        save a checkpoint and exit)."""
+    def send_signal(self, executor: object, signum: int) -> None:
+        """Send the executor signal `signum`: a script job's command gets SIGTERM and its
+        grace (its handler may save a checkpoint and exit), or `--signal` before its limit."""
         ...
 
     def retire(self, executor: object, code: str = "job_cancelled",

@@ -17,7 +17,9 @@ own, in `salus.resume_dir()`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,18 +36,27 @@ MAX_RESTARTS_LIMIT = 1000
 MAX_ARGS = 4096
 MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
+MAX_TIME_LIMIT_S = 366 * 86400.0
+LIMIT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                           signal.SIGUSR2})
 
 
 @dataclass(frozen=True)
 class ScriptCommand:
     """What the caller runs: `command` (its interpreter first, as resolved in the caller's
-    shell), in directory `cwd`, with environment `env`, and its restart policy."""
+    shell), in directory `cwd`, with environment `env`, and its restart policy; its time limit
+    (`time_limit_s`, seconds from its start; None: none) and the signal its command gets
+    `signal_before_s` before it (`signal`, a number; None: none), as Slurm's `--time` and
+    `--signal`."""
 
     command: tuple[str, ...]
     cwd: str
     env: dict[str, str]
     restart: str = "never"
     max_restarts: int = MAX_RESTARTS
+    time_limit_s: float | None = None
+    signal: int | None = None
+    signal_before_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -84,6 +95,27 @@ def check(command: object, cwd: object, env: object, restart: object,
         raise BadRequest(f"'max_restarts' must be an integer from 0 to {MAX_RESTARTS_LIMIT}, "
                          f"not {max_restarts!r}")
     return ScriptCommand(tuple(command), cwd, dict(env), str(restart), max_restarts)
+
+
+def with_limits(command: ScriptCommand, time_limit_s: object, signum: object,
+                before_s: object) -> ScriptCommand:
+    """`command` with a request's `time_limit_s`, `signal` and `signal_before_s` (each may be
+    left out); BadRequest names what is wrong."""
+    if time_limit_s is None and signum is None:
+        return command
+    limit = _seconds(time_limit_s, "time_limit_s", MAX_TIME_LIMIT_S)
+    if signum is not None and (type(signum) is not int or signum not in LIMIT_SIGNALS):
+        raise BadRequest(f"'signal' must be one of the signal numbers {sorted(LIMIT_SIGNALS)}")
+    before = 0.0 if before_s is None else _seconds(before_s, "signal_before_s", limit)
+    return dataclasses.replace(command, time_limit_s=limit,
+                               signal=signum if type(signum) is int else None,
+                               signal_before_s=before)
+
+
+def _seconds(value: object, name: str, most: float) -> float:
+    if type(value) not in (int, float) or not 0 <= float(value) <= most:  # type: ignore[arg-type]
+        raise BadRequest(f"'{name}' must be seconds from 0 to {most:g}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def spec(command: ScriptCommand) -> dict[str, Any]:

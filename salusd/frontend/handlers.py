@@ -187,6 +187,8 @@ class Handlers:
         command = scripts.check(request.get("command"), request.get("cwd"),
                                 request.get("env"), request.get("restart", "never"),
                                 request.get("max_restarts", scripts.MAX_RESTARTS))
+        command = scripts.with_limits(command, request.get("time_limit_s"),
+                                      request.get("signal"), request.get("signal_before_s"))
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),
