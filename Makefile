@@ -30,21 +30,21 @@ lint: $(STAMP)
 sim: $(STAMP)
 	$(PY) -m salus.scheduler.sim --trace tests/data/tiresias-60job.csv --format tiresias --compare
 
-# Wheels of the runtime deps a GPU machine without network may lack, for linux x86_64 and
-# Python 3.11 / 3.12; bench/gpu/run.sh installs those its Python has not (docs/gpu.md).
+# Wheels of the runtime deps the lent GPU machine (Python 3.12, no network) may lack, for
+# linux x86_64, into .whl/; bench/gpu/run.sh installs only those its Python has not, with
+# --target (docs/gpu.md). fastapi imports opentelemetry-api at import time.
 GPU_WHEELS := fastapi starlette uvicorn pydantic pydantic-core annotated-types \
-	typing-inspection typing-extensions anyio sniffio idna h11 click prometheus-client \
+	typing-inspection typing-extensions opentelemetry-api importlib-metadata zipp \
+	anyio sniffio idna h11 click prometheus-client \
 	cloudpickle safetensors fsspec rich markdown-it-py mdurl pygments httpx httpcore certifi \
 	hypothesis sortedcontainers attrs networkx pytest-timeout
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	--platform manylinux2014_x86_64 --platform any
 
 gpu-wheels:
-	for v in 3.11 3.12; do \
-		$(PYTHON) -m pip download --quiet --dest wheels --only-binary=:all: \
-			--implementation cp --python-version $$v $(GPU_PLATFORMS) $(GPU_WHEELS) || exit 1; \
-	done
-	ls wheels
+	$(PYTHON) -m pip download --quiet --dest .whl --only-binary=:all: \
+		--implementation cp --python-version 3.12 $(GPU_PLATFORMS) $(GPU_WHEELS)
+	du -sh .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

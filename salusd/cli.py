@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cancel-grace", metavar="SECONDS", type=float, default=5.0,
                        help="a cancelled job's running call may finish within this time, then "
                        "its executor is killed (default 5)")
+    serve.add_argument("--context-bytes", metavar="BYTES", type=int, default=None,
+                       help="what a CUDA context costs each GPU, measured before (the GPU kit "
+                       "measures it once for all its daemons); default: measured at start")
     serve.add_argument("--script-grace", metavar="SECONDS", type=float, default=30.0,
                        help="a cancelled script job's command gets SIGTERM, then SIGKILL after "
                        "this time, as Kubernetes' terminationGracePeriodSeconds (default 30)")
@@ -274,7 +277,7 @@ def serve(args: argparse.Namespace) -> int:
     config = DaemonConfig(socket_path, devices, args.policy, threads=threads, group=args.group,
                           max_connections=args.max_connections,
                           frame_timeout_s=args.frame_timeout, cancel_grace_s=args.cancel_grace,
-                          script_grace_s=args.script_grace,
+                          script_grace_s=args.script_grace, context_bytes=args.context_bytes,
                           standby_executors=args.standby_executors, state_dir=state_dir,
                           isolation=args.isolation, mps=args.mps,
                           http=http, job_root=args.job_root, checkpoint_every=every,

@@ -66,19 +66,24 @@ def workspace_config(environ: Mapping[str, str]) -> str:
 
 def executor_cost(device: DeviceSpec, timeout_s: float = MEASURE_TIMEOUT_S,
                   run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
-                  environ: Mapping[str, str] = os.environ) -> ExecutorCost:
+                  environ: Mapping[str, str] = os.environ,
+                  given: int | None = None) -> ExecutorCost:
     """What one more executor costs `device` (bytes): on a GPU its CUDA context, measured in a
     subprocess that sees only that GPU (`run`: `subprocess.run` or a stand-in), or the
     `GPU_CONTEXT_ESTIMATE_BYTES` estimate where that fails (no nvidia-ml-py, NVML that cannot
     see the process's pid inside a container), plus the reserved bytes of its cuBLAS(Lt)
     workspaces under the daemon's environment `environ`; on a CPU device
-    `CPU_EXECUTOR_BYTES`."""
+    `CPU_EXECUTOR_BYTES`. `given`: a GPU context's bytes measured before (`salusd serve
+    --context-bytes`, which the GPU kit passes to every daemon it starts), not measured again."""
     if device.kind != "cuda" or device.uuid is None:
         return ExecutorCost(CPU_EXECUTOR_BYTES, False, "an executor's private memory beside "
                             "the zygote (bench/executor_memory.py)")
     env = {**environ, "CUDA_VISIBLE_DEVICES": device.uuid, "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
            "CUBLAS_WORKSPACE_CONFIG": workspace_config(environ)}
     workspace = blas_workspace_reserved(env)
+    if given is not None:
+        return ExecutorCost(given + workspace, True, "given with --context-bytes (measured "
+                            "before); plus the cuBLAS(Lt) workspaces", workspace)
     try:
         done = run([sys.executable, "-c", _MEASURE], env=env, capture_output=True, text=True,
                    timeout=timeout_s, stdin=subprocess.DEVNULL)

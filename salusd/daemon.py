@@ -55,6 +55,7 @@ class DaemonConfig:
     frame_timeout_s: float = 30.0
     cancel_grace_s: float = 5.0
     script_grace_s: float = 30.0
+    context_bytes: int | None = None  # a GPU context's cost measured before (None: measure)
     retention_s: float = 3600.0
     standby_executors: int = 2
     shutdown_timeout_s: float = 60.0
@@ -108,7 +109,7 @@ class Daemon:
             checkpoints = CheckpointPolicy(str(state / "checkpoints"), make_owner_dir,
                                            config.checkpoint_every, config.checkpoint_every_s)
         # What one more executor costs each device, booked per process (a CUDA context).
-        self.contexts = [executor_cost(d) for d in config.devices]
+        self.contexts = [executor_cost(d, given=config.context_bytes) for d in config.devices]
         self.engine = Engine(
             [d.memory_bytes for d in config.devices], config.policy, self.supervisor,
             clock=time.monotonic, timers=self.loop,

@@ -2,6 +2,7 @@
 and prints one JSON line (times on the machine's monotonic clock, seconds).
 
     clients.py train ADDRESS NAME SECONDS WIDTH ROWS   # train through salusd for SECONDS
+                                                       # (0: until a `stop` line on stdin)
     clients.py hold-infer                              # an inference model on cuda:0, no salusd
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import sys
 import time
 
@@ -21,11 +23,17 @@ import salus.adapters.torch as salus
 from salus.demo.jobs import WORKLOADS
 
 torch.set_num_threads(1)
+MAX_S = 120.0  # a trainer told to run until stopped stops by itself after this
+
+
+def _told_to_stop() -> bool:
+    """Whether a line came on stdin (without waiting for one)."""
+    return bool(select.select([sys.stdin], [], [], 0)[0])
 
 
 def train(address: str, name: str, seconds: float, width: int, rows: int) -> None:
-    """Train until `seconds` have passed after `go`, or until a call fails; reports each call's
-    end time and the first error."""
+    """Train until `seconds` have passed after `go` (0: until told to stop, a line on stdin, at
+    most `MAX_S`), or until a call fails; reports each call's end time and the first error."""
     model = models.mlp(width)
     x, y = models.batch(width, rows)
     ends: list[float] = []
@@ -36,7 +44,8 @@ def train(address: str, name: str, seconds: float, width: int, rows: int) -> Non
         print("ready", flush=True)  # admission may wait for other jobs (fifo): not before go
         sys.stdin.readline()
         start = time.monotonic()
-        while time.monotonic() - start < seconds:
+        limit = seconds if seconds > 0 else MAX_S
+        while time.monotonic() - start < limit and not (seconds <= 0 and _told_to_stop()):
             try:
                 losses.append(step(x, y))
             except Exception as exc:  # noqa: BLE001 - the failure is what gets reported

@@ -26,11 +26,13 @@ import models
 import salus.adapters.torch as salus
 from salus.daemon.control import Control
 
+AFTER_S = 1.5  # how long A trains on after B's bad call returned
+
 
 def _beside(address: str, cuda: bool, bad: Callable[[Any], Any]) -> dict[str, Any]:
     """Job A trains while job B calls `bad(remote)` once; what each saw."""
     width = 1024 if cuda else 64
-    trainer = kit.client("train", address, "a", "4.0", str(width), str(width))
+    trainer = kit.client("train", address, "a", "0", str(width), str(width))  # until stopped
     kit.wait_ready(trainer)
     kit.go(trainer)
     model = models.mlp(width)
@@ -51,6 +53,8 @@ def _beside(address: str, cuda: bool, bad: Callable[[Any], Any]) -> dict[str, An
             out["b_state_after"] = job.info().get("state")
         except Exception as exc:  # noqa: BLE001 - the job may be gone with its executor
             out["b_state_after"] = f"unreadable: {type(exc).__name__}"
+    time.sleep(AFTER_S)  # A trains on after B's fault, however long the fault took
+    kit.stop(trainer)
     a = kit.result_of(trainer)
     after = sum(t > t1 for t in a["ends"])
     out.update({

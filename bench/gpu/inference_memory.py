@@ -63,10 +63,22 @@ def _direct_cuda(models: int) -> tuple[int, list[int], int]:
     return total, each, pss
 
 
+def device_used() -> int:
+    """NVML's used memory of GPU 0 (bytes): every process's, the driver's reserve included."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def measure(cuda: bool, small: bool) -> dict[str, Any]:
     models = 4 if small else 16
     out: dict[str, Any] = {"models": models, "anchor": "Salus: 42x fewer GPUs for inference "
                                                       "(7x over MPS)"}
+    before = device_used() if cuda else 0
     with (tempfile.TemporaryDirectory(prefix="salusd-kit-mem-") as tmp,
           kit.daemon(Path(tmp), cuda=cuda, cpu_memory="2G") as d,
           Launched(["infer-mlp"] * models, d.address, hold=True)):
@@ -76,6 +88,11 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
         if cuda:
             out["daemon_device_bytes"], out["daemon_device_bytes_by_process"] = device_bytes(
                 set(tree))
+            # Where NVML cannot see the executors' pids (a container's pid namespace), the
+            # device-wide use before and with the jobs open is the fallback.
+            out["nvml_lists_executor_pids"] = bool(out["daemon_device_bytes_by_process"])
+            out["device_used_before_bytes"] = before
+            out["device_used_with_jobs_bytes"] = device_used()
     if cuda:
         total, each, pss = _direct_cuda(models)
         out["processes_device_bytes"], out["processes_device_bytes_by_process"] = total, each

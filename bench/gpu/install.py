@@ -1,8 +1,9 @@
 """Make this checkout importable for the kit on a machine without network, before anything
 imports salus: `pip install --no-deps -e .` (without build isolation, which would fetch
 setuptools), falling back to a folder of links where that fails; then the wheels under
-`wheels/` (`make gpu-wheels`) of the distributions this Python lacks. Logs to stderr; prints
-one line, the folders to put on PYTHONPATH (colon separated, maybe empty), made under SITEDIR.
+`.whl/` (`make gpu-wheels`) of the distributions this Python lacks, with `--target`. Logs to
+stderr; prints one line, the folders to put on PYTHONPATH (colon separated, maybe empty), made
+under SITEDIR.
 
     python bench/gpu/install.py SITEDIR
 """
@@ -63,7 +64,7 @@ def project(out: Path) -> list[str]:
 
 
 def wheels(out: Path) -> list[str]:
-    folder = ROOT / "wheels"
+    folder = ROOT / ".whl"
     names = sorted({re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower()
                     for w in folder.glob("*.whl")})
     missing = []
@@ -76,10 +77,8 @@ def wheels(out: Path) -> list[str]:
         log(f"no wheels needed ({len(names)} in {folder})")
         return []
     log(f"installing from {folder}: {' '.join(missing)}")
-    common = ["install", "--no-index", "--no-deps", "--find-links", str(folder)]
-    if pip(*common, *missing):
-        return []
     target = out / "site-wheels"
+    common = ["install", "--no-index", "--no-deps", "--find-links", str(folder)]
     return [str(target)] if pip(*common, "--target", str(target), *missing) else []
 
 

@@ -100,6 +100,8 @@ def daemon(tmp: Path, *, cuda: bool, policy: str = "pack", cpu_devices: int = 1,
     if not cuda:
         cmd += ["--cpu-devices", str(cpu_devices), "--cpu-memory", cpu_memory,
                 "--cpu-threads", "1"]
+    elif os.environ.get("SALUS_KIT_CONTEXT_BYTES"):  # measured once by run.py
+        cmd += ["--context-bytes", os.environ["SALUS_KIT_CONTEXT_BYTES"]]
     cmd += extra or []
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -139,6 +141,11 @@ def go(proc: subprocess.Popen[str]) -> None:
     assert proc.stdin is not None
     proc.stdin.write("go\n")
     proc.stdin.flush()
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """Tell a client started to run until stopped (`train ... 0`) to stop."""
+    go(proc)
 
 
 def result_of(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str, Any]:

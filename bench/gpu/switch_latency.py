@@ -4,11 +4,18 @@ and after `suspend --swap` / resume (anchor: PipeSwitch's 3.6-6.6 ms start-up).
 bench/switch.py's method: an in-process daemon (the real engine, zygote and executors) on one
 device; two clients always have their next call queued, so every boundary is a switch, and
 the executors stamp each call's start and end on the machine's monotonic clock: a warm switch
-is `began(B) - ended(A)`. The jobs' functions end with `torch.cuda.synchronize()` (jobfns), so
-on CUDA `ended` is when the GPU finished, not when the kernels were queued; salusd itself does
-not synchronise. After swap: job B is suspended with its state moved to host memory, then
-resumed; the figure is `began(B's first call) - t(resume)`, which holds the swap-in and the
-wait for A's running call; the same without `--swap` is measured beside it.
+is `began(B) - ended(A)`. salusd synchronises the job's device at the end of every call before
+it stamps `ended` (`salusd/executor/cuda_call.py`; the jobs' functions end with
+`torch.cuda.synchronize()` too, which then costs nothing), so on CUDA `ended` is when the GPU
+finished, not when the kernels were queued. After swap: job B is suspended with its state
+moved to host memory, then resumed; the figure is `began(B's first call) - t(resume)`, which
+holds the swap-in and the wait for A's running call; the same without `--swap` is measured
+beside it.
+
+`large`: the same warm switches between two jobs whose working sets are GB-scale on a GPU (an
+MLP of width 12288: about 1.8 GB of parameters and as much gradient each), the case where
+emptying the allocator's cache at every switch would cost a device-wide synchronisation and a
+re-allocation of the whole working set; salusd keeps the cache when the lane fits.
 """
 
 from __future__ import annotations
@@ -57,20 +64,52 @@ def _resumes(daemon: Daemon, address: str, job_id: int, rounds: int, swap: bool)
     return out
 
 
+def _daemon(tmp: str, cuda: bool) -> tuple[Daemon, threading.Thread, str]:
+    devices = cuda_devices()[:1] if cuda else cpu_devices(1, 2 * 2**30)
+    given = kit.os.environ.get("SALUS_KIT_CONTEXT_BYTES")
+    config = DaemonConfig(str(Path(tmp) / "s.sock"), devices, "fair",
+                          context_bytes=int(given) if cuda and given else None)
+    daemon = Daemon(config)
+    daemon.engine.events.recent = deque(maxlen=10**6)  # every call of the run, not 10k
+    daemon.start()
+    loop = threading.Thread(target=daemon.run, daemon=True)
+    loop.start()
+    return daemon, loop, f"unix://{config.socket_path}"
+
+
+def _large(cuda: bool, small: bool) -> dict[str, Any]:
+    """Warm switches between two jobs with GB-scale working sets (on the CPU, tens of MiB)."""
+    width, rows = (12288, 2048) if cuda else ((512, 256) if small else (2048, 512))
+    warm_s = 2.0 if small else 4.0
+    with tempfile.TemporaryDirectory(prefix="salusd-kit-switch-large-") as tmp:
+        daemon, loop, address = _daemon(tmp, cuda)
+        procs = [kit.client("train", address, n, str(warm_s + 2.0), str(width), str(rows))
+                 for n in ("la", "lb")]
+        for p in procs:
+            kit.wait_ready(p)
+        for p in procs:
+            kit.go(p)
+        time.sleep(warm_s)
+        warm, same = base._gaps(daemon, {"la", "lb"})
+        results = [kit.result_of(p) for p in procs]
+        daemon.request_stop()
+        loop.join(timeout=60)
+    return {"width": width, "parameter_bytes_per_job": 3 * width * width * 4,
+            "warm_switches": len(warm),
+            "warm_switch_p50_ms": statistics.median(warm) * 1e3 if warm else None,
+            "warm_switch_p99_ms": kit.percentile(warm, 99) * 1e3,
+            "same_job_gap_p50_ms": statistics.median(same) * 1e3 if same else None,
+            "client_errors": [r["error"] for r in results if r["error"]]}
+
+
 def measure(cuda: bool, small: bool) -> dict[str, Any]:
     width, rows = (1024, 256) if cuda else (64, 32)
     rounds = 2 if small else 5
     warm_s = 2.0 if small else 6.0
     total = warm_s + rounds * 2 * 0.6 + 3.0
     with tempfile.TemporaryDirectory(prefix="salusd-kit-switch-") as tmp:
-        devices = cuda_devices()[:1] if cuda else cpu_devices(1, 512 * 2**20)
-        config = DaemonConfig(str(Path(tmp) / "s.sock"), devices, "fair")
-        daemon = Daemon(config)
-        daemon.engine.events.recent = deque(maxlen=10**6)  # every call of the run, not 10k
-        daemon.start()
-        loop = threading.Thread(target=daemon.run, daemon=True)
-        loop.start()
-        address = f"unix://{config.socket_path}"
+        daemon, loop, address = _daemon(tmp, cuda)
+        device = daemon.config.devices[0].name
         procs = [kit.client("train", address, n, str(total), str(width), str(rows))
                  for n in ("a", "b")]
         for p in procs:
@@ -87,10 +126,10 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
         daemon.request_stop()
         loop.join(timeout=60)
     return {
-        "device": devices[0].name,
+        "device": device,
         "unit": "milliseconds",
-        "synchronised": "each call ends with torch.cuda.synchronize() in the job's function; "
-                        "salusd does not synchronise at call end" if cuda else "CPU: synchronous",
+        "synchronised": "salusd synchronises the device at the end of every call" if cuda
+                        else "CPU: synchronous",
         "warm_switches": len(warm),
         "warm_switch_p50_ms": statistics.median(warm) * 1e3 if warm else None,
         "warm_switch_p99_ms": kit.percentile(warm, 99) * 1e3,
@@ -101,6 +140,7 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
                               if swapped and resumed else None),
         "client_errors": [r["error"] for r in results if r["error"]],
         "anchor": "PipeSwitch start-up 3.6-6.6 ms (total switch 5.4-34.6 ms), V100/T4",
+        "large": _large(cuda, small),
     }
 
 
