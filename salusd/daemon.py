@@ -162,11 +162,13 @@ class Daemon:
             self.cluster_store = start_store(cluster)
         if self.config.mps:
             self.mps.start()
-        self.supervisor.mps_clients = {
-            d.index: (pipe, d.memory_bytes) for d in self.config.devices
+        self.supervisor.mps_clients = {  # a client's pinned limit: its cap and its context
+            d.index: (pipe, cost.bytes - cost.workspace_bytes)
+            for d, cost in zip(self.config.devices, self.contexts, strict=True)
             if (pipe := self.mps.pipe_for(d.uuid)) is not None}
         self.engine.device_sharing[:] = [self.mps.describe(d.uuid if d.kind == "cuda" else None)
                                          for d in self.config.devices]
+        self.supervisor.sharing = self.engine.device_sharing  # updated as MPS serves an owner
         self.supervisor.start()
         self.supervisor.wait_ready()
         if self.store is not None:

@@ -56,11 +56,23 @@ class MpsGpu:
                 "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
 
 
-def client_environment(pipe: str, limit_bytes: int) -> dict[str, str]:
+def client_environment(pipe: str, limit_bytes: int,
+                       threads: int | None = None) -> dict[str, str]:
     """What an executor sets before CUDA starts in it to be a client of the server behind
-    `pipe`, held to `limit_bytes` of device memory (its one visible GPU is device 0)."""
-    return {"CUDA_MPS_PIPE_DIRECTORY": pipe,
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={max(1, limit_bytes >> 20)}M"}
+    `pipe`, held to `limit_bytes` of device memory (its one visible GPU is device 0; rounded
+    up to MiB) and, with `threads`, to that percentage of the GPU's threads."""
+    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe,
+           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={max(1, -(-limit_bytes >> 20))}M"}
+    if threads is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(threads)
+    return env
+
+
+def thread_percentage(priority: float) -> int:
+    """A job's `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` from its priority (the fair policy's weight,
+    default 1): weight 1 or more gets every thread; a lower weight that share, at least 10 %
+    (a client with too few threads starves its own kernels)."""
+    return 100 if priority >= 1.0 else max(10, min(100, round(100 * priority)))
 
 
 class Mps:
@@ -84,6 +96,7 @@ class Mps:
             self.problem = f"{CONTROL} is not installed"
             return
         for uuid, gpu in self.gpus.items():
+            self._stop_stale(gpu)
             for directory in (gpu.pipe, gpu.logs):
                 directory.mkdir(parents=True, exist_ok=True)
                 os.chmod(directory, 0o755)  # the owners' executors reach the pipe
@@ -103,6 +116,19 @@ class Mps:
         if self.problem is not None:
             log.error("MPS not used: %s", self.problem)
             self.stop()
+
+    def _stop_stale(self, gpu: MpsGpu) -> None:
+        """A control daemon left by a salusd that was killed (its pipe is still there) is
+        asked to quit before a new one starts."""
+        if not (gpu.pipe / "control").exists():
+            return
+        log.warning("stopping the MPS control daemon a previous salusd left on %s", gpu.uuid)
+        try:
+            self._run([self.control or CONTROL], input="quit\n",
+                      env=gpu.environment(dict(os.environ)), capture_output=True, text=True,
+                      timeout=START_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("could not stop it: %s", exc)
 
     def pipe_for(self, uuid: str | None) -> str | None:
         """The pipe directory of the GPU's server (None: that GPU has no MPS)."""

@@ -58,6 +58,7 @@ from salus.daemon.context_cost import workspace_config
 from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.loop import Link, Loop
+from salus.daemon.mps import thread_percentage
 from salus.daemon.state.job_output import output_path
 from salus.daemon.wire.executor_ops import (
     Adopt,
@@ -99,6 +100,7 @@ class ExecutorProcess:
     pending: _Pending | None = None  # a reply whose frames are still to come
     zygote: Zygote | None = None  # forked by a zygote of another interpreter (zygotes.py)
     poisoned: str | None = None  # why it ends: a sticky CUDA error in one of its jobs' calls
+    mps: int | None = None  # the GPU whose MPS server it was placed as a client of
 
 
 @dataclass(eq=False)
@@ -233,6 +235,8 @@ class Supervisor:
         #: device index -> (its MPS server's pipe directory, the device's budget in bytes), for
         #: the GPUs with an MPS control daemon (`salusd/mps.py`), set by the daemon
         self.mps_clients: dict[int, tuple[str, int]] = {}
+        self._mps_uid: dict[int, int] = {}  # GPU index -> the uid its MPS server serves
+        self.sharing: list[str] = []  # per device, what status says of how it is shared
         self.others = OtherZygotes(
             loop, lambda: executor_environment(os.environ, self.gpu_uuids),
             self._zygote_message, self._other_zygote_failed)
@@ -368,7 +372,7 @@ class Supervisor:
 
     def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
         assert isinstance(executor, ExecutorHandle)
-        meta = self._with_uuid(meta)
+        meta = self._with_uuid(meta, executor)
         if executor.held is not None:  # moving: sent once the new process has the job
             executor.held.append((meta, frame))
         else:
@@ -393,9 +397,9 @@ class Supervisor:
         if frame is not None:
             self.loop.send(handle.process.link, frame)
 
-    def _with_uuid(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def _with_uuid(self, meta: dict[str, Any], handle: ExecutorHandle) -> dict[str, Any]:
         """A `place` on a GPU with that GPU's UUID added (the engine names devices by index),
-        and its MPS server's pipe where the GPU has one."""
+        and its MPS server's pipe where the GPU has one and serves this owner (`_mps_for`)."""
         device = meta.get("device")
         if meta.get("op") != "place" or not isinstance(device, str) or not (
                 device.startswith("cuda:") and device[5:].isdigit()):
@@ -403,10 +407,37 @@ class Supervisor:
         index = int(device[5:])
         if index < len(self.gpu_uuids):
             meta = {**meta, "uuid": self.gpu_uuids[index]}
-        if index in self.mps_clients:
-            pipe, limit = self.mps_clients[index]
-            meta = {**meta, "mps": pipe, "mps_limit_bytes": limit}
+        if self._mps_for(index, handle):
+            pipe, context = self.mps_clients[index]
+            meta = {**meta, "mps": pipe, "mps_limit_bytes": context,
+                    "mps_threads": thread_percentage(handle.record.priority)}
         return meta
+
+    def _mps_for(self, index: int, handle: ExecutorHandle) -> bool:
+        """Whether the handle's process joins GPU `index`'s MPS server. Legacy MPS serves one
+        uid at a time (a client of another uid blocks at CUDA's start until the running
+        server's clients are gone), so while one owner's processes are the GPU's MPS clients,
+        another owner's are placed without MPS: plain contexts, time-shared with the server."""
+        if index not in self.mps_clients:
+            return False
+        proc = handle.process
+        serving = self._mps_uid.get(index)
+        if serving is not None and serving != proc.uid and any(
+                p.mps == index and p.uid == serving and not p.closed
+                for p in self._by_token.values()):
+            self._note_mps(index, serving)
+            return False
+        self._mps_uid[index] = proc.uid if proc.uid is not None else -1
+        proc.mps = index
+        self._note_mps(index, self._mps_uid[index])
+        return True
+
+    def _note_mps(self, index: int, uid: int) -> None:
+        """Say in status which owner the GPU's MPS server serves."""
+        if index < len(self.sharing):
+            self.sharing[index] = (f"MPS: the lanes' processes of uid {uid} run their kernels "
+                                   "concurrently; other owners' processes are time-shared "
+                                   "until those end (MPS serves one uid at a time)")
 
     def kill(self, executor: object) -> None:
         assert isinstance(executor, ExecutorHandle)

@@ -37,7 +37,8 @@ def _environ(pid: int) -> dict[str, str]:
 def test_the_executors_environment_lists_the_daemons_gpus_in_its_order() -> None:
     env = executor_environment({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1,0"}, [B, A])
     assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": f"{B},{A}",
-                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                   "SALUS_DEVICE_KIND": "cuda"}
     assert executor_environment({"PATH": "/bin"}, []) == {
         "PATH": "/bin", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     # The caller's cuBLAS workspace stays (the daemon books the size it sets).
@@ -45,12 +46,16 @@ def test_the_executors_environment_lists_the_daemons_gpus_in_its_order() -> None
         "CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
-def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object]) -> dict[str, object]:
-    """What an executor receives when the engine sends it `meta` through `supervisor`."""
+def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object], uid: int = 1000,
+          priority: float = 1.0, token: int = 1) -> dict[str, object]:
+    """What an executor (of owner `uid`) receives when the engine sends it `meta` through
+    `supervisor`; the process stays registered with the supervisor as open."""
     ours, theirs = socket.socketpair()
     link = loop.add(Link(ours, lambda *_: None, lambda *_: None))
-    record = JobRecord(3, Owner("ada", 1000, 1000), "j", 10, 0.0)
-    handle = ExecutorHandle(ExecutorProcess(1, link), record, 0, sharable=False)
+    record = JobRecord(3, Owner("ada", uid, uid), "j", 10, 0.0, priority=priority)
+    process = ExecutorProcess(token, link, uid=uid)
+    supervisor._by_token[token] = process
+    handle = ExecutorHandle(process, record, 0, sharable=False)
     supervisor.send(handle, meta, None)
     loop.run_once(0.0)
     reader = FrameReader(theirs)
@@ -76,12 +81,32 @@ def test_a_place_on_a_gpu_carries_that_gpus_uuid() -> None:
     assert _sent(cpu, loop, encode(Place("cpu:0", 5 << 20, 1.0))) == encode(
         Place("cpu:0", 5 << 20, 1.0))
     assert _sent(supervisor, loop, encode(Lease(True))) == encode(Lease(True))
-    supervisor.mps_clients = {1: ("/state/mps/GPU-b/pipe", 7 << 30)}  # cuda:1 has MPS
-    got = _sent(supervisor, loop, encode(Place("cuda:1", 5 << 20, 1.0)))
+    supervisor.mps_clients = {1: ("/state/mps/GPU-b/pipe", 500 << 20)}  # cuda:1 has MPS
+    got = _sent(supervisor, loop, encode(Place("cuda:1", 5 << 20, 1.0)), priority=0.25)
     assert decode_request(got) == Place("cuda:1", 5 << 20, 1.0, B,
-                                        mps="/state/mps/GPU-b/pipe", mps_limit_bytes=7 << 30)
+                                        mps="/state/mps/GPU-b/pipe", mps_limit_bytes=500 << 20,
+                                        mps_threads=25)
     got = _sent(supervisor, loop, encode(Place("cuda:0", 5 << 20, 1.0)))
     assert decode_request(got) == Place("cuda:0", 5 << 20, 1.0, A)  # no MPS there
+
+
+def test_an_mps_gpu_serves_one_owners_processes_at_a_time() -> None:
+    """Legacy MPS runs one server per uid: while uid 1000's process is a client of cuda:1's
+    server, uid 1001's is placed there without MPS (it would block at CUDA's start), and status
+    says whom MPS serves; once 1000's processes are gone, 1001's may join."""
+    loop = Loop(time.monotonic)
+    supervisor = Supervisor(loop, gpu_uuids=[A, B])
+    supervisor.mps_clients = {1: ("/state/mps/GPU-b/pipe", 500 << 20)}
+    supervisor.sharing = ["", ""]
+    place = encode(Place("cuda:1", 5 << 20, 1.0))
+    assert "mps" in _sent(supervisor, loop, place, uid=1000, token=1)
+    assert "mps" not in _sent(supervisor, loop, place, uid=1001, token=2)
+    assert "uid 1000" in supervisor.sharing[1]
+    assert "mps" in _sent(supervisor, loop, place, uid=1000, token=3)  # the same owner joins
+    for token in (1, 3):
+        supervisor._by_token[token].closed = True
+    assert "mps" in _sent(supervisor, loop, place, uid=1001, token=4)
+    assert "uid 1001" in supervisor.sharing[1]
 
 
 @pytest.mark.slow

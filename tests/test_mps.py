@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from salus.daemon.devices import DeviceSpec, cpu_devices
-from salus.daemon.mps import CONTROL, Mps, client_environment
+from salus.daemon.mps import CONTROL, Mps, client_environment, thread_percentage
 
 GPUS = [DeviceSpec(i, "cuda", f"cuda:{i}", "H100", 70 << 30, uuid=f"GPU-{i}aa",
                    total_bytes=80 << 30) for i in range(2)]
@@ -70,3 +70,25 @@ def test_a_client_is_held_to_its_limit_on_its_one_visible_gpu() -> None:
     assert client_environment("/s/mps/GPU-0/pipe", 3 << 30) == {
         "CUDA_MPS_PIPE_DIRECTORY": "/s/mps/GPU-0/pipe",
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3072M"}
+    # Rounded up to a MiB (never under the cap), and a job's share of the GPU's threads.
+    assert client_environment("/p", (3 << 30) + 1, threads=25) == {
+        "CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3073M",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+
+
+def test_a_jobs_priority_is_its_share_of_the_gpus_threads() -> None:
+    assert [thread_percentage(p) for p in (10.0, 1.0, 0.5, 0.01)] == [100, 100, 50, 10]
+
+
+def test_a_control_daemon_a_killed_salusd_left_is_stopped_before_a_new_one(
+        tmp_path: Path) -> None:
+    """A previous salusd killed with -9 left GPU 1's control daemon (its pipe's `control`):
+    the next start asks it to quit, then starts its own."""
+    left = tmp_path / "mps" / "GPU-1aa" / "pipe"
+    left.mkdir(parents=True)
+    (left / "control").touch()
+    control = Control()
+    Mps(tmp_path, GPUS, run=control, which=lambda name: name).start()
+    calls = [(env["CUDA_VISIBLE_DEVICES"], argv[-1], text) for argv, env, text in control.calls]
+    assert calls == [("GPU-0aa", "-d", None), ("GPU-1aa", CONTROL, "quit\n"),
+                     ("GPU-1aa", "-d", None)]

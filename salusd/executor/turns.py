@@ -182,13 +182,15 @@ def on_place(kind: JobKind, message: Place, request: Any, cap: ProcessCap) -> Re
     not started), an MPS client's limits, the process's cap with this job booked (before its
     state moves in, so the move itself is within the cap), then the kind's own move."""
     started = torch.cuda.is_initialized()
-    if message.mps is not None and not started:  # an MPS client from its CUDA's start
-        os.environ.update(client_environment(message.mps,
-                                             message.mps_limit_bytes or message.budget_bytes))
     seen = device_for(message.device, message.uuid, cuda_started=started, environ=os.environ)
     lane = message.lane_bytes or 0
     cap.book(kind.job, seen, max(0, message.budget_bytes - lane), lane,
              message.workspace_bytes or 0)
+    if message.mps is not None and not started:  # an MPS client from its CUDA's start, held
+        # to its cap and its context (fixed then: a lane that grows later is not covered)
+        os.environ.update(client_environment(
+            message.mps, cap.bytes_on(seen) + (message.mps_limit_bytes or 0),
+            message.mps_threads))
     return kind.place(seen, message)
 
 

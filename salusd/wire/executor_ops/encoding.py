@@ -162,7 +162,8 @@ def _ran(m: Ran) -> Wire:
 def _place(m: Place) -> Wire:
     out: Wire = {"op": "place", "device": m.device, "budget_bytes": m.budget_bytes,
                  "slowdown": m.slowdown}
-    for key in ("uuid", "lane", "lane_bytes", "mps", "mps_limit_bytes", "workspace_bytes"):
+    for key in ("uuid", "lane", "lane_bytes", "mps", "mps_limit_bytes", "workspace_bytes",
+                "mps_threads"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     if m.shared:

@@ -174,8 +174,10 @@ class Place:
     call. `mps`: the pipe directory of the GPU's MPS server, which a process whose CUDA has
     not started joins as a client held to `mps_limit_bytes` (`salusd/mps.py`).
     `workspace_bytes`: the cuBLAS workspaces the process reserves on a GPU, once however many
-    jobs it hosts, outside `budget_bytes` (the cap adds them: `executor/cap.py`). A None or
-    False field is left out of the wire."""
+    jobs it hosts, outside `budget_bytes` (the cap adds them: `executor/cap.py`). With `mps`,
+    `mps_limit_bytes` is what the process's CUDA context costs (its pinned limit is its cap
+    plus that) and `mps_threads` its `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`. A None or False field
+    is left out of the wire."""
 
     op: ClassVar[str] = "place"
     device: str
@@ -188,6 +190,7 @@ class Place:
     mps: str | None = None
     mps_limit_bytes: int | None = None
     workspace_bytes: int | None = None
+    mps_threads: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
