@@ -330,10 +330,11 @@ class Engine:
         self._step()
 
     def close(self, record: JobRecord, reason: str | None = None) -> None:
-        """The client is done (`reason`: why, where it did not close the job itself): the job
-        finishes once its running call (if any) has returned."""
+        """The client is done: the job finishes once its running call (if any) has returned.
+        With `reason` (its client went away without closing it: died, or dropped the
+        connection) it fails with that reason instead: nobody saw it end."""
         if record.live and not self.core.stopping:  # at shutdown it stays, to be restored
-            self.core.end(record, "finished",
+            self.core.end(record, "failed" if reason else "finished",
                           reason or f"job {record.job_id} was closed by its client")
             self._step()
 
