@@ -77,18 +77,25 @@ def _daemon(tmp: str, cuda: bool) -> tuple[Daemon, threading.Thread, str]:
     return daemon, loop, f"unix://{config.socket_path}"
 
 
+def _trainers(address: str, names: tuple[str, ...], seconds: float, width: int,
+              rows: int) -> list[Any]:
+    """Clients that train without pause for `seconds`, started together."""
+    procs = [kit.client("train", address, n, str(seconds), str(width), str(rows))
+             for n in names]
+    for p in procs:
+        kit.wait_ready(p)
+    for p in procs:
+        kit.go(p)
+    return procs
+
+
 def _large(cuda: bool, small: bool) -> dict[str, Any]:
     """Warm switches between two jobs with GB-scale working sets (on the CPU, tens of MiB)."""
     width, rows = (12288, 2048) if cuda else ((512, 256) if small else (2048, 512))
     warm_s = 2.0 if small else 4.0
     with tempfile.TemporaryDirectory(prefix="salusd-kit-switch-large-") as tmp:
         daemon, loop, address = _daemon(tmp, cuda)
-        procs = [kit.client("train", address, n, str(warm_s + 2.0), str(width), str(rows))
-                 for n in ("la", "lb")]
-        for p in procs:
-            kit.wait_ready(p)
-        for p in procs:
-            kit.go(p)
+        procs = _trainers(address, ("la", "lb"), warm_s + 2.0, width, rows)
         time.sleep(warm_s)
         warm, same = base._gaps(daemon, {"la", "lb"})
         results = [kit.result_of(p) for p in procs]
@@ -110,12 +117,7 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="salusd-kit-switch-") as tmp:
         daemon, loop, address = _daemon(tmp, cuda)
         device = daemon.config.devices[0].name
-        procs = [kit.client("train", address, n, str(total), str(width), str(rows))
-                 for n in ("a", "b")]
-        for p in procs:
-            kit.wait_ready(p)
-        for p in procs:
-            kit.go(p)
+        procs = _trainers(address, ("a", "b"), total, width, rows)
         time.sleep(warm_s)
         warm, same = base._gaps(daemon, {"a", "b"})
         ids = {e.detail.get("name"): e.job_id for e in list(daemon.engine.events.recent)
