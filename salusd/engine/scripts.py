@@ -80,13 +80,20 @@ def check(command: object, cwd: object, env: object, restart: object,
             or not all(isinstance(a, str) and "\0" not in a for a in command)):
         raise BadRequest(f"'command' must be a list of 2 to {MAX_ARGS} strings: the "
                          "interpreter and its arguments, e.g. [\"python\", \"train.py\"]")
-    if not isinstance(cwd, str) or not os.path.isabs(cwd) or len(cwd) > 4096:
-        raise BadRequest("'cwd' must be an absolute path of at most 4096 characters")
+    if (not isinstance(cwd, str) or not os.path.isabs(cwd) or len(cwd) > 4096
+            or "\0" in cwd):
+        raise BadRequest("'cwd' must be an absolute path of at most 4096 characters, without "
+                         "NUL")
     if env is None:
         env = {}
     if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise BadRequest("'env' must be an object of strings")
+    bad = next((k for k, v in env.items()
+                if not k or "=" in k or "\0" in k + v or not _encodable(k + v)), None)
+    if bad is not None:
+        raise BadRequest(f"'env' has the variable {bad!r}: a name must be non-empty, without "
+                         "'=' or NUL, and a value without NUL, both encodable as UTF-8")
     if sum(len(k) + len(v) for k, v in env.items()) > MAX_ENV_BYTES:
         raise BadRequest(f"'env' holds more than {MAX_ENV_BYTES} characters")
     if restart not in RESTART_POLICIES:
@@ -95,6 +102,15 @@ def check(command: object, cwd: object, env: object, restart: object,
         raise BadRequest(f"'max_restarts' must be an integer from 0 to {MAX_RESTARTS_LIMIT}, "
                          f"not {max_restarts!r}")
     return ScriptCommand(tuple(command), cwd, dict(env), str(restart), max_restarts)
+
+
+def _encodable(text: str) -> bool:
+    """Whether UTF-8 can encode `text` (a lone surrogate cannot reach an environment)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def with_limits(command: ScriptCommand, time_limit_s: object, signum: object,

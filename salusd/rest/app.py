@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -108,6 +109,15 @@ def make_app(ctx: Context, auth: Auth) -> FastAPI:
     for router in (health, routes_jobs.router, routes_node.router, routes_tokens.router):
         app.include_router(router)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # The errors without the input they echo, which JSON may not carry (NaN, Infinity, a
+        # lone surrogate), and every string made encodable.
+        errors = [{"loc": [_printable(p) for p in e.get("loc", ())],
+                   "msg": _printable(e.get("msg", "")), "type": _printable(e.get("type", ""))}
+                  for e in exc.errors()]
+        return JSONResponse({"code": "bad_request", "detail": errors}, status_code=422)
+
     @app.exception_handler(SalusError)
     async def salus_error(_: Request, exc: SalusError) -> JSONResponse:
         return JSONResponse({"code": exc.code, "detail": str(exc)},
@@ -116,6 +126,14 @@ def make_app(ctx: Context, auth: Auth) -> FastAPI:
     app.add_middleware(BodyLimit)
     app.add_middleware(RequestLimit)  # outermost: /healthz passes before anything else runs
     return app
+
+
+def _printable(value: object) -> object:
+    """`value` as a JSON response can carry it: an int as it is, anything else as text with
+    what UTF-8 cannot encode escaped."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _version() -> str:
