@@ -91,14 +91,15 @@ def test_bad_submissions_get_clear_errors(tmp_path):
         assert huge.status_code == 413
         # Bodies JSON can hold but a reply could not echo, and what an environment cannot hold:
         # a 4xx naming the field, never a 500.
-        script = '"name": "s", "command": ["python", "-c", "1"]'
-        for raw, words in [
-                ('{%s, "cwd": "/tmp", "priority": NaN}' % script, "priority"),
-                ('{%s, "cwd": "/tmp", "priority": Infinity}' % script, "priority"),
-                ('{%s, "cwd": "/tmp/\\ud800"}' % script, "cwd"),
-                ('{%s, "cwd": "/tmp/a\\u0000b"}' % script, "without NUL"),
-                ('{%s, "cwd": "/tmp", "env": {"": "1"}}' % script, "non-empty"),
-                ('{%s, "cwd": "/tmp", "env": {"\\ud800": "1"}}' % script, "UTF-8")]:
+        script = '{"name": "s", "command": ["python", "-c", "1"], '
+        for rest, words in [
+                ('"cwd": "/tmp", "priority": NaN}', "priority"),
+                ('"cwd": "/tmp", "priority": Infinity}', "priority"),
+                ('"cwd": "/tmp/\\ud800"}', "cwd"),
+                ('"cwd": "/tmp/a\\u0000b"}', "without NUL"),
+                ('"cwd": "/tmp", "env": {"": "1"}}', "non-empty"),
+                ('"cwd": "/tmp", "env": {"\\ud800": "1"}}', "UTF-8")]:
+            raw = script + rest
             reply = client.post("/v1/jobs", content=raw.encode(),
                                 headers={"content-type": "application/json"})
             assert reply.status_code == 422 and words in reply.text, (raw, reply.text)
