@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,9 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    before, now = raise_descriptor_limit()
+    if now != before:
+        log.info("open files: soft limit raised from %d to %d", before, now)
     state_dir = args.state_dir or default_state_dir()
     socket_path = args.socket or default_socket_path()
     threads = args.cpu_threads or cpu_threads_default(len(devices))
@@ -306,6 +310,17 @@ def serve(args: argparse.Namespace) -> int:
     daemon.install_signal_handlers()
     daemon.run()
     return 0
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit (the unit sets
+    LimitNOFILE): every client, executor and REST connection holds descriptors, and a soft
+    limit of 1024 or less runs out under load. Returns (the old soft limit, the new one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return soft, hard
+    return soft, soft
 
 
 if __name__ == "__main__":

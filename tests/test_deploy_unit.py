@@ -69,6 +69,8 @@ def test_state_http_restart_and_the_privilege_drop() -> None:
     assert "/var/lib/salusd" in d["ReadWritePaths"][0].split()
     assert "User" not in d  # root: executors drop to each job's owner (docs/runtime.md)
     assert {"CAP_SETUID", "CAP_SETGID", "CAP_CHOWN"} <= set(d["CapabilityBoundingSet"][0].split())
+    # descriptors for many clients, executors and connections (salusd raises its soft limit)
+    assert int(d["LimitNOFILE"][0]) >= 65536
 
     check = health_check()
     assert check[0] == "/usr/bin/curl" and "--fail" in check

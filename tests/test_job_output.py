@@ -16,7 +16,9 @@ from client_proc import finish
 from daemon_proc import job_root, salusd
 from rest_client import connect, job, wait_for
 
+from salus.daemon.control import Control
 from salus.daemon.state.job_output import MAX_FILE_BYTES
+from salus.daemon.wire.errors import Conflict
 
 pytestmark = pytest.mark.slow
 
@@ -214,3 +216,40 @@ def test_a_batch_jobs_lines_are_served_by_rest(tmp_path: Path) -> None:
         os.mkfifo(path)
         assert client.get(f"/v1/jobs/{jid}/log").status_code == 409
     assert "batch iteration" not in (tmp_path / "salusd.log").read_text()
+
+
+def test_a_directory_in_the_output_files_place_leaks_no_descriptor_of_salusd(
+        tmp_path: Path) -> None:
+    """An owner can put anything in their job's directory: 360 reads of a directory in the
+    output file's place, over the socket and REST, each answer a conflict and leave the
+    daemon's descriptor count flat; its soft limit of open files is its hard one."""
+    root = job_root(tmp_path, "printing.py")
+    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(root),
+                devices=1) as (proc, address):
+        client = connect(tmp_path / "state")
+        reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 2,
+                                              "entrypoint": "printing.py:make_job"})
+        assert reply.status_code == 201, reply.text
+        jid = reply.json()["id"]
+        wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
+        path = tmp_path / "state" / "checkpoints" / str(jid) / "output.log"
+        path.unlink()
+        path.mkdir()
+        fds = f"/proc/{proc.pid}/fd"
+        with Control(address) as control:
+            client.get(f"/v1/jobs/{jid}/log")  # the connections both ends keep are open
+            before = len(os.listdir(fds))
+            for i in range(300):
+                with pytest.raises(Conflict, match="not a regular file"):
+                    control.logs(str(jid))
+                if i % 5 == 0:  # a REST request takes longer: every fifth read is one
+                    got = client.get(f"/v1/jobs/{jid}/log")
+                    assert got.status_code == 409 and "not a regular file" in got.text, got.text
+            assert len(os.listdir(fds)) <= before + 2, (before, os.listdir(fds))
+        again = client.post("/v1/jobs", json={"name": "after", "iterations": 1,
+                                              "entrypoint": "printing.py:make_job"})
+        assert again.status_code == 201, again.text
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+        soft, hard = line.split()[3:5]
+        assert soft == hard, line

@@ -50,7 +50,7 @@ from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.engine.report import job_info, snapshot
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
-from salus.daemon.wire.errors import BadRequest, NotOwner, ShuttingDown
+from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
     DEFAULT_MAX_FRAME_BYTES,
@@ -256,7 +256,7 @@ class Handlers:
             data, offset = read_output(output_path(record.checkpoint_dir), offset,
                                        writer_uid(record.owner.uid))
         except PermissionError as exc:
-            raise BadRequest(str(exc)) from None
+            raise Conflict(str(exc)) from None
         return {"text": data.decode("utf-8", "replace"), "offset": offset,
                 "ended": not record.live}
 

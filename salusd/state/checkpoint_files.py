@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,20 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of checkpoint directory `path` when it is of this format and its files
     have the sizes it records, else None."""
     try:
-        with open(path / MANIFEST_FILE, "rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
-                log.warning("%s: manifest over %d bytes, refused", path, MAX_MANIFEST_BYTES)
+        # The job's owner writes the directory: no link followed, no FIFO waited on, and the
+        # descriptor closed on every path.
+        fd = os.open(path / MANIFEST_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+                log.warning("%s: manifest not a regular file of at most %d bytes, refused",
+                            path, MAX_MANIFEST_BYTES)
                 return None
-            manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
+            raw = os.pread(fd, MAX_MANIFEST_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+        manifest = json.loads(raw)
         if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
             return None
         sizes = manifest["bytes"]

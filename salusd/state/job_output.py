@@ -7,11 +7,16 @@ stderr, line by line, rotated at `MAX_FILE_BYTES` into `<name>.1` (one previous 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
 MAX_FILE_BYTES = 4 << 20  # an output file is rotated past this size
 MAX_READ_BYTES = 64 << 10  # one read answers at most this much
+# What opening a path the job's owner put in the file's place fails with (a link, a path
+# through a non-directory, a socket): a refusal, where running out of descriptors is not.
+_REFUSED = {errno.ELOOP, errno.ENOTDIR, errno.ENXIO, errno.EACCES, errno.EPERM,
+            errno.EOPNOTSUPP}
 
 
 def output_path(checkpoint_dir: str, replica: int = 0) -> str:
@@ -36,8 +41,10 @@ def read_output(path: str, offset: int | None, writer_uid: int,
     except FileNotFoundError:
         return b"", 0
     except OSError as exc:
+        if exc.errno not in _REFUSED:
+            raise
         raise PermissionError(f"{path} is not a job's output file: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
+    try:  # closed on every path: each read that leaked one would exhaust the daemon's table
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != writer_uid:
             raise PermissionError(f"{path} is not a regular file of uid {writer_uid}: it is "
@@ -45,10 +52,11 @@ def read_output(path: str, offset: int | None, writer_uid: int,
         start = max(0, st.st_size - limit) if offset is None else offset
         if start > st.st_size:
             start = 0
-        f.seek(start)
-        data = f.read(limit)
-        if len(data) == limit and b"\n" in data:
-            data = data[:data.rindex(b"\n") + 1]  # whole lines: no character split
+        data = os.pread(fd, limit, start)
+    finally:
+        os.close(fd)
+    if len(data) == limit and b"\n" in data:
+        data = data[:data.rindex(b"\n") + 1]  # whole lines: no character split
     return data, start + len(data)
 
 
