@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +105,24 @@ def test_bad_submissions_get_clear_errors(tmp_path):
                                 headers={"content-type": "application/json"})
             assert reply.status_code == 422 and words in reply.text, (raw, reply.text)
         assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_a_script_jobs_cwd_it_cannot_enter_fails_it_saying_why(tmp_path):
+    """A cwd that is well-formed but missing or not a directory is found out by the executor
+    (as the job's owner, who alone may look): the job fails with that reason, not as an
+    executor that died."""
+    (tmp_path / "a-file").write_text("")
+    with _serve(tmp_path):
+        client = connect(tmp_path / "state")
+        for cwd, why in [(tmp_path / "missing", "No such file or directory"),
+                         (tmp_path / "a-file", "Not a directory")]:
+            reply = client.post("/v1/jobs", json={"name": "s", "cwd": str(cwd),
+                                                  "command": [sys.executable, "train.py"]})
+            assert reply.status_code == 201, reply.text
+            jid = reply.json()["id"]
+            failed = wait_for(lambda jid=jid: (j := job(client, jid))["state"] == "failed" and j,
+                              "the job failed")
+            assert f"could not start: cwd {cwd}: {why}" in failed["reason"], failed
 
 
 def test_live_policy_switch_loses_no_job(tmp_path):

@@ -510,6 +510,46 @@ def test_a_root_daemon_runs_the_script_as_its_caller(tmp_path: Path) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
+                    reason="creating a user and running as it needs root and useradd")
+def test_a_cwd_the_caller_cannot_enter_reaches_its_terminal(tmp_path: Path) -> None:
+    """`salusd run` by a user in a directory they cannot enter (root's, mode 0700): the
+    executor, running as the user, says so on the user's terminal and in the job's reason,
+    and the command did not run (125), instead of 'executor died: exit status 1'."""
+    tag = uuid.uuid4().hex[:6]
+    group, user = f"saluss{tag}", f"salusr{tag}"
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    try:
+        subprocess.run(["useradd", "-M", "-G", group, user], check=True, capture_output=True)
+        entry, gid = pwd.getpwnam(user), grp.getgrnam(group).gr_gid
+        root = Path(tempfile.mkdtemp(prefix="salusd-caller-"))
+        root.chmod(0o755)
+        locked = root / "locked"
+        locked.mkdir(mode=0o700)
+        with salusd(root, "--group", group) as (_, address):
+            become = ("import os, sys; from salus.daemon import cli, cli_run; "
+                      "args = cli.build_parser().parse_args(sys.argv[1:]); "
+                      f"os.setgroups([{entry.pw_gid}, {gid}]); os.setgid({entry.pw_gid}); "
+                      f"os.setuid({entry.pw_uid}); sys.exit(cli_run.run(args))")
+            proc = subprocess.Popen(
+                [sys.executable, "-c", become, "run", "--socket",
+                 address.removeprefix("unix://"), "--", sys.executable, "train.py"],
+                cwd=locked, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin", "HOME": "/", "OMP_NUM_THREADS": "1"})
+            code, _, err = finish(proc)
+            assert code == 125, err
+            with Control(address) as control:
+                ended = control.info(err.split("salusd run: job ")[1].split()[0])
+        assert f"cwd {locked}: Permission denied" in err
+        assert f"cwd {locked}: Permission denied" in ended["reason"] and (
+            ended["state"] == "failed"), ended
+    finally:
+        subprocess.run(["userdel", user], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 # ---- the caller's interpreter ----------------------------------------------------------------
 def make_venv(where: Path, *, with_salusd: bool) -> Path:
     """A virtualenv with a package of its own (`only_here`) that the daemon's lacks; with

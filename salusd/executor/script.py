@@ -105,6 +105,7 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     env = _caller_env(message)
     try:
         command = parse_command(message.argv, message.env)
+        _enter(cwd)
         if client is None and message.frame is not False:
             raise ValueError("the script's client sent no socket")
         python = interpreter.resolve(message.interpreter, env)
@@ -245,6 +246,16 @@ def _writer(fd: int, unbuffered: bool, lines: bool, errors: str) -> TextIO:
     binary = raw if unbuffered else io.BufferedWriter(raw, size if size > 1 else 8192)
     return io.TextIOWrapper(binary, errors=errors,
                             line_buffering=lines or unbuffered, write_through=unbuffered)
+
+
+def _enter(cwd: str | None) -> None:
+    """Make `cwd` this process's directory, as the caller (who may not enter every directory
+    that exists): ValueError saying why not, which becomes the job's reason."""
+    if cwd is not None:
+        try:
+            os.chdir(cwd)
+        except OSError as exc:
+            raise ValueError(f"cwd {cwd}: {exc.strerror}") from None
 
 
 def _become_the_script(message: Script, command: Command, cwd: str | None) -> None:
