@@ -104,6 +104,12 @@ def test_bad_submissions_get_clear_errors(tmp_path):
             reply = client.post("/v1/jobs", content=raw.encode(),
                                 headers={"content-type": "application/json"})
             assert reply.status_code == 422 and words in reply.text, (raw, reply.text)
+        # A job made from one would answer every later listing with a 500.
+        reply = client.post("/v1/jobs", content=b'{"name": "s", "cwd": "/tmp", "command": '
+                            b'["python", "\\ud800.py"]}',
+                            headers={"content-type": "application/json"})
+        assert reply.status_code == 422 and '"command"' in reply.text, reply.text
+        assert client.get("/v1/jobs").status_code == 200
         assert client.get("/healthz").json() == {"status": "ok"}
 
 

@@ -77,13 +77,15 @@ def check(command: object, cwd: object, env: object, restart: object,
           max_restarts: object = MAX_RESTARTS) -> ScriptCommand:
     """A `ScriptCommand` from a request's fields; BadRequest names what is wrong."""
     if (not isinstance(command, list) or not 2 <= len(command) <= MAX_ARGS
-            or not all(isinstance(a, str) and "\0" not in a for a in command)):
-        raise BadRequest(f"'command' must be a list of 2 to {MAX_ARGS} strings: the "
-                         "interpreter and its arguments, e.g. [\"python\", \"train.py\"]")
+            or not all(isinstance(a, str) and "\0" not in a and _encodable(a)
+                       for a in command)):
+        raise BadRequest(f"'command' must be a list of 2 to {MAX_ARGS} strings (without NUL, "
+                         "encodable as UTF-8): the interpreter and its arguments, e.g. "
+                         "[\"python\", \"train.py\"]")
     if (not isinstance(cwd, str) or not os.path.isabs(cwd) or len(cwd) > 4096
-            or "\0" in cwd):
+            or "\0" in cwd or not _encodable(cwd)):
         raise BadRequest("'cwd' must be an absolute path of at most 4096 characters, without "
-                         "NUL")
+                         "NUL, encodable as UTF-8")
     if env is None:
         env = {}
     if not isinstance(env, dict) or not all(

@@ -4,13 +4,40 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_ITERATIONS = 2**53
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: no field but its own, every number finite and every string one UTF-8
+    can encode. JSON carries NaN, Infinity and lone surrogates (`"\\ud800"`); no reply, log,
+    database row or environment can."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable(cls, value: Any) -> Any:
+        if not _encodable(value):
+            raise ValueError("must be text UTF-8 can encode: it holds a lone surrogate")
+        return value
+
+
+def _encodable(value: object) -> bool:
+    """Whether every string in `value` (a str, or a list or dict of them, keys included) can be
+    encoded as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, list):
+        return all(map(_encodable, value))
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    return True
 
 
 class Health(BaseModel):
