@@ -65,3 +65,34 @@ def test_a_killed_clients_job_ends_saying_its_client_went_away(tmp_path: Path) -
         assert "closed by its client" in str(closed["reason"]) and closed["state"] == "finished"
         log = (tmp_path / "salusd.log").read_text()
         assert f"job {job_id}'s client (pid {client.pid}) went away" in log
+
+
+SCRIPT = textwrap.dedent("""
+    import os, time
+    print(os.environ["SALUS_JOB_ID"], flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_killed_salusd_runs_script_job_fails_saying_so(tmp_path: Path) -> None:
+    """`salusd run` killed with SIGKILL while its script runs: nobody saw the script end, so
+    its job fails saying its client went away; it does not finish."""
+    (tmp_path / "sleeper.py").write_text(SCRIPT)
+    with salusd(tmp_path) as (_, address):
+        client = subprocess.Popen(
+            [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+             address.removeprefix("unix://"), "--", sys.executable, "sleeper.py"],
+            cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            assert client.stdout is not None
+            job_id = client.stdout.readline().strip()
+            assert job_id, "the script did not start"
+            os.kill(client.pid, signal.SIGKILL)
+        finally:
+            client.kill()
+            client.wait()
+        with Control(address) as control:
+            killed = ended(control, job_id, within_s=15.0)
+    assert killed["state"] == "failed", killed
+    assert f"client (pid {client.pid}) went away without closing it" in str(killed["reason"])
