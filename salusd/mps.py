@@ -17,7 +17,8 @@ The trade-offs (docs/runtime.md): a fatal fault in one client (an illegal memory
 down the GPU's MPS server and with it every client on that GPU, where without MPS it costs
 only its own process; and a control daemon serves one user's clients at a time (legacy MPS
 starts a server per uid and makes a client of another uid wait until the running server's
-clients are gone), so MPS pays only on a GPU whose jobs are one owner's. salusd therefore
+clients are gone), so admission places one owner's jobs at a time on an MPS GPU
+(`salus.scheduler.mps`) and MPS pays only on a GPU whose jobs are one owner's. salusd therefore
 starts MPS only when asked (`salusd serve --mps`), never by default, even as root.
 """
 
