@@ -210,3 +210,45 @@ def test_another_live_salusds_root_is_left_alone(tmp_path: Path, fake_control: P
     assert not _gone(pid, 0.0) and fake_control.read_text() == ""
     other.stop()
     assert _gone(pid)
+
+
+class _Placed:
+    """A job kind that records where it was placed (`turns.on_place` does the CUDA side)."""
+
+    job = 7
+
+    def __init__(self) -> None:
+        self.at: str | None = None
+
+    def place(self, device: str, message: Any) -> Any:
+        self.at = device
+        return None
+
+
+def test_an_executor_placed_on_an_mps_gpu_joins_as_a_client_held_to_its_cap_and_context(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before CUDA starts, a process placed on an MPS GPU takes the client environment: its
+    pipe, a pinned limit of its cap (this job's budget and the cuBLAS workspace) plus its
+    context, not the device's whole budget, and its job's share of the GPU's threads."""
+    from salus.daemon.executor.cap import ProcessCap
+    from salus.daemon.executor.turns import on_place
+    from salus.daemon.wire.executor_ops import Place
+
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY",
+                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        monkeypatch.setenv(name, "")  # restored afterwards
+    cap = ProcessCap()
+    kind = _Placed()
+    on_place(kind, Place("cuda:1", 3 << 30, 1.0, "GPU-1aa", mps="/s/pipe",
+                         mps_limit_bytes=500 << 20, workspace_bytes=32 << 20,
+                         mps_threads=thread_percentage(0.25)), None, cap)  # type: ignore[arg-type]
+    assert kind.at == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-1aa"
+    assert cap.bytes_on("cuda:0") >= (3 << 30) + (32 << 20)
+    limit_mib = -(-(cap.bytes_on("cuda:0") + (500 << 20)) >> 20)
+    assert {k: os.environ[k] for k in ("CUDA_MPS_PIPE_DIRECTORY",
+                                       "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                                       "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")} == {
+        "CUDA_MPS_PIPE_DIRECTORY": "/s/pipe",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit_mib}M",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    assert limit_mib < 70 << 10  # far under the device's 70 GiB budget
