@@ -168,7 +168,8 @@ class Daemon:
             if (pipe := self.mps.pipe_for(d.uuid)) is not None}
         self.engine.device_sharing[:] = [self.mps.describe(d.uuid if d.kind == "cuda" else None)
                                          for d in self.config.devices]
-        self.supervisor.sharing = self.engine.device_sharing  # updated as MPS serves an owner
+        self.engine.serve_one_owner(sorted(self.supervisor.mps_clients))
+        self.supervisor.on_mps_clients = self.engine.mps_clients
         self.supervisor.start()
         self.supervisor.wait_ready()
         if self.store is not None:

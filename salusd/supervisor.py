@@ -235,8 +235,8 @@ class Supervisor:
         #: device index -> (its MPS server's pipe directory, the device's budget in bytes), for
         #: the GPUs with an MPS control daemon (`salusd/mps.py`), set by the daemon
         self.mps_clients: dict[int, tuple[str, int]] = {}
-        self._mps_uid: dict[int, int] = {}  # GPU index -> the uid its MPS server serves
-        self.sharing: list[str] = []  # per device, what status says of how it is shared
+        #: told the uids whose live processes are a GPU's MPS clients whenever they change
+        self.on_mps_clients: Callable[[int, frozenset[int]], None] = lambda *_: None
         self.others = OtherZygotes(
             loop, lambda: executor_environment(os.environ, self.gpu_uuids),
             self._zygote_message, self._other_zygote_failed)
@@ -399,7 +399,7 @@ class Supervisor:
 
     def _with_uuid(self, meta: dict[str, Any], handle: ExecutorHandle) -> dict[str, Any]:
         """A `place` on a GPU with that GPU's UUID added (the engine names devices by index),
-        and its MPS server's pipe where the GPU has one and serves this owner (`_mps_for`)."""
+        and its MPS server's pipe where the GPU has one (`_mps_client`)."""
         device = meta.get("device")
         if meta.get("op") != "place" or not isinstance(device, str) or not (
                 device.startswith("cuda:") and device[5:].isdigit()):
@@ -407,37 +407,26 @@ class Supervisor:
         index = int(device[5:])
         if index < len(self.gpu_uuids):
             meta = {**meta, "uuid": self.gpu_uuids[index]}
-        if self._mps_for(index, handle):
+        if index in self.mps_clients:
+            self._mps_client(index, handle.process)
             pipe, context = self.mps_clients[index]
             meta = {**meta, "mps": pipe, "mps_limit_bytes": context,
                     "mps_threads": thread_percentage(handle.record.priority)}
         return meta
 
-    def _mps_for(self, index: int, handle: ExecutorHandle) -> bool:
-        """Whether the handle's process joins GPU `index`'s MPS server. Legacy MPS serves one
-        uid at a time (a client of another uid blocks at CUDA's start until the running
-        server's clients are gone), so while one owner's processes are the GPU's MPS clients,
-        another owner's are placed without MPS: plain contexts, time-shared with the server."""
-        if index not in self.mps_clients:
-            return False
-        proc = handle.process
-        serving = self._mps_uid.get(index)
-        if serving is not None and serving != proc.uid and any(
-                p.mps == index and p.uid == serving and not p.closed
-                for p in self._by_token.values()):
-            self._note_mps(index, serving)
-            return False
-        self._mps_uid[index] = proc.uid if proc.uid is not None else -1
-        proc.mps = index
-        self._note_mps(index, self._mps_uid[index])
-        return True
+    def _mps_client(self, index: int, proc: ExecutorProcess) -> None:
+        """`proc` becomes a client of GPU `index`'s MPS server (its CUDA starts there). Legacy
+        MPS serves one uid at a time, so the engine hears whose processes are the GPU's
+        clients (`on_mps_clients`) and admits no other owner's job there until they are gone
+        (`salus.scheduler.mps`)."""
+        if proc.mps is None:
+            proc.mps = index
+            self._tell_mps_clients(index)
 
-    def _note_mps(self, index: int, uid: int) -> None:
-        """Say in status which owner the GPU's MPS server serves."""
-        if index < len(self.sharing):
-            self.sharing[index] = (f"MPS: the lanes' processes of uid {uid} run their kernels "
-                                   "concurrently; other owners' processes are time-shared "
-                                   "until those end (MPS serves one uid at a time)")
+    def _tell_mps_clients(self, index: int) -> None:
+        self.on_mps_clients(index, frozenset(
+            p.uid if p.uid is not None and os.geteuid() == 0 else os.getuid()
+            for p in self._by_token.values() if p.mps == index and not p.reported))
 
     def kill(self, executor: object) -> None:
         assert isinstance(executor, ExecutorHandle)
@@ -659,6 +648,8 @@ class Supervisor:
         proc.reported = True
         self._by_token.pop(proc.token, None)
         self._by_link.pop(id(proc.link), None)
+        if proc.mps is not None:  # its MPS client is gone with it
+            self._tell_mps_clients(proc.mps)
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
             self.on_died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from salus.scheduler.iteration import IterationScheduler
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.lanes import Placement
+from salus.scheduler.mps import RunsAs, describe, runs_as
 from salus.scheduler.policies import Policy
 
 LaneKey = tuple[int, int]
@@ -188,6 +189,17 @@ class Dispatcher:
 
     def set_priority(self, job_id: int, priority: float) -> None:
         self._sched.set_priority(job_id, priority)
+
+    def serve_one_owner(self, devices: Iterable[int]) -> Update:
+        """`devices` serve one owner at a time from now on (MPS GPUs: `mps.py`)."""
+        self.version += 1
+        return Update(tuple(self._sched.started(self._sched.lanes.serve_one_owner(devices))))
+
+    def hold_owners(self, device: int, owners: Iterable[RunsAs]) -> Update:
+        """`owners` have live processes on `device` now (its MPS clients): on a one-owner
+        device no other owner's job is admitted while they do."""
+        self.version += 1
+        return Update(tuple(self._sched.started(self._sched.lanes.hold(device, owners))))
 
     def set_total(self, job_id: int, total_iterations: int) -> None:
         """An open-ended job now says how many iterations it plans (a script's framework
@@ -423,6 +435,16 @@ class Dispatcher:
     def pending(self) -> list[int]:
         """Jobs waiting for admission, in submit order."""
         return [j.job_id for j in self._sched.lanes.pending]
+
+    def one_owner(self, device: int) -> str | None:
+        """For status, on a device that serves one owner at a time: whom it serves and how many
+        pending jobs of other owners wait (None: any owners share it)."""
+        lanes = self._sched.lanes
+        if device not in lanes.one_owner:
+            return None
+        serving = lanes.serving(device)
+        waiting = sum(runs_as(j) not in serving for j in lanes.pending) if serving else 0
+        return describe(serving, waiting)
 
     def persistent(self, device: int) -> int:
         """Bytes of persistent state placed on `device`, executors' contexts included."""

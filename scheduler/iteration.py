@@ -119,7 +119,7 @@ class IterationScheduler:
             raise ValueError(f"job {job_id} is {job.state.value}, not suspended")
         if job_id in self.swapped:
             self.swapped.discard(job_id)
-            return self._started(self.lanes.submit(job))
+            return self.started(self.lanes.submit(job))
         job.state = JobState.ADMITTED if self.lanes.placements(job_id) else JobState.PENDING
         return []
 
@@ -134,7 +134,7 @@ class IterationScheduler:
         self.swapped.add(job_id)
         made = self.lanes.release(job_id)
         job.state = JobState.SUSPENDED
-        return self._started(made)
+        return self.started(made)
 
     def set_policy(self, policy: Policy) -> list[Placement]:
         """Switch to `policy`. Between policies of one lane mode only the rule changes. Between
@@ -148,7 +148,9 @@ class IterationScheduler:
         self.policy = policy
         self.lanes = LaneManager([old.capacity(d) for d in range(old.num_devices)],
                                  policy.lane_mode, first_lane_id=old.next_lane_id,
-                                 context_bytes=old.context_bytes)
+                                 context_bytes=old.context_bytes, one_owner=old.one_owner)
+        for device, owners in old.held.items():
+            self.lanes.hold(device, owners)
         made: list[Placement] = []
         live = [j for j in self.jobs.values() if not j.done and j.job_id not in self.swapped]
         for job in sorted(live, key=lambda j: (j.submit_s, j.job_id)):
@@ -156,7 +158,7 @@ class IterationScheduler:
             made += self.lanes.submit(job)
             if was == JobState.SUSPENDED:
                 job.state = JobState.SUSPENDED
-        return self._started(made)
+        return self.started(made)
 
     def set_priority(self, job_id: int, priority: float) -> None:
         if priority <= 0:
@@ -166,9 +168,10 @@ class IterationScheduler:
     def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> list[Placement]:
         """Re-admit a job with corrected sizes (bytes); it keeps its place in submit order.
         ValueError, with nothing changed, if the new sizes can never fit."""
-        return self._started(self.lanes.requeue(job_id, persistent_bytes, ephemeral_bytes))
+        return self.started(self.lanes.requeue(job_id, persistent_bytes, ephemeral_bytes))
 
-    def _started(self, made: list[Placement]) -> list[Placement]:
+    def started(self, made: list[Placement]) -> list[Placement]:
+        """Mark the jobs `made` placed (a lane command's placements); returns them."""
         self._mark_started(made)
         return made
 

@@ -28,6 +28,11 @@ another job's in a lane (needed by a gang whose iterations wait for peers on oth
 would otherwise deadlock with a job queued behind it there). Single mode has one lane per
 device and cannot honour it: a caller refuses such jobs there.
 
+**One owner per device** (``one_owner``: GPUs whose processes are MPS clients, `mps.py`): such
+a device takes a job only while it serves no other owner, that is while no admitted job and no
+live process (given with `hold`) of another owner is on it; the job goes to another device or
+waits, and is admitted when the device's last admitted job and held process of that owner leave.
+
 After every public call no pending job fits (`fits_now` is False for all of them). Only memory
 that was freed can change that, so a re-run after a release visits only the pending jobs whose
 sizes meet the bounds of a device that freed memory (`_Device.bounds`, searched with
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from salus.scheduler.job import Job, JobState
+from salus.scheduler.mps import RunsAs, admits, runs_as
 from salus.scheduler.pending import PendingQueue
 
 LaneMode = Literal["pack", "single"]
@@ -81,6 +87,7 @@ class _Device:
         self.lanes: dict[int, Lane] = {}
         self.lane_bytes = 0
         self.jobs = 0
+        self.owners: dict[RunsAs, int] = {}  # who its admitted jobs run as -> how many
 
     @property
     def unreserved(self) -> int:
@@ -103,7 +110,8 @@ class LaneManager:
     """Admission for all devices of one node; mutated only through `submit`/`release`/`requeue`."""
 
     def __init__(self, capacities: Sequence[int], mode: LaneMode = "pack", *,
-                 first_lane_id: int = 0, context_bytes: Sequence[int] | None = None) -> None:
+                 first_lane_id: int = 0, context_bytes: Sequence[int] | None = None,
+                 one_owner: Iterable[int] = ()) -> None:
         if not capacities:
             raise ValueError("at least one device is needed")
         if any(c <= 0 for c in capacities):
@@ -120,6 +128,8 @@ class LaneManager:
         self.context_bytes = list(context_bytes or [0] * len(capacities))
         if len(self.context_bytes) != len(capacities) or min(self.context_bytes) < 0:
             raise ValueError(f"one context size >= 0 per device, got {self.context_bytes}")
+        self.one_owner = frozenset(one_owner)  # devices that serve one owner at a time
+        self.held: dict[int, frozenset[RunsAs]] = {}  # device -> owners of its live processes
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -160,11 +170,28 @@ class LaneManager:
         """Whether the job fits on an empty device (gang: on `gang` empty devices)."""
         return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang)
 
+    def serving(self, device: int) -> frozenset[RunsAs]:
+        """Whom `device` serves: the owners of its admitted jobs and held processes."""
+        return frozenset(self._devices[device].owners) | self.held.get(device, frozenset())
+
     def fits_now(self, job: Job) -> bool:
         """Whether admission could place `job` now (no side effects)."""
         return self._find_slots(job) is not None
 
     # ---- mutation ------------------------------------------------------------------------
+    def serve_one_owner(self, devices: Iterable[int]) -> list[Placement]:
+        """From now on `devices` serve one owner at a time (jobs admitted before stay); returns
+        the placements a device leaving that set made."""
+        before, self.one_owner = self.one_owner, frozenset(devices)
+        return self._admit(sorted(before - self.one_owner), None)
+
+    def hold(self, device: int, owners: Iterable[RunsAs]) -> list[Placement]:
+        """`owners` are now those with live processes on `device` (an MPS GPU's clients, which
+        outlive their jobs' admission while swapped out or exiting); returns the placements
+        this made (an owner left)."""
+        self.held[device] = frozenset(owners)
+        return self._admit([device], None) if device in self.one_owner else []
+
     def submit(self, job: Job) -> list[Placement]:
         """Queue a job and run admission; returns every placement made (this job's or none).
 
@@ -231,6 +258,11 @@ class LaneManager:
             return len(self._by_capacity) - bisect.bisect_left(self._by_capacity, need) >= gang
         return sum(d.capacity >= need + self.context_bytes[d.index]
                    for d in self._devices) >= gang
+
+    def _owner_ok(self, dev: _Device, job: Job) -> bool:
+        """Whether `dev` may take `job` by the one-owner rule (`mps.py`)."""
+        return dev.index not in self.one_owner or admits(
+            set(dev.owners) | self.held.get(dev.index, frozenset()), runs_as(job))
 
     def _context(self, dev: _Device, lane: Lane | None, job: Job) -> int:
         """What placing `job` in `lane` of `dev` (None: a new lane) costs for its executor."""
@@ -299,7 +331,7 @@ class LaneManager:
         """Single mode, one device: the fitting device with fewest jobs, then lowest index."""
         p, e = job.persistent_bytes, job.ephemeral_bytes
         best: _Device | None = None
-        for dev in self._devices:
+        for dev in filter(lambda d: self._owner_ok(d, job), self._devices):
             # The one lane's size is the device's lane bytes; it grows to e if e is larger.
             lane = dev.lane_bytes if dev.lane_bytes > e else e
             c = self._context(dev, next(iter(dev.lanes.values()), None), job)
@@ -314,7 +346,8 @@ class LaneManager:
         """Pack rule over all devices: a new lane anywhere first, else the smallest lane."""
         p, e = job.persistent_bytes, job.ephemeral_bytes
         if job.inference and job.shares and not job.exclusive:
-            own = [lane for dev in self._devices if dev.unreserved >= p
+            own = [lane for dev in self._devices
+                   if dev.unreserved >= p and self._owner_ok(dev, job)
                    for lane in dev.lanes.values()
                    if lane.groups.get(job.owner) and lane.size >= e and not lane.exclusive]
             if own:
@@ -322,9 +355,8 @@ class LaneManager:
                 return self._devices[lane.device], lane
         best: _Device | None = None
         for dev in self._devices:
-            if dev.unreserved >= p + e + self.context_bytes[dev.index] and (
-                best is None or dev.jobs < best.jobs
-            ):
+            if dev.unreserved >= p + e + self.context_bytes[dev.index] and self._owner_ok(
+                    dev, job) and (best is None or dev.jobs < best.jobs):
                 best = dev
         if best is not None:
             return best, None
@@ -333,7 +365,7 @@ class LaneManager:
         lanes = [
             lane
             for dev in self._devices
-            if dev.unreserved >= p
+            if dev.unreserved >= p and self._owner_ok(dev, job)
             for lane in dev.lanes.values()
             if lane.size >= e and not lane.exclusive
             and dev.unreserved >= p + self._context(dev, lane, job)
@@ -346,6 +378,8 @@ class LaneManager:
     def _slot_on(self, dev: _Device, job: Job) -> Lane | None | Literal[False]:
         """Where `job` could go on `dev`: a lane to join, None for a new lane, False if nowhere."""
         p, e = job.persistent_bytes, job.ephemeral_bytes
+        if not self._owner_ok(dev, job):
+            return False
         if self.mode == "single":
             lane = next(iter(dev.lanes.values()), None)
             size = lane.size if lane else 0
@@ -379,6 +413,7 @@ class LaneManager:
         lane.contexts += context
         dev.persistent += job.persistent_bytes + context
         dev.jobs += 1
+        dev.owners[runs_as(job)] = dev.owners.get(runs_as(job), 0) + 1
         return Placement(job.job_id, dev.index, lane.lane_id, lane.size)
 
     def _remove_from_device(self, job: Job, p: Placement) -> None:
@@ -395,6 +430,9 @@ class LaneManager:
         lane.contexts -= context
         dev.persistent -= job.persistent_bytes + context
         dev.jobs -= 1
+        dev.owners[runs_as(job)] -= 1
+        if not dev.owners[runs_as(job)]:
+            del dev.owners[runs_as(job)]
         if not lane.residents:
             del dev.lanes[p.lane_id]
             dev.lane_bytes -= lane.size
@@ -450,6 +488,13 @@ class LaneManager:
                     assert lane.size == max(self._jobs_sizes(lane.residents))
             assert persistent == dev.persistent, f"device {dev.index} persistent drifted"
             assert jobs == dev.jobs
+            owners: dict[RunsAs, int] = {}
+            for lane in dev.lanes.values():
+                for jid in lane.residents:
+                    owners[runs_as(self._jobs[jid])] = owners.get(runs_as(self._jobs[jid]), 0) + 1
+            assert owners == dev.owners, f"device {dev.index}'s owners drifted"
+            assert dev.index not in self.one_owner or len(owners) <= 1, (
+                f"device {dev.index} serves one owner at a time, has jobs of {list(owners)}")
             assert dev.lane_bytes == sum(ln.size for ln in dev.lanes.values()), "lane bytes drifted"
             assert dev.persistent + dev.lane_bytes <= dev.capacity, (
                 f"device {dev.index} over-committed: {dev.persistent} persistent + "

@@ -69,6 +69,7 @@ def test_the_daemon_process_never_loads_torch(tmp_path: Path) -> None:
             with rest(tmp_path / "state") as client:
                 for route in ("/v1/jobs", "/v1/devices", "/v1/lanes", "/healthz"):
                     assert client.get(route).status_code == 200, route
+                assert "CPU" in client.get("/v1/devices").json()[0]["sharing"]
             metrics = httpx.get((tmp_path / "state" / "http.url").read_text().strip()
                                 + "/metrics", timeout=30)
             assert "salusd_job_persistent_bytes" in metrics.text

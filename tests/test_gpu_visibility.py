@@ -90,23 +90,30 @@ def test_a_place_on_a_gpu_carries_that_gpus_uuid() -> None:
     assert decode_request(got) == Place("cuda:0", 5 << 20, 1.0, A)  # no MPS there
 
 
-def test_an_mps_gpu_serves_one_owners_processes_at_a_time() -> None:
-    """Legacy MPS runs one server per uid: while uid 1000's process is a client of cuda:1's
-    server, uid 1001's is placed there without MPS (it would block at CUDA's start), and status
-    says whom MPS serves; once 1000's processes are gone, 1001's may join."""
+def test_an_mps_gpu_tells_the_engine_whose_processes_are_its_clients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Legacy MPS runs one server per uid: every process placed on an MPS GPU joins its server,
+    and the engine hears whose live processes are the GPU's clients (admission keeps other
+    owners' jobs off the GPU while there are any: `salus.scheduler.mps`), once more when a
+    client process is gone."""
+    monkeypatch.setattr("salus.daemon.supervisor.os.geteuid", lambda: 0)  # root: owners' uids
     loop = Loop(time.monotonic)
     supervisor = Supervisor(loop, gpu_uuids=[A, B])
     supervisor.mps_clients = {1: ("/state/mps/GPU-b/pipe", 500 << 20)}
-    supervisor.sharing = ["", ""]
+    told: list[tuple[int, frozenset[int]]] = []
+    supervisor.on_mps_clients = lambda index, uids: told.append((index, uids))
     place = encode(Place("cuda:1", 5 << 20, 1.0))
     assert "mps" in _sent(supervisor, loop, place, uid=1000, token=1)
-    assert "mps" not in _sent(supervisor, loop, place, uid=1001, token=2)
-    assert "uid 1000" in supervisor.sharing[1]
     assert "mps" in _sent(supervisor, loop, place, uid=1000, token=3)  # the same owner joins
+    assert "mps" not in _sent(supervisor, loop, encode(Place("cuda:0", 5 << 20, 1.0)),
+                              uid=1001, token=2)  # no MPS on cuda:0
+    assert told == [(1, frozenset({1000}))] * 2
     for token in (1, 3):
-        supervisor._by_token[token].closed = True
-    assert "mps" in _sent(supervisor, loop, place, uid=1001, token=4)
-    assert "uid 1001" in supervisor.sharing[1]
+        process = supervisor._by_token[token]
+        process.closed = True
+        process.status = "exited 0"
+        supervisor._maybe_report(process)
+    assert told[-2:] == [(1, frozenset({1000})), (1, frozenset())]
 
 
 @pytest.mark.slow

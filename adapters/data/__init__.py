@@ -52,6 +52,7 @@ class CachedDataset(_CachedDataset[T]):
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         job = context.current()
+        later = comm is _UNSET and job is not None and job.gang and job.comm is None
         if comm is _UNSET:
             comm = job.comm if job is not None else None
         if cache_dir is None:
@@ -61,9 +62,12 @@ class CachedDataset(_CachedDataset[T]):
             cache_bytes = (job.cache_bytes if job is not None and job.cache_bytes else
                            DEFAULT_BYTES)
         super().__init__(source, decode, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                         comm=comm, memory_bytes=memory_bytes, storage_options=storage_options)
+                         comm=comm, memory_bytes=memory_bytes, storage_options=storage_options,
+                         comm_later=later)
         if job is not None:
             job.datasets.append(self)
+            if later:  # built before the replica joined its gang: bound when it does
+                job.unbound.append(self)
 
 
 __all__ = ["CacheStats", "CachedDataset", "ReplicaLoader"]

@@ -44,7 +44,7 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
               ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
               name=record.name, priority=record.priority,
               done_iterations=record.done_before, gang=record.gang,
-              exclusive=record.nodes > 1, inference=record.inference,
+              exclusive=record.nodes > 1, inference=record.inference, uid=record.owner.runs_as,
               shares=core.config.share_lanes and may_share_executor(record))
     try:
         update = core.dispatch.submit(job, driven=record.kind == "batch",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
@@ -407,6 +407,18 @@ class Engine:
             raise BadRequest(f"{policy.name} shares one lane per device, and multi-node gangs "
                              f"{spanning} need lanes of their own: end them first")
         self.core.pending_policy = policy
+        self._step()
+
+    def serve_one_owner(self, devices: Sequence[int]) -> None:
+        """`devices` (GPUs with an MPS server, which serves one uid at a time) take the jobs of
+        one owner at a time from now on (`salus.scheduler.mps`)."""
+        self.core.take(self.core.dispatch.serve_one_owner(devices))
+        self._step()
+
+    def mps_clients(self, device: int, uids: Iterable[int]) -> None:
+        """The uids whose live processes are clients of `device`'s MPS server now: no other
+        owner's job is placed there until they are gone."""
+        self.core.take(self.core.dispatch.hold_owners(device, uids))
         self._step()
 
     # ---- executor events -------------------------------------------------------------------

@@ -13,6 +13,7 @@ Ended jobs carry `end_state` (finished, cancelled or failed) and a `reason` a pe
 from __future__ import annotations
 
 import itertools
+import os
 import unicodedata
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -45,6 +46,12 @@ class Owner:
     @property
     def is_admin(self) -> bool:
         return self.uid == 0
+
+    @property
+    def runs_as(self) -> int:
+        """The uid the owner's executors run as: its own where salusd is root, else salusd's
+        (which then runs only its own user's code)."""
+        return self.uid if os.geteuid() == 0 else os.getuid()
 
 
 @dataclass(eq=False)

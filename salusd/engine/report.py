@@ -90,7 +90,8 @@ def snapshot(engine: Engine) -> dict[str, Any]:
             "unreserved_bytes": dispatch.unreserved(index),
             "largest_free_bytes": stats.largest_free,
             "compactions": ledger.compactions,
-            "sharing": engine.device_sharing[index],
+            "sharing": "; ".join(filter(None, (engine.device_sharing[index],
+                                               dispatch.one_owner(index)))),
             "lanes": [{"lane_id": ln.lane_id, "size_bytes": ln.size, "jobs": list(ln.residents),
                        "busy_job": ln.busy_job} for ln in dispatch.lanes(index)],
         })

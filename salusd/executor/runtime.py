@@ -130,6 +130,7 @@ class JobRuntime:
         self.gang: gang.GangSpec | None = None  # this replica's place in a gang job
         self.comm: Comm | None = None
         self._comm_state: Any = None  # a restored gang's comm state, until it joins
+        self._broadcast_on_join = False  # a freshly loaded gang replica syncs once joined
         self.context = context.JobContext()  # the services a batch job's code can reach
         self.budget_bytes = 0  # persistent bytes plus the lane, where the daemon placed it
         self.slowdown = ComputeSlowdown()  # the device's simulated one (--cpu-device-slowdown)
@@ -254,11 +255,12 @@ class JobRuntime:
     def load(self, request: Load) -> Loaded:
         """A batch job: import its entrypoint and hold what it returned; with `restore`, go on
         from the job's latest checkpoint (if it has one)."""
-        # Joined first, so that what the entrypoint builds can use the gang (a
-        # salus.data.CachedDataset shards its level 2 over it).
-        spec = self._join(request.gang)
+        # A gang's replica joins its group once placed (`place`: NCCL needs its device); what
+        # the entrypoint builds over the gang (a salus.data.CachedDataset) is bound to it then.
+        spec = self.gang = gang.GangSpec.of(request.gang)
         cache = request.cache
-        self.context = context.JobContext(self.comm, cache and cache.dir, cache and cache.bytes)
+        self.context = context.JobContext(None, cache and cache.dir, cache and cache.bytes,
+                                          gang=spec is not None)
         context.activate(self.context)
         job = load_entrypoint(request.path, request.function)
         self.seed = torch.initial_seed()  # its entrypoint's `torch.manual_seed`, if it called it
@@ -271,8 +273,7 @@ class JobRuntime:
         iteration = 0
         if request.restore:
             iteration = self.restore(request.dir, request.gang, request.at).iteration
-        elif self.comm is not None:
-            gang.broadcast_state(self.comm, self._objects())
+        self._broadcast_on_join = spec is not None and not request.restore
         return self._loaded(iteration)
 
     def _loaded(self, iteration: int) -> Loaded:
@@ -360,22 +361,19 @@ class JobRuntime:
                         comm, oom=self.last_oom is not None)
 
     def _join_placed(self) -> None:
-        """An interactive gang's replica, just placed, joins its process group on its device's
-        backend (NCCL on CUDA), then takes a restored comm state."""
+        """A gang's replica, just placed, joins its process group on its device's backend
+        (NCCL on CUDA), then takes a restored comm state; a batch job's data sets take the
+        Comm, and a freshly loaded one's replicas start from replica 0's state."""
         assert self.gang is not None
         self.comm = gang.join(self.gang, self.device)
         self.state.comm = self.comm
+        self.context.joined(self.comm)
         if self._comm_state is not None:
             self.comm.restore_state(self._comm_state)
             self._comm_state = None
-
-    def _join(self, place: GangPlace | None) -> gang.GangSpec | None:
-        """Join the gang's process group once, for a replica told its `place` (None: no
-        gang); returns this replica's place."""
-        spec = gang.GangSpec.of(place)
-        if spec is not None and self.comm is None:
-            self.gang, self.comm = spec, gang.join(spec, self.device)
-        return spec
+        if self._broadcast_on_join:
+            self._broadcast_on_join = False
+            gang.broadcast_state(self.comm, self._objects())
 
     def service_counters(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """What the job's services counted so far, for a call's reply: its data sets' cache

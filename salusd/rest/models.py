@@ -212,6 +212,9 @@ class DeviceOut(BaseModel):
     largest_free_bytes: int
     lanes: int
     jobs: int
+    sharing: str = Field(default="", description="how its lanes' processes share it: in "
+                         "parallel on the CPU, time-shared, or MPS (then whom the GPU's MPS "
+                         "server serves and how many jobs of other owners wait)")
 
 
 class TokenIn(Strict):

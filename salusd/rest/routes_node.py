@@ -22,7 +22,7 @@ async def devices(_: Principal = Depends(principal),
                       persistent_bytes=d["persistent_bytes"],
                       unreserved_bytes=d["unreserved_bytes"],
                       largest_free_bytes=d["largest_free_bytes"], lanes=len(d["lanes"]),
-                      jobs=sum(len(ln["jobs"]) for ln in d["lanes"]))
+                      jobs=sum(len(ln["jobs"]) for ln in d["lanes"]), sharing=d["sharing"])
             for d in snap["devices"]]
 
 

@@ -48,7 +48,9 @@ class CachedDataset(torch.utils.data.Dataset[T], Generic[T]):
 
     ``dataset[i]`` reads one sample locally and never communicates (a non-owner does not keep
     it in level 2). Constructing it with a Comm is collective (a sub-group for the exchange,
-    and a check that every rank lists the same files).
+    and a check that every rank lists the same files). With ``comm_later`` the gang's Comm is
+    given afterwards (`bind`, then collective): a data set that a gang's entrypoint builds
+    before its replica has joined the gang's group; it is not read before.
     """
 
     def __init__(
@@ -61,21 +63,30 @@ class CachedDataset(torch.utils.data.Dataset[T], Generic[T]):
         comm: Comm | None = None,
         memory_bytes: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        comm_later: bool = False,
     ) -> None:
         self.decode = decode
         self.stats = CacheStats()
         self._files = _list_files(source, dict(storage_options or {}))
-        self.rank: int = 0 if comm is None else comm.rank
-        self.size: int = 1 if comm is None else comm.size
-        directory = Path(cache_dir) if comm is None else Path(cache_dir) / f"rank{comm.rank}"
-        self._disk = DiskCache(directory, cache_bytes, self.stats.disk)
+        self._cache_dir, self._cache_bytes = Path(cache_dir), cache_bytes
+        self.rank, self.size = 0, 1
+        self._disk: DiskCache
         self._memory: MemoryStore[T] = MemoryStore(memory_bytes, self.stats.memory)
         self._group: dist.ProcessGroup | None = None
+        if not comm_later:
+            self.bind(comm)
+        self._collective = threading.Lock()
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="salus-prefetch")
+
+    def bind(self, comm: Comm | None) -> None:
+        """Take the gang's `comm` (None: none; collective with one): level 1 in this replica's
+        folder, level 2 sharded over the replicas."""
+        self.rank, self.size = (0, 1) if comm is None else (comm.rank, comm.size)
+        directory = self._cache_dir if comm is None else self._cache_dir / f"rank{comm.rank}"
+        self._disk = DiskCache(directory, self._cache_bytes, self.stats.disk)
         if comm is not None:
             self._group = comm.new_group("gloo")
             _check_same_files(self._group, [url for _fs, _path, url in self._files])
-        self._collective = threading.Lock()
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="salus-prefetch")
 
     def __len__(self) -> int:
         return len(self._files)
