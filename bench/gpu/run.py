@@ -164,11 +164,12 @@ def main() -> None:
     path = args.outdir / "gpu-kit.json"
     started = time.monotonic()
     deadline = started + args.budget_s
-    share = args.budget_s / sum(STEPS[n] for n in chosen)
     with open(args.outdir / "gpu-kit.log", "a") as log:
         report: dict[str, Any] = {"kit": "salusd gpu acceptance kit", "machine": machine(cpu),
                                   "budget_s": args.budget_s, "steps": {}}
         report["machine"]["context_cost"] = context_cost(cpu, log)
+        # the steps share what the machine's description and the context's cost left
+        share = (deadline - time.monotonic()) / sum(STEPS[n] for n in chosen)
         env = dict(os.environ)
         if isinstance(report["machine"]["context_cost"].get("bytes"), int):
             env["SALUS_KIT_CONTEXT_BYTES"] = str(report["machine"]["context_cost"]["bytes"])
