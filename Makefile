@@ -30,20 +30,25 @@ lint: $(STAMP)
 sim: $(STAMP)
 	$(PY) -m salus.scheduler.sim --trace tests/data/tiresias-60job.csv --format tiresias --compare
 
-# Wheels of the runtime deps the lent GPU machine (Python 3.12, no network) may lack, for
-# linux x86_64, into .whl/; bench/gpu/run.sh installs only those its Python has not, with
-# --target (docs/gpu.md). fastapi imports opentelemetry-api at import time.
-GPU_WHEELS := fastapi starlette uvicorn pydantic pydantic-core annotated-types \
-	typing-inspection typing-extensions opentelemetry-api importlib-metadata zipp \
-	anyio sniffio idna h11 click prometheus-client \
-	cloudpickle safetensors fsspec rich markdown-it-py mdurl pygments httpx httpcore certifi \
-	hypothesis sortedcontainers attrs networkx pytest-timeout
+# The cp312 manylinux x86_64 wheels the lent GPU machine (Python 3.12, torch, cupy, nvidia-ml-py,
+# prometheus-client, httpx and pytest installed; no network) lacks, into .whl/ (about 4 MB): the
+# REST stack with the strict runtime deps that torch, httpx and pytest do not bring (fastapi
+# imports opentelemetry-api at import time, which needs only typing-extensions; uvicorn needs
+# click; the machine's typing-extensions is too old for pydantic), and what the kit's cuda_tests
+# step needs beside pytest (pytest-timeout, hypothesis). --no-deps keeps the set exact, and
+# `install.py --check` fails if a wheel needs a distribution neither .whl/ nor the machine has;
+# bench/gpu/install.py installs only those the machine lacks or has older (docs/gpu.md).
+GPU_WHEELS := fastapi starlette uvicorn click pydantic pydantic-core annotated-types \
+	annotated-doc typing-inspection typing-extensions opentelemetry-api \
+	pytest-timeout hypothesis sortedcontainers
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	--platform manylinux2014_x86_64 --platform any
 
 gpu-wheels:
-	$(PYTHON) -m pip download --quiet --dest .whl --only-binary=:all: \
+	rm -rf .whl
+	$(PYTHON) -m pip download --quiet --no-deps --dest .whl --only-binary=:all: \
 		--implementation cp --python-version 3.12 $(GPU_PLATFORMS) $(GPU_WHEELS)
+	$(PYTHON) bench/gpu/install.py --check
 	du -sh .whl
 
 clean:

@@ -1,8 +1,11 @@
 """Client processes of the kit's jobs: each prints `ready`, waits for a line on stdin, runs,
 and prints one JSON line (times on the machine's monotonic clock, seconds).
 
-    clients.py train ADDRESS NAME SECONDS WIDTH ROWS   # train through salusd for SECONDS
-                                                       # (0: until a `stop` line on stdin)
+    clients.py train ADDRESS NAME SECONDS WIDTH ROWS [FN]  # train through salusd for SECONDS
+                                      # (0: until a `stop` line on stdin) with jobfns.FN
+                                      # (default train); then its executor's memory_stats
+    clients.py serve-train ADDRESS  # prints `ready` once imported, then runs one `train` per
+                                    # stdin line NAME SECONDS WIDTH ROWS FN (empty line: end)
     clients.py hold-infer                              # an inference model on cuda:0, no salusd
 """
 
@@ -31,16 +34,19 @@ def _told_to_stop() -> bool:
     return bool(select.select([sys.stdin], [], [], 0)[0])
 
 
-def train(address: str, name: str, seconds: float, width: int, rows: int) -> None:
-    """Train until `seconds` have passed after `go` (0: until told to stop, a line on stdin, at
-    most `MAX_S`), or until a call fails; reports each call's end time and the first error."""
+def train(address: str, name: str, seconds: float, width: int, rows: int,
+          fn: str = "train") -> None:
+    """Train with `jobfns.<fn>` until `seconds` have passed after `go` (0: until told to stop,
+    a line on stdin, at most `MAX_S`), or until a call fails; reports each call's end time, the
+    first error, and its executor's `jobfns.memory_stats` after the last call."""
     model = models.mlp(width)
     x, y = models.batch(width, rows)
     ends: list[float] = []
     losses: list[float] = []
     error = None
     with salus.connect(name=name, iterations=10**6, address=address) as job:
-        step = job.attach(model=model, opt=models.sgd(model)).iteration(jobfns.train)
+        remote = job.attach(model=model, opt=models.sgd(model))
+        step = remote.iteration(getattr(jobfns, fn))
         print("ready", flush=True)  # admission may wait for other jobs (fifo): not before go
         sys.stdin.readline()
         start = time.monotonic()
@@ -53,9 +59,24 @@ def train(address: str, name: str, seconds: float, width: int, rows: int) -> Non
                 break
             ends.append(time.monotonic())
         job_id = job.id
+        stats = None
+        if error is None:
+            try:
+                stats = remote.function(jobfns.memory_stats)()
+            except Exception as exc:  # noqa: BLE001 - a figure of its own, not the run's error
+                stats = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     print(json.dumps({"name": name, "job_id": job_id, "calls": len(ends), "start": start,
-                      "ends": ends, "error": error,
+                      "ends": ends, "error": error, "memory_stats": stats, "uid": os.getuid(),
                       "losses_finite": all(math.isfinite(v) for v in losses)}), flush=True)
+
+
+def serve_train(address: str) -> None:
+    """`train` one job after another in this process (torch is imported once): one per stdin
+    line NAME SECONDS WIDTH ROWS FN (SECONDS > 0), until an empty line or the end of stdin."""
+    print("ready", flush=True)
+    while line := sys.stdin.readline().strip():
+        name, seconds, width, rows, fn = line.split()
+        train(address, name, float(seconds), int(width), int(rows), fn)
 
 
 def hold_infer() -> None:
@@ -79,7 +100,9 @@ def hold_infer() -> None:
 def main() -> None:
     kind, args = sys.argv[1], sys.argv[2:]
     if kind == "train":
-        train(args[0], args[1], float(args[2]), int(args[3]), int(args[4]))
+        train(args[0], args[1], float(args[2]), int(args[3]), int(args[4]), *args[5:6])
+    elif kind == "serve-train":
+        serve_train(args[0])
     elif kind == "hold-infer":
         hold_infer()
     else:

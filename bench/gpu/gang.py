@@ -6,8 +6,12 @@ the batch and averages gradients with `s.comm.all_reduce_gradients` (ring). The 
 the same seeded model trained in this process. salusd places one replica per device and its
 replicas join their process group with gloo before placement, so on a machine with one GPU the
 gang runs on 2 CPU devices and the CUDA figure is skipped; with 2 GPUs it runs on CUDA, its
-replicas joining NCCL once placed. A 1-replica NCCL join is not measured: salusd forms a
-process group only for gangs of 2 or more replicas. Step times are client side, ms.
+replicas joining NCCL once placed. Step times are client side, ms.
+
+`nccl_join_one_replica`: salusd forms a process group only for gangs of 2 or more replicas, so
+on one GPU a job placed on it joins a 1-replica group from inside its executor, through the
+same `gang.join` a replica uses after placement (NCCL on CUDA; gloo on a CPU run, which says
+so), and all-reduces a tensor of ones over it (`jobfns.one_replica_join`).
 """
 
 from __future__ import annotations
@@ -73,11 +77,23 @@ def _compare(address: str, device: str, small: bool) -> dict[str, Any]:
     }
 
 
+def _one_replica_join(address: str) -> dict[str, Any]:
+    """A job placed on one device joins a 1-replica group there and all-reduces over it."""
+    model = models.mlp(64)
+    with salus.connect(name="join", iterations=1, address=address) as job:
+        joined: dict[str, Any] = job.attach(model=model).function(jobfns.one_replica_join)()
+    return joined
+
+
 def measure(cuda: bool, small: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="salusd-kit-gang-") as tmp:
         with kit.daemon(Path(tmp), cuda=False, cpu_devices=2, name="cpu") as d:
             out["cpu"] = _compare(d.address, "2 CPU devices", small)
+            if not cuda:
+                out["nccl_join_one_replica"] = {
+                    **_one_replica_join(d.address),
+                    "note": "a CPU run: the same join on gloo; NCCL needs CUDA"}
         if not cuda:
             out["cuda"] = kit.skipped("needs CUDA")
         elif torch.cuda.device_count() < 2:
@@ -86,8 +102,13 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
         else:
             with kit.daemon(Path(tmp), cuda=True, name="cuda") as d:
                 out["cuda"] = _compare(d.address, "2 GPUs", small)
-        out["nccl_join_one_replica"] = kit.skipped(
-            "salusd forms a process group only for gangs of 2 or more replicas")
+        if cuda:
+            try:
+                with kit.daemon(Path(tmp), cuda=True, name="join") as d:
+                    out["nccl_join_one_replica"] = _one_replica_join(d.address)
+            except Exception as exc:  # noqa: BLE001 - keep the gang's figures
+                out["nccl_join_one_replica"] = {"joined": False,
+                                                "error": f"{type(exc).__name__}: {exc}"[:2000]}
     return out
 
 

@@ -4,9 +4,11 @@ per process on CUDA, PSS on the CPU (anchor: Salus, 42x fewer GPUs for inference
 bench/packing.py's inference case (its `infer-mlp` model, about 17 MiB of parameters, and its
 process-tree PSS reading). On CUDA, `nvmlDeviceGetComputeRunningProcesses` gives each process's
 device memory (bytes, its CUDA context included): summed over the daemon's process tree while
-the N jobs are open, and over N processes that each hold one model on cuda:0. Today every job
-is its own executor process with its own CUDA context, so the ratio is expected near 1 until
-executors are shared per owner and lane. PSS (host memory) is reported on both backends.
+the N jobs are open, and over N processes that each hold one model on cuda:0. The daemon's
+inference jobs of one owner share a lane and its executor (`--isolation lane`, the default), so
+its side should hold one CUDA context against N. Where NVML lists no pids (a container's pid
+namespace), the ratio is of NVML's device-wide used memory growth instead (`device_measure`
+says which). PSS (host memory) is reported on both backends.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def device_bytes(pids: set[int]) -> tuple[int, list[int]]:
     return sum(used), sorted(used, reverse=True)
 
 
-def _direct_cuda(models: int) -> tuple[int, list[int], int]:
-    """N processes holding one model each on cuda:0: (device bytes, per process, PSS)."""
+def _direct_cuda(models: int) -> tuple[int, list[int], int, int]:
+    """N processes holding one model each on cuda:0: (device bytes by NVML per process, per
+    process, PSS, NVML's device-wide used bytes while they hold them)."""
     procs = [kit.client("hold-infer") for _ in range(models)]
     try:
         for p in procs:
@@ -56,11 +59,12 @@ def _direct_cuda(models: int) -> tuple[int, list[int], int]:
             pids.add(int(json.loads(p.stdout.readline())["pid"]))
         total, each = device_bytes(pids)
         pss = packing._group(sorted(pids))[0]
+        used = device_used()
     finally:
         for p in procs:
             kit.go(p)
             p.wait(timeout=60)
-    return total, each, pss
+    return total, each, pss, used
 
 
 def device_used() -> int:
@@ -94,10 +98,20 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
             out["device_used_before_bytes"] = before
             out["device_used_with_jobs_bytes"] = device_used()
     if cuda:
-        total, each, pss = _direct_cuda(models)
+        before_direct = device_used()
+        total, each, pss, used = _direct_cuda(models)
         out["processes_device_bytes"], out["processes_device_bytes_by_process"] = total, each
         out["processes_pss_bytes"] = pss
-        out["processes_over_daemon_device"] = total / max(1, out["daemon_device_bytes"])
+        out["device_used_before_processes_bytes"] = before_direct
+        out["device_used_with_processes_bytes"] = used
+        if out["nvml_lists_executor_pids"] and each:
+            out["device_measure"] = "NVML per-process used memory"
+            out["processes_over_daemon_device"] = total / max(1, out["daemon_device_bytes"])
+        else:  # NVML lists no pids here: the device-wide growth of each group
+            out["device_measure"] = "NVML device-wide used memory, with minus before"
+            daemon_grew = out["device_used_with_jobs_bytes"] - before
+            out["processes_over_daemon_device"] = ((used - before_direct) / daemon_grew
+                                                   if daemon_grew > 0 else None)
     else:
         with Launched(["infer-mlp"] * models, "direct", hold=True) as group:
             out["processes_pss_bytes"] = packing._group([r["pid"] for r in group.results])[0]

@@ -5,6 +5,8 @@ keeps their times comparable to the direct baselines'."""
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -37,6 +39,58 @@ def infer(s: Any, x: torch.Tensor) -> float:
         out = s.model(x).mean()
     settle(device_of(s))
     return float(out)
+
+
+def train_emptying(s: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    """`train`, then empty the caching allocator's cache, as a switch that hands the cache back
+    would: the next call allocates its whole working set again (no-op on the CPU)."""
+    loss = train(s, x, y)
+    if device_of(s).type == "cuda":
+        torch.cuda.empty_cache()
+    return loss
+
+
+def memory_stats(s: Any) -> dict[str, Any]:
+    """This executor's `torch.cuda.memory_stats()` on the job's device (the all-pools current
+    and peak counters, the allocation and cudaMalloc counts, bytes) and its reserved peak; on
+    the CPU, why there are none."""
+    device = device_of(s)
+    if device.type != "cuda":
+        return {"skipped": "a CPU device has no CUDA caching allocator"}
+    stats = torch.cuda.memory_stats(device)
+    kept = {k: v for k, v in stats.items()
+            if k.endswith((".all.current", ".all.peak")) or k.startswith("num_")}
+    return {"memory_stats": kept, "max_memory_reserved_bytes":
+            torch.cuda.max_memory_reserved(device), "pid": os.getpid()}
+
+
+def one_replica_join(s: Any) -> dict[str, Any]:
+    """Join a 1-replica process group on the job's placed device, as a gang's replica does
+    after placement (`salus.daemon.executor.gang.join`: NCCL on CUDA, gloo on the CPU),
+    all_reduce a tensor of ones over it, and leave the group; what happened."""
+    import torch.distributed as dist
+
+    from salus.daemon.executor.gang import GangSpec, backend_for, join
+    from salus.daemon.wire.address import free_port
+
+    device = device_of(s)
+    if dist.is_initialized():
+        return {"joined": False, "error": "this executor is already in a process group"}
+    start = time.perf_counter()
+    try:
+        comm = join(GangSpec(rank=0, world=1, port=free_port()), device)
+        joined = time.perf_counter() - start
+        t = torch.ones(1 << 20, device=device)
+        comm.all_reduce(t)
+        settle(device)
+        ok = bool((t == 1).all())
+    except Exception as exc:  # noqa: BLE001 - the failure is what gets reported
+        return {"joined": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"joined": True, "backend": backend_for(device), "device": str(device),
+            "join_s": joined, "all_reduce_ok": ok}
 
 
 def allocate(s: Any, nbytes: int) -> int:

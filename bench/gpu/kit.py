@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -122,11 +123,15 @@ def daemon(tmp: Path, *, cuda: bool, policy: str = "pack", cpu_devices: int = 1,
             proc.wait()
 
 
-def client(*args: str) -> subprocess.Popen[str]:
+def client(*args: str, user: str | None = None) -> subprocess.Popen[str]:
     """`python bench/gpu/clients.py ARGS...` (a job's client in its own process), with pipes:
-    it prints `ready`, waits for a line on stdin, runs, prints one JSON line."""
+    it prints `ready`, waits for a line on stdin, runs, prints one JSON line. `user`: run it as
+    that user and its group (the kit runs as root)."""
+    env = {**os.environ, "HOME": tempfile.gettempdir()} if user else None
     return subprocess.Popen([sys.executable, str(Path(__file__).with_name("clients.py")),
-                             *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            user=user, group=user, extra_groups=[] if user else None, env=env,
+                            cwd=tempfile.gettempdir() if user else None)
 
 
 def wait_ready(proc: subprocess.Popen[str]) -> None:
@@ -146,6 +151,29 @@ def go(proc: subprocess.Popen[str]) -> None:
 def stop(proc: subprocess.Popen[str]) -> None:
     """Tell a client started to run until stopped (`train ... 0`) to stop."""
     go(proc)
+
+
+def next_result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """The next JSON line of a client that goes on running (`serve-train`)."""
+    assert proc.stdout is not None
+    while line := proc.stdout.readline():
+        if line.startswith("{"):
+            parsed: dict[str, Any] = json.loads(line)
+            return parsed
+    raise RuntimeError(f"a client ended without its result (exit {proc.wait()})")
+
+
+def end(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
+    """End a `serve-train` client (an empty line), killing it if it does not go."""
+    with contextlib.suppress(OSError):
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def result_of(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """MSTopK (salusd/services/topk.py) against `torch.topk` on the kit's device: the share of the
-exact top-k's values it selects (`recall`, by magnitude), and the time of each, synchronised,
-median of several runs. On a GPU `mstopk` runs its cupy kernels where cupy is installed
-(`kernel_is_gpu`), else the torch passes."""
+exact top-k's values it selects (`recall`, by magnitude), the share of its indices that
+`torch.topk` also picks (`index_agreement`; ties at the threshold may differ), and the time
+of each, synchronised, median of several runs. On a GPU `mstopk` runs its cupy kernels where
+cupy is installed (`kernel_is_gpu`), else the torch passes."""
 
 from __future__ import annotations
 
@@ -35,14 +36,15 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
     k = n // 1000
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
     runs = 5 if small else 10
-    (values, _), ms_time = _timed(lambda: mstopk(x, k), device, runs)
-    (exact, _), topk_time = _timed(lambda: torch.topk(x.abs(), k), device, runs)
+    (values, indices), ms_time = _timed(lambda: mstopk(x, k), device, runs)
+    (exact, exact_indices), topk_time = _timed(lambda: torch.topk(x.abs(), k), device, runs)
     threshold = exact.min()
     recall = float((values.abs() >= threshold).sum()) / k
+    agreement = float(torch.isin(indices, exact_indices).sum()) / k
     return {
         "elements": n, "k": k, "device": str(device),
         "kernel": mstopk_kernel(x), "kernel_is_gpu": mstopk_kernel(x) == "cupy",
-        "recall": recall,
+        "recall": recall, "index_agreement": agreement,
         "mstopk_ms": ms_time * 1e3, "torch_topk_ms": topk_time * 1e3,
         "mstopk_over_topk": ms_time / topk_time,
     }

@@ -87,7 +87,8 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
         "loop_s": seen.get("seconds"),
         "iterations_done": info.get("iterations_done"),
         "daemon_measured_peak_bytes": memory.get("ephemeral_measured_bytes"),
-        "peak_reported": isinstance(memory.get("ephemeral_measured_bytes"), int),
+        "peak_reported": isinstance(peak := memory.get("ephemeral_measured_bytes"), int)
+        and peak > 0,
         "visible_devices": visible,
     }
     if cuda:
