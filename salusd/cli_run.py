@@ -13,6 +13,13 @@ With `--restart on-failure` a failed run's command runs again, still
 attached to this terminal, and the status is the last run's. Exit statuses of its own: 125
 when the job could not be run, 128 + N when the script died of signal N, 1 when the job ended
 otherwise (cancelled, the daemon went away), with the reason on stderr.
+
+`salusd run --devices N -- torchrun --nproc-per-node N train.py` (or `python -m
+torch.distributed.run ...`) runs the ranks as one gang job (`salusd/engine/torchrun.py`): this
+process hands each rank its own socket pair (the extra ones in `socket` requests before the
+`run`), so every rank writes to this terminal, as under torchrun; Ctrl-C and the forwarded
+signals reach every rank; the exit status is that of the rank whose failure ended the job
+(as torchrun reports its first failure), else 0.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -31,6 +39,7 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
+from salus.daemon.engine import torchrun
 from salus.daemon.wire.address import connect_unix, default_socket_path
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError
 from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
@@ -84,14 +93,17 @@ def add_parser(sub: Any) -> None:
         "run", help=text, description=text[0].upper() + text[1:] + ". Its optimizer steps are "
         "the job's iteration boundaries; salus.step() adds more (SALUS_BOUNDARY=explicit: only "
         "those). Output goes to this terminal; the exit status is the script's.",
-        usage="salusd run [OPTIONS] -- python SCRIPT [ARGS...]")
+        usage="salusd run [OPTIONS] -- python SCRIPT [ARGS...] | python -m MODULE [ARGS...] | "
+        "python -c CODE [ARGS...] | torchrun --nproc-per-node N SCRIPT [ARGS...]")
     cmd.add_argument("--name", help="the job's name (default: the script's file name)")
     cmd.add_argument("--iterations", type=int, default=None,
                      help="planned iterations (optimizer steps), which SRTF uses (default: "
                      "unknown)")
     cmd.add_argument("--priority", type=float, default=1.0,
                      help="the job's weight under the fair policy (default 1)")
-    cmd.add_argument("--devices", type=int, default=1, help="devices (a script job runs on 1)")
+    cmd.add_argument("--devices", type=int, default=None,
+                     help="devices: 1, or a torchrun command's ranks, one per device (the "
+                     "default)")
     cmd.add_argument("--restart", choices=["never", "on-failure"], default="never",
                      help="on-failure: when the script exits non-zero, its process dies or "
                      "salusd restarts, run it again (keep checkpoints in salus.resume_dir())")
@@ -127,15 +139,26 @@ def run(args: argparse.Namespace) -> int:
 
 def resolve(command: list[str]) -> list[str]:
     """`command` with its interpreter resolved as the caller's shell would (a bare name on
-    PATH), its path made absolute."""
+    PATH), its path made absolute; `torchrun` becomes `python -m torch.distributed.run` with
+    the interpreter it runs. ValueError for a torchrun option salusd cannot honour."""
     if len(command) < 2:
         raise ValueError("nothing to run: salusd run [OPTIONS] -- python SCRIPT [ARGS...]")
     if os.sep in command[0]:  # a path: the executor checks what it is
-        return [os.path.abspath(command[0]), *command[1:]]
-    found = shutil.which(command[0])
-    if found is None:
-        raise ValueError(f"{command[0]!r}: command not found")
-    return [os.path.abspath(found), *command[1:]]
+        first = os.path.abspath(command[0])
+    else:
+        found = shutil.which(command[0])
+        if found is None:
+            raise ValueError(f"{command[0]!r}: command not found")
+        first = os.path.abspath(found)
+    resolved = [first, *command[1:]]
+    if os.path.basename(first) == "torchrun":
+        python = torchrun.interpreter_of(first)
+        found = python if os.sep in python else shutil.which(python)
+        if found is None:
+            raise ValueError(f"{python!r} (the interpreter of {first}): command not found")
+        resolved = [os.path.abspath(found), "-m", torchrun.MODULE, *command[1:]]
+    torchrun.parse(resolved)
+    return resolved
 
 
 class _Link:
@@ -180,24 +203,33 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
     hello = channel.call({"op": "ping"})
     if hello.get("version") != VERSION:
         raise ValueError("salusd speaks another protocol version: install matching versions")
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with ours:
-        socket.send_fds(ours, [b"stdio"], _stdio())
+    launch = torchrun.parse(command)
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+             for _ in range(launch.nproc if launch is not None else 1)]
+    with contextlib.ExitStack() as stack:
+        for ours, theirs in pairs:
+            stack.enter_context(ours)
+            stack.enter_context(theirs)
+            socket.send_fds(ours, [b"stdio"], _stdio())
+        for _, theirs in pairs[1:]:  # ranks 1, 2...: the run's own is rank 0's
+            channel.send({"op": "socket"}, theirs.fileno())
+            theirs.close()
+            channel.reply()
         request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
-                   "name": args.name or _name(command),
+                   "name": args.name or _name(command, launch),
                    "iterations": args.iterations or MAX_ITERATIONS,
-                   "priority": args.priority, "devices": args.devices, "restart": args.restart,
+                   "priority": args.priority, "restart": args.restart,
                    "max_restarts": args.max_restarts}
+        if args.devices is not None:
+            request["devices"] = args.devices
         if args.time is not None:
             request["time_limit_s"] = args.time
         if args.signal is not None:
             request["signal"], request["signal_before_s"] = args.signal
-        try:
-            channel.send(request, theirs.fileno())
-        finally:
-            theirs.close()
+        channel.send(request, pairs[0][1].fileno())
+        pairs[0][1].close()
         job = str(channel.reply()["job"])
-        return _wait(channel, ours, job)
+        return _wait(channel, [ours for ours, _ in pairs], job)
 
 
 def _stdio() -> list[int]:
@@ -212,28 +244,37 @@ def _stdio() -> list[int]:
     return fds
 
 
-def _name(command: list[str]) -> str:
-    for arg in command[1:]:
+def _name(command: list[str], launch: torchrun.Launch | None) -> str:
+    """The job's default name: the script's file name, the module's name, or `python -c`."""
+    argv = list(launch.argv) if launch is not None else command[1:]
+    while argv[:1] == ["-u"]:
+        argv.pop(0)
+    if argv[:1] == ["-c"]:
+        return f"{os.path.basename(command[0])} -c"[:200]
+    for arg in argv:
         if not arg.startswith("-"):
             return os.path.basename(arg)[:200] or "script"
     return "script"
 
 
-def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
-    """Forward Ctrl-C and `FORWARDED` signals until the script's exit status comes; the status
-    to exit with."""
+def _wait(channel: _Link, ranks: list[socket.socket], job: str) -> int:
+    """Forward Ctrl-C and `FORWARDED` signals to every rank until each rank's exit status
+    comes (or its socket closes); the status to exit with."""
     interrupts = 0
 
+    def send(data: bytes) -> None:
+        for ours in ranks:
+            with contextlib.suppress(OSError):
+                ours.send(data)
+
     def forward(signum: int, frame: FrameType | None) -> None:
-        with contextlib.suppress(OSError):
-            ours.send(FORWARDED[signal.Signals(signum)])
+        send(FORWARDED[signal.Signals(signum)])
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
         nonlocal interrupts
         interrupts += 1
         if interrupts == 1:
-            with contextlib.suppress(OSError):
-                ours.send(INTERRUPT)
+            send(INTERRUPT)
         elif interrupts == 2:
             print(f"\nsalusd run: cancelling job {job}", file=sys.stderr)
             with contextlib.suppress(OSError):
@@ -243,10 +284,13 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
     for signum in FORWARDED:
         previous[signum] = signal.signal(signum, forward)
     try:
-        status = _status(ours)
+        statuses = _statuses(ranks)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if len(ranks) > 1:
+        return _gang_status(channel, job, statuses)
+    status = statuses[0]
     if status is not None:
         info = _ended_info(channel, job)  # so that what follows sees the job ended
         if TIME_LIMIT_REASON in str(info.get("reason")):
@@ -256,25 +300,52 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
     return _ended(channel, job)
 
 
-def _status(ours: socket.socket) -> int | None:
-    """The script's exit status, once its (last) run sends it; None when the socket closed
-    without one. A rerun (`--restart on-failure`) asks for the descriptors again first."""
-    data = b""
-    while True:
-        try:
-            chunk = ours.recv(4096)
-        except ConnectionResetError:  # closed with our descriptors unread: never started
-            chunk = b""
-        if not chunk:
-            return None
-        data += chunk
-        while b"\n" in data:
-            line, data = data.split(b"\n", 1)
-            message = json.loads(line)
-            if "exit" in message:
-                return int(message["exit"])
-            if message.get("stdio"):
-                socket.send_fds(ours, [b"stdio"], _stdio())
+def _gang_status(channel: _Link, job: str, statuses: list[int | None]) -> int:
+    """A torchrun gang's status: 0 when every rank exited 0, else that of the rank the job's
+    reason names (its first failure), said on stderr with the reason."""
+    info = _ended_info(channel, job)
+    if info.get("state") == "finished" and all(s == 0 for s in statuses):
+        return 0
+    reason = str(info.get("reason") or info.get("state"))
+    print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
+    if TIME_LIMIT_REASON in reason:
+        return TIME_LIMIT
+    blamed = re.match(r"(?:the script could not start: )?rank (\d+): ", reason)
+    if blamed and int(blamed.group(1)) < len(statuses):
+        status = statuses[int(blamed.group(1))]
+        if status is not None:
+            return status
+    return _status_of(reason)
+
+
+def _statuses(ranks: list[socket.socket]) -> list[int | None]:
+    """Each rank's exit status, once its (last) run sends it; None for a rank whose socket
+    closed without one. A rerun (`--restart on-failure`) asks for the descriptors again
+    first."""
+    statuses: list[int | None] = [None] * len(ranks)
+    data = [b""] * len(ranks)
+    open_ = set(range(len(ranks)))
+    while open_:
+        ready = select.select([ranks[r] for r in open_], [], [])[0]
+        for rank in [r for r in open_ if ranks[r] in ready]:
+            try:
+                chunk = ranks[rank].recv(4096)
+            except ConnectionResetError:  # closed with our descriptors unread: never started
+                chunk = b""
+            if not chunk:
+                open_.discard(rank)
+                continue
+            data[rank] += chunk
+            while b"\n" in data[rank]:
+                line, data[rank] = data[rank].split(b"\n", 1)
+                message = json.loads(line)
+                if "exit" in message:
+                    statuses[rank] = int(message["exit"])
+                    open_.discard(rank)
+                    break
+                if message.get("stdio"):
+                    socket.send_fds(ranks[rank], [b"stdio"], _stdio())
+    return statuses
 
 
 def _ended(channel: _Link, job: str) -> int:
@@ -286,6 +357,11 @@ def _ended(channel: _Link, job: str) -> int:
         return 1
     reason = str(info.get("reason") or info.get("state"))
     print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
+    return _status_of(reason)
+
+
+def _status_of(reason: str) -> int:
+    """The exit status a job's ended `reason` stands for (see the module's docstring)."""
     if reason.startswith("the script could not start"):
         return CANNOT_RUN
     if TIME_LIMIT_REASON in reason:
@@ -293,7 +369,7 @@ def _ended(channel: _Link, job: str) -> int:
     died = re.search(r"died: signal (\d+)", reason)
     if died:
         return 128 + int(died.group(1))
-    status = re.search(r"died: exit status (\d+)", reason)
+    status = re.search(r"(?:died: exit status|exited with status) (\d+)", reason)
     return int(status.group(1)) if status else 1
 
 

@@ -112,8 +112,15 @@ class Core:
         if record.script is not None and (state == "cancelled" or grace):
             # As Kubernetes and Slurm end a job: SIGTERM, so that its handler may save a
             # checkpoint and exit (then `scripts.exited` lets it go), SIGKILL after the grace.
+            # A gang's ranks that exited already are let go now (their clients hear their
+            # statuses); a signal would run their handlers again.
             record.grace = True
-            self.outbox.signal_all(record, signal.SIGTERM)
+            for rank, executor in enumerate(record.replicas):
+                if rank not in record.script.exits:
+                    self.outbox.signal(executor, signal.SIGTERM)
+                else:
+                    self.outbox.retire(executor, "job_failed" if state == "failed" else
+                                       "job_cancelled", f"job {record.job_id} has {state}")
             self.timers.call_later(self.config.script_grace_s,
                                    lambda: self.outbox.kill_all(record))
             return

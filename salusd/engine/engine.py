@@ -201,17 +201,20 @@ class Engine:
         return record
 
     def run_script(self, owner: Owner, name: object, iterations: object,
-                   command: scripts.ScriptCommand, frame: RawFrame | None, *,
-                   priority: float = 1.0, devices: object = 1) -> JobRecord:
+                   command: scripts.ScriptCommand, frames: Sequence[RawFrame] | None, *,
+                   priority: float = 1.0, devices: object = None) -> JobRecord:
         """A script job: an executor runs `command` unchanged as `owner`, its optimizer steps
-        its iteration boundaries (`scripts.py`); `frame` carries the client's socket (None:
-        the output goes to the job's log)."""
-        if self.check_devices(devices) != 1:
-            raise BadRequest("a script job runs on one device; for several, run the script "
-                             "once per device or use salus.connect(devices=N)")
+        its iteration boundaries (`scripts.py`); `frames` carry the client's sockets, one per
+        rank (None: the output goes to the job's log). A torchrun command runs as a gang of
+        its ranks, one per device; `devices` (None: as many as its ranks) must be that
+        many."""
+        self.check_devices(scripts.gang_devices(command, devices))
+        if frames is not None and len(frames) != command.ranks:
+            raise BadRequest(f"the command runs {command.ranks} rank(s) and the client sent "
+                             f"{len(frames)} socket(s): one per rank")
         record = self.open(owner, name, iterations, command.cwd, spec=scripts.spec(command),
                            priority=priority)
-        scripts.start(self.core, record, command, frame)
+        scripts.start(self.core, record, command, frames)
         self._limit(record, command)
         self._step()
         return record
@@ -226,8 +229,8 @@ class Engine:
         core = self.core
         if command.signal is not None:
             signum = command.signal
-            core.timers.call_later(max(0.0, limit - command.signal_before_s), lambda: (
-                core.outbox.signal_all(record, signum) if record.live else None))
+            core.timers.call_later(max(0.0, limit - command.signal_before_s),
+                                   lambda: self._signal_running(record, signum))
 
         def time_up() -> None:
             if record.live:
@@ -235,6 +238,14 @@ class Engine:
                          f"{limit:g} s", grace=True)
 
         core.timers.call_later(limit, lambda: self._after(time_up))
+
+    def _signal_running(self, record: JobRecord, signum: int) -> None:
+        """`signum` to each of a live script job's processes (a gang's ranks) still running
+        its command."""
+        if record.live and record.script is not None:
+            for rank, executor in enumerate(record.replicas):
+                if rank not in record.script.exits:
+                    self.core.outbox.signal(executor, signum)
 
     def check_devices(self, devices: object) -> int:
         """`devices` when this node has that many devices; BadRequest says what it has."""

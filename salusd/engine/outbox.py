@@ -81,16 +81,19 @@ class Outbox:
             if self.alive(executor):
                 self.port.kill(executor)
 
-    def signal_all(self, record: JobRecord, signum: int) -> None:
-        """Send `signum` to every executor of the job that is still running."""
-        for executor in record.replicas:
-            if self.alive(executor):
-                self.port.send_signal(executor, signum)
+    def signal(self, executor: object, signum: int) -> None:
+        """Send `signum` to `executor` if it is still running."""
+        if self.alive(executor):
+            self.port.send_signal(executor, signum)
+
+    def retire(self, executor: object, code: str, message: str) -> None:
+        """Let `executor` go once it answered what it was sent (if it is still running)."""
+        if self.alive(executor):
+            self.port.retire(executor, code, message)
 
     def retire_all(self, record: JobRecord, code: str, message: str) -> None:
         for executor in record.replicas:
-            if self.alive(executor):
-                self.port.retire(executor, code, message)
+            self.retire(executor, code, message)
 
     def send_to(self, executor: object, sent: Sent, msg: Request,
                 frame: RawFrame | None = None) -> None:

@@ -36,7 +36,7 @@ class Replies:
         core = self.core
         record = core.outbox.job_of(executor)
         if record is not None and meta.get("unsolicited"):
-            self._unsolicited(record, meta)
+            self._unsolicited(record, executor, meta)
             return
         sent = core.outbox.next_reply(executor) if record is not None else None
         if record is None or sent is None:
@@ -46,7 +46,10 @@ class Replies:
             return
         if sent.gang is not None:
             gang = sent.gang
-            if sent.kind == "run" and not meta.get("ok") and record.live:
+            # A script gang's ranks fail by exiting (`scripts.exited`); a rank that exited
+            # answers its peers' run `empty`.
+            if sent.kind == "run" and not meta.get("ok") and record.live and (
+                    record.script is None):
                 if record.kind == "batch":
                     gang_failures.broke(core, record, sent, meta)
                     return
@@ -59,7 +62,8 @@ class Replies:
                 if frame is not None:
                     frame.close_fd()
                 return
-            if sent.kind == "run" and record.live and gang.diverged():
+            if sent.kind == "run" and record.live and gang.diverged() and (
+                    record.script is None):
                 frame = gang_failures.diverged(core, record, gang, frame)
         self._answered(record, sent, meta)
         if sent.on_done is not None:
@@ -114,33 +118,35 @@ class Replies:
             log.info("job %d swapped out, leaving %d bytes allocated on its device",
                      record.job_id, left)
 
-    def _unsolicited(self, record: JobRecord, meta: dict[str, Any]) -> None:
+    def _unsolicited(self, record: JobRecord, executor: object, meta: dict[str, Any]) -> None:
         """`ready`: a direct call waits in the executor for its turn; `ran`: calls ran under
         the job's lease and are accounted now."""
         core = self.core
         op = meta.get("op")
+        rank = _rank(record, executor)
         if op == "ready":
             if not record.live and record.grace and not core.stopping:
                 # A cancelled script in its grace (`Core.end`): it runs on to its handler's
                 # end, its memory no longer booked, as a terminating pod does.
-                core.outbox.send(record, Sent("lease"), Lease(True))
+                core.outbox.send_to(executor, Sent("lease"), Lease(True))
                 return
             if not record.live or core.stopping:
-                core.outbox.send(record, Sent("refuse"), Refuse(
+                core.outbox.send_to(executor, Sent("refuse"), Refuse(
                     "shutting_down" if core.stopping else "job_cancelled",
                     record.reason or "salusd is shutting down"))
                 return
-            core.queue_call(record, Call(None, None, bool(meta.get("counted"))))
-            if record.phase == "attached" and not core.config.estimate_first:
-                admission.measure_first(core, record, "call")
-            elif record.phase == "attached":
-                # The job's first call: the executor estimated it before asking.
-                estimate = meta.get("estimate")
-                admission.estimated(core, record, estimate if isinstance(estimate, dict) else {
-                    "ok": False, "reason": "the executor sent no estimate"})
+            if record.gang > 1 and record.script is not None and not scripts.rank_ready(
+                    record, rank):
+                return  # a script gang's turn is asked for once all its ranks wait
+            self._wants_turn(record, bool(meta.get("counted")), meta.get("estimate"))
             return
-        if op in ("exited", "progress"):  # a script job's command ended, or reported progress
-            (scripts.exited if op == "exited" else scripts.progress)(core, record, meta)
+        if op == "exited":  # a script job's command ended
+            scripts.exited(core, record, meta, rank)
+            if record.live and scripts.turn_due(record):  # its peers waited for it
+                self._wants_turn(record, True, None)
+            return
+        if op == "progress":
+            scripts.progress(core, record, meta)
             return
         if op != "ran":
             return
@@ -160,6 +166,18 @@ class Replies:
         else:  # calls that ran under the lease before the job ended, reported after
             core.event("ran", record.job_id, calls=calls, iterations=iterations,
                        seconds=seconds)
+
+    def _wants_turn(self, record: JobRecord, counted: bool, estimate: object) -> None:
+        """A direct call (a script's next iteration) waits for its turn; the job's first one
+        submits it to the scheduler, with the executor's `estimate` of it."""
+        core = self.core
+        core.queue_call(record, Call(None, None, counted))
+        if record.phase == "attached" and (record.gang > 1 or not core.config.estimate_first):
+            admission.measure_first(core, record, "call")
+        elif record.phase == "attached":
+            # The job's first call: the executor estimated it before asking.
+            admission.estimated(core, record, estimate if isinstance(estimate, dict) else {
+                "ok": False, "reason": "the executor sent no estimate"})
 
     def _finished_call(self, record: JobRecord, sent: Sent, meta: dict[str, Any]) -> None:
         core = self.core
@@ -255,9 +273,16 @@ class Replies:
             where = f"while job {record.job_id} was between calls"
         error: SalusError
         was_live = record.live
+        script_gang = record.gang > 1 and record.script is not None
+        rank = _rank(record, executor)
         again = scripts.executor_gone(core, record, f"{reason} {where}")
         if again:  # a script job run with --restart on-failure: its command runs again
             error = JobFailed(f"{reason} {where}")
+        elif script_gang and record.live:
+            # Its peers may wait for it in a collective: SIGTERM and the grace (`Core.end`).
+            error = JobFailed(f"rank {rank}: {reason} {where}")
+            log.warning("%s", error)
+            core.end(record, "failed", str(error), grace=True)
         elif record.live:
             error = JobFailed(f"{reason} {where}")
             log.warning("%s", error)
@@ -279,5 +304,10 @@ class Replies:
         core.event("executor_died", record.job_id, reason=reason)
         if again:
             scripts.rerun(core, record)
-        elif was_live:  # a gang without one replica cannot go on; an ended one's replicas
-            core.outbox.kill_all(record)  # were retired and may still be writing checkpoints
+        elif was_live and not script_gang:  # a gang without one replica cannot go on; an
+            core.outbox.kill_all(record)  # ended one's replicas may still write checkpoints
+
+
+def _rank(record: JobRecord, executor: object) -> int:
+    """`executor`'s replica (a gang's rank) in `record`."""
+    return next((r for r, ex in enumerate(record.replicas) if ex is executor), 0)

@@ -12,6 +12,18 @@ reruns (the daemon keeps a duplicate of its socket, on which each rerun asks for
 process cannot outlive the daemon: after a restart the job is reported failed, saying so, or
 with `on-failure` its command runs again (output to the job's log); its checkpoints are its
 own, in `salus.resume_dir()`.
+
+A torchrun command (`python -m torch.distributed.run --nproc-per-node N train.py`,
+`torchrun.py`) is a gang script job: one executor per rank, each on its own device, runs
+`python train.py` with the rank's variables (`RANK`, `WORLD_SIZE`, `MASTER_PORT`...), and its
+own client socket (`salusd run` sends one per rank). The gang's iterations are scheduled as one
+(the dispatcher's gang rule): each rank's boundary asks for a turn, and the gang's next
+iteration is asked for once every rank still running is at its boundary; it then runs on every
+rank at once. There is no lease: every boundary goes through the daemon, as every call of an
+interactive gang does. A rank that exits 0 waits for the others; the job finishes when every
+rank has. The first rank that exits non-zero, or whose executor dies, fails the job with its
+reason (`rank 1: ...`); its peers, who may wait for it in a collective, get SIGTERM and are
+killed after the grace, as torchrun's agent stops a failed gang. A gang is not rerun.
 """
 
 from __future__ import annotations
@@ -20,11 +32,14 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core
-from salus.daemon.engine.outbox import Sent
+from salus.daemon.engine.outbox import OnDone, Sent
 from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import RESTARTING, Script
@@ -47,7 +62,7 @@ class ScriptCommand:
     shell), in directory `cwd`, with environment `env`, and its restart policy; its time limit
     (`time_limit_s`, seconds from its start; None: none) and the signal its command gets
     `signal_before_s` before it (`signal`, a number; None: none), as Slurm's `--time` and
-    `--signal`."""
+    `--signal`. `launch` is what a torchrun command asks for (None: any other command)."""
 
     command: tuple[str, ...]
     cwd: str
@@ -57,13 +72,24 @@ class ScriptCommand:
     time_limit_s: float | None = None
     signal: int | None = None
     signal_before_s: float = 0.0
+    launch: torchrun.Launch | None = field(init=False, default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "launch", torchrun.parse(self.command))
+
+    @property
+    def ranks(self) -> int:
+        """Processes the command runs: torchrun's ranks, else 1."""
+        return self.launch.nproc if self.launch is not None else 1
 
 
 @dataclass(eq=False)
 class ScriptState:
     """A live script job's runs: how many reruns it had, why the next one starts (set once
     its failed run's executor is asked to go), and a duplicate of its client's socket (a
-    descriptor, kept for reruns while the job may be rerun)."""
+    descriptor, kept for reruns while the job may be rerun). A gang's: the ranks at a
+    boundary waiting for the gang's next iteration (`ready`), and the exit statuses of the
+    ranks whose command ended (`exits`, by rank)."""
 
     command: ScriptCommand
     restarts: int = 0
@@ -71,6 +97,8 @@ class ScriptState:
     client_fd: int | None = None
     last_failure: str = ""
     swap: dict[str, Any] = field(default_factory=dict)
+    ready: set[int] = field(default_factory=set)
+    exits: dict[int, int] = field(default_factory=dict)
 
 
 def check(command: object, cwd: object, env: object, restart: object,
@@ -103,7 +131,30 @@ def check(command: object, cwd: object, env: object, restart: object,
     if type(max_restarts) is not int or not 0 <= max_restarts <= MAX_RESTARTS_LIMIT:
         raise BadRequest(f"'max_restarts' must be an integer from 0 to {MAX_RESTARTS_LIMIT}, "
                          f"not {max_restarts!r}")
-    return ScriptCommand(tuple(command), cwd, dict(env), str(restart), max_restarts)
+    try:
+        checked = ScriptCommand(tuple(command), cwd, dict(env), str(restart), max_restarts)
+    except ValueError as exc:  # a torchrun option salusd cannot honour
+        raise BadRequest(str(exc)) from None
+    if checked.ranks > 1 and restart != "never":
+        raise BadRequest("--restart on-failure reruns one process; a torchrun gang of "
+                         f"{checked.ranks} ranks is not rerun")
+    return checked
+
+
+def gang_devices(command: ScriptCommand, devices: object) -> object:
+    """The devices a script job asks for: a torchrun gang's ranks where the request left
+    them out (None), else `devices`, which must then be its ranks; BadRequest says so."""
+    if devices is None:
+        return command.ranks
+    if command.launch is not None and devices != command.ranks:
+        raise BadRequest(f"torchrun runs {command.ranks} rank(s) (--nproc-per-node) and the "
+                         f"job asks for {devices!r} device(s): salusd runs one rank per "
+                         "device, so give both the same number")
+    if command.launch is None and devices != 1:
+        raise BadRequest("a script job runs on one device; for several, run it with torchrun "
+                         "(salusd run --devices N -- torchrun --nproc-per-node N train.py) or "
+                         "use salus.connect(devices=N)")
+    return devices
 
 
 def _encodable(text: str) -> bool:
@@ -141,46 +192,77 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
     rerun after a restart (`on-failure`), which needs it."""
     out: dict[str, Any] = {"command": list(command.command), "cwd": command.cwd,
                            "restart": command.restart, "max_restarts": command.max_restarts}
+    if command.ranks > 1:
+        out["devices"] = command.ranks  # a gang (`JobRecord.gang`)
     if command.restart == "on-failure":
         out["env"] = command.env
     return out
 
 
 def start(core: Core, record: JobRecord, command: ScriptCommand,
-          frame: RawFrame | None) -> None:
-    """Give the job an executor and start its command there; `frame` carries the client's
-    socket (None: no client, the output goes to the job's log)."""
+          frames: Sequence[RawFrame] | None) -> None:
+    """Give the job an executor per rank and start its command there; `frames` carry the
+    client's sockets, one per rank (None: no client, the output goes to the job's log)."""
     state = record.script
     if state is None:
         state = record.script = ScriptState(command)
-        if frame is not None and frame.fd is not None and command.restart == "on-failure":
-            state.client_fd = os.dup(frame.fd)
-    core.outbox.acquire(record, 1)
+        fd = frames[0].fd if frames else None
+        if fd is not None and command.restart == "on-failure":
+            state.client_fd = os.dup(fd)
+    core.outbox.acquire(record, command.ranks)
     resume = (None if record.checkpoint_dir is None
               else os.path.join(record.checkpoint_dir, "resume"))
 
-    def started(meta: dict[str, Any]) -> None:
-        if not record.live:
-            return
-        if meta.get("ok"):
-            record.direct = True  # its boundaries come from its executor, as direct calls
-            record.phase = "attached" if record.phase == "open" else record.phase
-        else:
-            core.end(record, "failed", "the script could not start: "
-                     f"{str(meta.get('message', 'no reason given'))[:2000]}")
+    def started(rank: int) -> OnDone:
+        def done(meta: dict[str, Any]) -> None:
+            if not record.live:
+                return
+            if meta.get("ok"):
+                # Its boundaries come from its executor, as direct calls; a gang's through the
+                # daemon (its ranks' turns are one).
+                record.direct = record.gang == 1
+                record.phase = "attached" if record.phase == "open" else record.phase
+            else:
+                who = f"rank {rank}: " if record.gang > 1 else ""
+                core.end(record, "failed", f"the script could not start: {who}"
+                         f"{str(meta.get('message', 'no reason given'))[:2000]}")
+        return done
 
     # The job's id and name in its environment, as Slurm's SLURM_JOB_ID and SLURM_JOB_NAME.
     env = {**command.env, JOB_ID_ENV: str(record.job_id), JOB_NAME_ENV: record.name}
-    script = Script(command.command[0], command.command[1:], env, resume,
-                    None if frame is not None else False, state.restarts)
-    core.outbox.send(record, Sent("script", on_done=started), script, frame)
+    launch = command.launch
+    port = _store_port(launch) if launch is not None else 0
+    for rank, executor in enumerate(record.replicas):
+        argv, ranked = command.command[1:], env
+        if launch is not None:
+            argv, ranked = launch.argv, {**env, **launch.rank_env(rank, port, command.env)}
+        script = Script(command.command[0], argv, ranked, resume,
+                        None if frames is not None else False, state.restarts)
+        core.outbox.send_to(executor, Sent("script", on_done=started(rank)), script,
+                            frames[rank] if frames is not None else None)
 
 
-def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
-    """The job's command exited with `meta["code"]`: the job ends, or with `on-failure` and
-    reruns left a non-zero status lets its executor go, and the command runs again once it
-    is gone (`executor_gone`)."""
+def _store_port(launch: torchrun.Launch) -> int:
+    """The port of the gang's store (`MASTER_PORT`): the one given, else one free now on its
+    address (as torchrun's agent picks one)."""
+    if launch.master_port is not None:
+        return launch.master_port
+    with socket.socket() as sock:
+        try:
+            sock.bind((launch.master_addr, 0))
+        except OSError:  # an address of another host: rank 0 listens on every address here
+            sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def exited(core: Core, record: JobRecord, meta: dict[str, Any], rank: int = 0) -> None:
+    """The job's command exited with `meta["code"]` (a gang's, on `rank`): the job ends, or
+    with `on-failure` and reruns left a non-zero status lets its executor go, and the command
+    runs again once it is gone (`executor_gone`)."""
     code = int(meta.get("code", 1))
+    if record.gang > 1:
+        _rank_exited(core, record, rank, code)
+        return
     if not record.live:  # cancelled: its command ended within its grace
         record.grace = False
         core.finalize(record)
@@ -193,6 +275,50 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
         core.outbox.retire_all(record, RESTARTING, why)
         return
     core.end(record, "finished" if code == 0 else "failed", failed_reason(record, why))
+
+
+def _rank_exited(core: Core, record: JobRecord, rank: int, code: int) -> None:
+    """Rank `rank` of a gang exited with `code`: the first failure fails the gang (its
+    peers get SIGTERM and the grace, `Core.end`), the last success finishes it, and a rank
+    done before its peers waits for them (its executor keeps its status for its client)."""
+    state = record.script
+    assert state is not None
+    state.exits[rank] = code
+    state.ready.discard(rank)
+    if not record.live:  # ended meanwhile: its client hears the status now
+        core.outbox.retire(record.replicas[rank], "job_failed" if record.end_state == "failed"
+                           else "job_cancelled", f"job {record.job_id} has {record.end_state}")
+        if len(state.exits) == record.gang:
+            record.grace = False
+        return
+    if code != 0:
+        core.end(record, "failed", f"rank {rank}: its command exited with status {code}: "
+                 f"{_shown(record)}", grace=True)
+    elif len(state.exits) == record.gang:
+        core.end(record, "finished", f"its command exited with status 0 on all "
+                 f"{record.gang} ranks: {_shown(record)}")
+
+
+def rank_ready(record: JobRecord, rank: int) -> bool:
+    """Rank `rank` of a gang is at a boundary, waiting for its turn: True once every rank
+    still running is (the gang's next iteration is then asked for, once)."""
+    state = record.script
+    assert state is not None
+    state.ready.add(rank)
+    return turn_due(record)
+
+
+def turn_due(record: JobRecord) -> bool:
+    """Whether every rank of the gang still running waits at a boundary (then they are no
+    longer counted as waiting: their turn is asked for)."""
+    state = record.script
+    if state is None:
+        return False
+    waiting = set(range(record.gang)) - state.exits.keys()
+    if not waiting or not waiting <= state.ready:
+        return False
+    state.ready.clear()
+    return True
 
 
 def may_rerun(core: Core, record: JobRecord) -> bool:
@@ -237,7 +363,7 @@ def rerun(core: Core, record: JobRecord) -> None:
         frame = json_frame({"op": "rerun"})
         frame.flags |= FLAG_SOCKET
         frame.fd = os.dup(state.client_fd)
-    start(core, record, state.command, frame)
+    start(core, record, state.command, None if frame is None else [frame])
 
 
 def view(record: JobRecord) -> dict[str, Any] | None:

@@ -112,7 +112,10 @@ class Stepper:
             core.outbox.send_all(record, "run", [Step()] * record.gang, lanes=lanes)
             return
         call = record.calls.popleft()
-        run = Run(call.counted, call.frame is not None if record.gang == 1 else None)
+        # A gang's client frame goes to every replica (`frame` left out); a direct call (a
+        # script gang's iteration) waits in each executor (False).
+        run = Run(call.counted, False if call.frame is None else
+                  True if record.gang == 1 else None)
         core.outbox.send_all(record, "run", [run] * record.gang, lanes=lanes,
                              answer=call.answer, frame=call.frame)
         if call.frame is not None and record.gang == 1:

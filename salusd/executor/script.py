@@ -65,29 +65,41 @@ STDIO_AGAIN = b'{"stdio": true}\n'  # executor -> client: a rerun asks for the d
 
 @dataclass(frozen=True)
 class Command:
-    """What the interpreter was asked to run: a script `path` or a `module` (`-m`), its
-    arguments, and whether output is unbuffered (`-u`, or `PYTHONUNBUFFERED`)."""
+    """What the interpreter was asked to run: a script `path`, a `module` (`-m`) or the
+    program text `code` (`-c`), its arguments, and whether output is unbuffered (`-u`, or
+    `PYTHONUNBUFFERED`)."""
 
     path: str | None
     module: str | None
     args: tuple[str, ...]
     unbuffered: bool
+    code: str | None = None
+
+    @property
+    def argv0(self) -> str:
+        """`sys.argv[0]` as the interpreter sets it before the script runs (`-c` for code;
+        `runpy` sets a module's to its file)."""
+        return "-c" if self.code is not None else self.path or self.module or ""
 
 
 def parse_command(argv: tuple[str, ...], env: dict[str, str]) -> Command:
-    """`train.py ARGS`, `-u train.py ARGS` or `-m module ARGS`; ValueError for anything else
-    (salusd runs scripts, not an interactive interpreter)."""
+    """`train.py ARGS`, `-m module ARGS` or `-c CODE ARGS`, each after any `-u`; ValueError
+    for anything else (salusd runs programs, not an interactive interpreter)."""
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
     rest = list(argv)
     while rest and rest[0] == "-u":
         unbuffered = True
         rest.pop(0)
-    usage = "salusd runs `python [-u] SCRIPT ARGS...` or `python [-u] -m MODULE ARGS...`"
+    usage = ("salusd runs `python [-u] SCRIPT ARGS...`, `python [-u] -m MODULE ARGS...` or "
+             "`python [-u] -c CODE ARGS...`")
     if not rest:
         raise ValueError(f"no script to run: {usage}")
-    if rest[0] == "-m":
+    if rest[0] in ("-m", "-c"):
         if len(rest) < 2:
-            raise ValueError(f"-m needs a module name: {usage}")
+            raise ValueError(f"{rest[0]} needs " + ("a module name" if rest[0] == "-m" else
+                                                    "the program's text") + f": {usage}")
+        if rest[0] == "-c":
+            return Command(None, None, tuple(rest[2:]), unbuffered, code=rest[1])
         return Command(None, rest[1], tuple(rest[2:]), unbuffered)
     if rest[0].startswith("-"):
         raise ValueError(f"the interpreter option {rest[0]!r} is not supported: {usage}")
@@ -270,7 +282,7 @@ def _become_the_script(message: Script, command: Command, cwd: str | None) -> No
              else os.getcwd())
     extra = [p for p in message.env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[0:1] = [first, *extra]
-    sys.argv = [command.path or command.module or "", *command.args]
+    sys.argv = [command.argv0, *command.args]
     signal.set_wakeup_fd(-1)  # the zygote's, closed in this process: a signal would write there
     random.seed()
     torch.seed()
@@ -293,6 +305,8 @@ def _execute(command: Command) -> int:
     try:
         if command.module is not None:
             runpy.run_module(command.module, run_name="__main__", alter_sys=True)
+        elif command.code is not None:
+            _run_code(command.code)
         else:
             assert command.path is not None
             _run_path(command.path)
@@ -314,6 +328,16 @@ def _run_path(path: str) -> None:
     main.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None)
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
+
+
+def _run_code(code: str) -> None:
+    """Run `python -c`'s program text as module `__main__`, as the interpreter does (file
+    name `<string>`, no `__file__`)."""
+    compiled = compile(code, "<string>", "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __cached__=None)
+    sys.modules["__main__"] = main
+    exec(compiled, main.__dict__)
 
 
 def _exit_status(code: object) -> int:

@@ -31,6 +31,9 @@ functions and arguments it carries stay pickled and go to the job's executor unt
                max_restarts? (+ the client's end of    runs `command` as the
                a socket pair)                                        caller, its stdio the
                                                                      client's (sent on the pair)
+    socket     (+ the client's end of a socket pair)   daemon        None: the next `run`, of a
+                                                                     torchrun gang, gives it to
+                                                                     rank 1, the next to rank 2..
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
                                                                      output file from byte
@@ -133,6 +136,10 @@ class Handlers:
         if op == "run":
             self._run(client, request, frame, answer)
             return
+        if op == "socket":
+            self._socket(client, frame)
+            answer(ok_frame(None))
+            return
         frame.close_fd()
         fn = self._ops.get(op)
         if fn is None:
@@ -149,6 +156,8 @@ class Handlers:
                 self.engine.close(record, f"job {job_id}'s client (pid {client.pid}) went away "
                                           f"without closing it ({why})")
         client.jobs.clear()
+        while client.sockets:
+            client.sockets.pop().close_fd()
 
     # ---- forwarded to the job's executor -----------------------------------------------------
     def _forward(self, client: Client, op: str, request: dict[str, Any], frame: RawFrame,
@@ -177,22 +186,40 @@ class Handlers:
         else:
             self.engine.pull(record, frame, answer)
 
+    def _socket(self, client: Client, frame: RawFrame) -> None:
+        """One more client socket, for a rank of the next `run` (a torchrun gang)."""
+        if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
+            raise BadRequest("'socket' carries the client's end of a socket pair, for a rank "
+                             "of the next 'run'")
+        if len(client.sockets) >= len(self.engine.ledgers) - 1:
+            raise BadRequest(f"more ranks than this node's {len(self.engine.ledgers)} "
+                             "device(s): a torchrun gang runs one rank per device")
+        client.sockets.append(frame)
+
     def _run(self, client: Client, request: dict[str, Any], frame: RawFrame,
              answer: Answer) -> None:
         """A script job (`salusd run`): the frame carries the client's end of a socket pair,
-        on which the client sends its stdin, stdout and stderr to the job's executor."""
-        if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
-            raise BadRequest("'run' carries the client's end of a socket pair, on which it "
-                             "sends its stdin, stdout and stderr")
-        command = scripts.check(request.get("command"), request.get("cwd"),
-                                request.get("env"), request.get("restart", "never"),
-                                request.get("max_restarts", scripts.MAX_RESTARTS))
-        command = scripts.with_limits(command, request.get("time_limit_s"),
-                                      request.get("signal"), request.get("signal_before_s"))
-        record = self.engine.run_script(
-            client.owner, request.get("name"), request.get("iterations"), command, frame,
-            priority=check_priority(request.get("priority", 1.0)),
-            devices=request.get("devices", 1))
+        on which the client sends its stdin, stdout and stderr to the job's executor; a
+        torchrun gang's ranks 1, 2... get the sockets of the `socket` requests before it."""
+        ranks, client.sockets = [frame, *client.sockets], []
+        try:
+            if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
+                raise BadRequest("'run' carries the client's end of a socket pair, on which "
+                                 "it sends its stdin, stdout and stderr")
+            command = scripts.check(request.get("command"), request.get("cwd"),
+                                    request.get("env"), request.get("restart", "never"),
+                                    request.get("max_restarts", scripts.MAX_RESTARTS))
+            command = scripts.with_limits(command, request.get("time_limit_s"),
+                                          request.get("signal"),
+                                          request.get("signal_before_s"))
+            record = self.engine.run_script(
+                client.owner, request.get("name"), request.get("iterations"), command, ranks,
+                priority=check_priority(request.get("priority", 1.0)),
+                devices=request.get("devices"))
+        except BaseException:
+            for rank in ranks[1:]:  # the server closes the run frame's own
+                rank.close_fd()
+            raise
         client.jobs.add(record.job_id)
         answer(ok_frame({"job": str(record.job_id), "threads": record.threads}))
 

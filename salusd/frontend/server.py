@@ -61,6 +61,7 @@ class Client:
     refused: str = ""
     jobs: set[int] = field(default_factory=set)
     slots: deque[list[RawFrame | None]] = field(default_factory=deque)
+    sockets: list[RawFrame] = field(default_factory=list)  # the next `run`'s ranks 1, 2, ...
 
 
 class SocketServer:

@@ -128,7 +128,8 @@ class JobSubmit(Strict):
                                    "planned iterations (optimizer steps), for SRTF")
     priority: float = Field(default=1.0, gt=0, lt=1e12)
     devices: int = Field(default=1, ge=1, le=1024, description="replicas on this node, one "
-                         "per device (a data-parallel gang when above 1)")
+                         "per device (a data-parallel gang when above 1); a torchrun "
+                         "command's: its ranks (the default)")
     nodes: int = Field(default=1, ge=1, le=1024, description="nodes of the cluster the gang "
                        "spans (submit it to each of them alike); needs salusd --cluster")
     rendezvous: str | None = Field(default=None, min_length=1, max_length=128,

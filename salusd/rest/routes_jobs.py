@@ -103,7 +103,9 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
                  ctx: Context = Depends(context)) -> JobOut:
     """A script job (`command`): an executor running as the token's owner runs the command
     unchanged in `cwd` (what `salusd run` does), its optimizer steps the iteration boundaries
-    and its output the job's log (`GET /v1/jobs/{id}/log`).
+    and its output the job's log (`GET /v1/jobs/{id}/log`). A torchrun command (`["python",
+    "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"]`) runs its ranks as a
+    gang, one per device, each rank's output in its own log.
 
     A batch job (`entrypoint`): the daemon imports `entrypoint` (a file under its
     `--job-root`) in an executor running as the token's owner and drives the loop itself for
@@ -114,10 +116,13 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
         command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
                                 body.restart, body.max_restarts)
 
+        # A torchrun command runs its ranks as a gang, one per device (`devices`: as many).
+        devices = body.devices if "devices" in body.model_fields_set else None
+
         def run() -> JobOut:
             record = ctx.engine.run_script(who.owner, body.name,
                                            body.iterations or MAX_ITERATIONS, command, None,
-                                           priority=body.priority)
+                                           priority=body.priority, devices=devices)
             return job_out(ctx.engine, record)
         return await ctx.bridge.run(run)
     assert body.entrypoint is not None and body.iterations is not None
