@@ -29,7 +29,7 @@ class Launch:
     """What torchrun was asked to run: `nproc` ranks on this node, each running its
     interpreter with `argv` (`SCRIPT ARGS` or `-m MODULE ARGS`); the store's address and port
     (`master_port` None: a free port, chosen when the gang starts); torchrun's role name and
-    run id (None: torchrun's default, `none`, or a fresh one with `--standalone`)."""
+    run id (None: `none`, torchrun's for a given `--master-port`)."""
 
     nproc: int
     argv: tuple[str, ...]
@@ -104,7 +104,9 @@ def parse(command: list[str] | tuple[str, ...]) -> Launch | None:
                          "--nproc-per-node N SCRIPT [ARGS...]")
     script, rest = args.script[0], tuple(args.script[1:])
     argv = ("-m", script, *rest) if args.module else (script, *rest)
-    run_id = str(uuid.uuid4()) if args.standalone else None
+    # torchrun's: a fresh id for its one-node rendezvous, "none" for a static one on a port
+    run_id = None if args.master_port is not None and not args.standalone else str(
+        uuid.uuid4())
     return Launch(nproc, argv, args.master_addr or DEFAULT_ADDR, args.master_port, args.role,
                   run_id)
 
