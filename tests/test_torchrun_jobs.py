@@ -87,11 +87,18 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Two CPU devices: a gang of two ranks, one on each."""
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """Two CPU devices (a gang of two ranks, one on each) and REST: the address and the
+    state dir."""
     tmp = tmp_path_factory.mktemp("salusd")
-    with salusd(tmp, "--policy", "fair", devices=2, memory="1G") as (_, address):
-        yield address
+    with salusd(tmp, "--policy", "fair", "--http", "127.0.0.1:0", devices=2,
+                memory="1G") as (_, address):
+        yield address, tmp / "state"
+
+
+@pytest.fixture(scope="module")
+def daemon(served: tuple[str, Path]) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +177,26 @@ def test_an_unchanged_ddp_script_ends_equal_to_its_direct_torchrun_run(
     assert (info["state"], info["devices"]) == ("finished", 2)
     # Each optimizer step is one iteration of the gang (both ranks' boundaries together).
     assert info["iterations_done"] == STEPS
+
+
+@pytest.mark.slow
+def test_a_rest_torchrun_job_runs_its_ranks_with_rank_0s_output_in_the_jobs_log(
+        served: tuple[str, Path], direct: dict[str, Any], tmp_path: Path) -> None:
+    from rest_client import connect, job, wait_for
+
+    (tmp_path / "ddp.py").write_text(DDP)
+    with connect(served[1]) as client:
+        made = client.post("/v1/jobs", json={
+            "name": "ddp", "cwd": str(tmp_path), "env": ENV,
+            "command": [sys.executable, *MODULE, "--nproc-per-node", "2", "ddp.py", "out.pt",
+                        str(STEPS)]})
+        assert made.status_code == 201, made.text
+        wait_for(lambda: job(client, made.json()["id"])["state"] == "finished", "the gang")
+        log = client.get(f"/v1/jobs/{made.json()['id']}/log", params={"offset": 0}).text
+    assert log == "rank 0 of 2 done\n"
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    for name, want in direct["params"].items():
+        assert torch.equal(got[name], want), name
 
 
 # ---- failures, Ctrl-C ----------------------------------------------------------------------------
