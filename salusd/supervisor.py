@@ -44,7 +44,6 @@ import contextlib
 import itertools
 import logging
 import os
-import pwd
 import signal
 import socket
 import subprocess
@@ -59,6 +58,7 @@ from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.loop import Link, Loop
 from salus.daemon.mps import thread_percentage
+from salus.daemon.owners import identity
 from salus.daemon.state.job_output import output_path
 from salus.daemon.wire.executor_ops import (
     Adopt,
@@ -74,6 +74,7 @@ from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 from salus.daemon.zygotes import (
     OtherZygotes,
     Zygote,
+    inherited,
     launch,
     other_interpreter,
     wait_or_kill,
@@ -169,33 +170,17 @@ def describe_status(status: int) -> str:
 
 
 def executor_environment(base: Mapping[str, str], gpu_uuids: Sequence[str]) -> dict[str, str]:
-    """The zygote's (so every executor's) environment: `base` with CUDA pinned to the daemon's
-    GPUs (`gpu_uuids`, in the daemon's device order; none on a CPU host) and, on a GPU host, the
-    cuBLAS workspace's size fixed where `base` leaves it to torch (the daemon books it:
-    `context_cost.workspace_config`)."""
-    env = {**base, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    """The zygote's (so every executor's) environment: what Python, torch and the accelerator
+    libraries read from `base` (`zygotes.inherited`; nothing else of the daemon's reaches job
+    code), CUDA pinned to the daemon's GPUs (`gpu_uuids`, in the daemon's device order; none on
+    a CPU host) and, on a GPU host, the cuBLAS workspace's size fixed where `base` leaves it to
+    torch (the daemon books it: `context_cost.workspace_config`)."""
+    env = {**inherited(base), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     if gpu_uuids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
         env[DEVICE_KIND_ENV] = "cuda"
         env["CUBLAS_WORKSPACE_CONFIG"] = workspace_config(base)
     return env
-
-
-def identity(owner: Owner) -> dict[str, Any]:
-    """Who an owner's executor runs as: the owner's uid, gid and groups when the daemon is root,
-    else the daemon's own user (it accepts jobs only from itself and root)."""
-    if os.geteuid() != 0:
-        entry = pwd.getpwuid(os.getuid())
-        return {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
-                "user": entry.pw_name, "home": entry.pw_dir}
-    try:
-        entry = pwd.getpwuid(owner.uid)
-    except KeyError:
-        return {"uid": owner.uid, "gid": owner.gid, "groups": [owner.gid], "user": owner.name,
-                "home": "/"}
-    return {"uid": owner.uid, "gid": entry.pw_gid,
-            "groups": os.getgrouplist(entry.pw_name, entry.pw_gid),
-            "user": entry.pw_name, "home": entry.pw_dir}
 
 
 class Supervisor:
@@ -244,7 +229,7 @@ class Supervisor:
     # ---- zygote -------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the zygote; it reports `ready` once torch is imported (see `wait_ready`)."""
-        self._zygote, ours = launch(sys.executable, [],
+        self._zygote, ours = launch(self.loop, sys.executable, [],
                                     executor_environment(os.environ, self.gpu_uuids))
         self.zygote_ready = False
         self._zygote_link = self.loop.add(Link(ours, self._zygote_frame, self._zygote_closed))
@@ -355,7 +340,13 @@ class Supervisor:
         if script and record.script is not None:
             command = record.script.command
             python = other_interpreter(command.command[0], command.env)
-        proc = self._new_process(record.owner, python)
+        try:
+            proc = self._new_process(record.owner, python)
+        except OSError as exc:  # its owner cannot start it: the owner's executor says why
+            log.warning("job %d: no executor zygote of %s (%s); the daemon's serves",
+                        record.job_id, python, exc)
+            python = None
+            proc = self._new_process(record.owner)
         sharable = self.isolation == "lane" and may_share_executor(record)
         handle = ExecutorHandle(proc, record, replica, sharable)
         if not sharable:

@@ -514,9 +514,11 @@ def test_a_root_daemon_runs_the_script_as_its_caller(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                     reason="creating a user and running as it needs root and useradd")
 def test_a_cwd_the_caller_cannot_enter_reaches_its_terminal(tmp_path: Path) -> None:
-    """`salusd run` by a user in a directory they cannot enter (root's, mode 0700): the
-    executor, running as the user, says so on the user's terminal and in the job's reason,
-    and the command did not run (125), instead of 'executor died: exit status 1'."""
+    """`salusd run` by a user in a directory they cannot enter (root's, mode 0700), and with an
+    interpreter they cannot run (in root's directory, whether it exists or not): checked as the
+    user at submission, each is refused on the user's terminal in one line (125), the same for
+    a file that exists as for one that does not, and no job is left behind (before: a job that
+    failed 'executor died: exit status 1', or one stuck open after an internal error)."""
     tag = uuid.uuid4().hex[:6]
     group, user = f"saluss{tag}", f"salusr{tag}"
     subprocess.run(["groupadd", group], check=True, capture_output=True)
@@ -532,18 +534,29 @@ def test_a_cwd_the_caller_cannot_enter_reaches_its_terminal(tmp_path: Path) -> N
                       "args = cli.build_parser().parse_args(sys.argv[1:]); "
                       f"os.setgroups([{entry.pw_gid}, {gid}]); os.setgid({entry.pw_gid}); "
                       f"os.setuid({entry.pw_uid}); sys.exit(cli_run.run(args))")
-            proc = subprocess.Popen(
-                [sys.executable, "-c", become, "run", "--socket",
-                 address.removeprefix("unix://"), "--", sys.executable, "train.py"],
-                cwd=locked, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={"PATH": "/usr/bin:/bin", "HOME": "/", "OMP_NUM_THREADS": "1"})
-            code, _, err = finish(proc)
+            def run(cwd: Path, python: str) -> tuple[int, str]:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", become, "run", "--socket",
+                     address.removeprefix("unix://"), "--", python, "train.py"],
+                    cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    env={"PATH": "/usr/bin:/bin", "HOME": "/", "OMP_NUM_THREADS": "1"})
+                code, _, err = finish(proc)
+                return code, err
+
+            code, err = run(locked, sys.executable)
             assert code == 125, err
+            assert err.strip() == (f"salusd run: 'cwd' {locked}: the job's owner cannot enter "
+                                   "it"), err
+            shutil.copy(sys.executable, locked / "python")  # root's, behind a 0700 directory
+            answers = {}
+            for python in (locked / "python", locked / "missing"):
+                code, err = run(root, str(python))
+                assert code == 125, err
+                answers[python.name] = err.strip().replace(str(python), "PATH")
+            assert answers["python"] == answers["missing"] == (
+                "salusd run: PATH: PATH is not a file the job's owner can execute"), answers
             with Control(address) as control:
-                ended = control.info(err.split("salusd run: job ")[1].split()[0])
-        assert f"cwd {locked}: Permission denied" in err
-        assert f"cwd {locked}: Permission denied" in ended["reason"] and (
-            ended["state"] == "failed"), ended
+                assert control.status()["jobs"] == [], control.status()
     finally:
         subprocess.run(["userdel", user], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)

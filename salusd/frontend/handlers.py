@@ -49,6 +49,7 @@ from salus.daemon.engine import scripts
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.engine.report import job_info, snapshot
+from salus.daemon.owners import as_caller
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown
 from salus.daemon.wire.frames import (
@@ -189,6 +190,7 @@ class Handlers:
                                 request.get("max_restarts", scripts.MAX_RESTARTS))
         command = scripts.with_limits(command, request.get("time_limit_s"),
                                       request.get("signal"), request.get("signal_before_s"))
+        command = as_caller(client.owner, command)
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),

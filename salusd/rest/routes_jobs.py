@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
 from salus.daemon.engine import scripts
+from salus.daemon.owners import as_caller
 from salus.daemon.rest.auth import Principal, principal
 from salus.daemon.rest.context import Context, check_owner, context
 from salus.daemon.rest.models import (
@@ -113,6 +114,7 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     if body.command is not None:
         command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
                                 body.restart, body.max_restarts)
+        command = await run_in_threadpool(as_caller, who.owner, command)
 
         def run() -> JobOut:
             record = ctx.engine.run_script(who.owner, body.name,
