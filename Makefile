@@ -20,8 +20,10 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(PY) -m salus.demo
 
+# The daemon tests mostly wait on processes: three workers, each test file on one of them (its
+# module-scoped daemon started once), keep two cores busy.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 3 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
