@@ -5,9 +5,10 @@ found by timing candidate widths in this process) times each of its iterations i
 as a direct process and under `salusd run`, alternating, `--blocks` times each, and the ratio is
 of the medians of the per-step times (start-up excluded). Under `salusd run` every optimizer
 step is an iteration boundary: the time the boundary takes is inside the measured step.
-(b) Makespan: `--jobs` copies of a ~1 ms-step script started at once as plain processes, then
-at once under `salusd run` (start-up included: interpreter, torch import, admission), against
-one CPU daemon with `--devices` CPU devices and one intra-op thread per job on both sides.
+(b) Makespan: `--jobs` copies of a ~1 ms-step script started at once as plain processes, and at
+once under `salusd run` (start-up included: interpreter, torch import, admission), in ABBA order
+(`--rounds` times; the medians compared), against one CPU daemon with `--devices` CPU devices
+and one intra-op thread per job on both sides.
 Goals (issue 32): per-step ratio <= 1.05 at every width; makespan ratio <= 1.0.
 Prints one JSON object.
 
@@ -128,11 +129,10 @@ def makespan(commands: list[list[str]], cwd: Path) -> float:
     start = time.perf_counter()
     procs = [subprocess.Popen(c, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for c in commands]
-    for proc in procs:
+    for argv, proc in zip(commands, procs, strict=True):
         _, err = proc.communicate(timeout=1200)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited {proc.returncode}: "
-                               f"{err[-2000:]}")
+            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err[-2000:]}")
     return time.perf_counter() - start
 
 
@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--job-steps", type=int, default=300)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--policy", default="pack")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ABBA rounds of the makespan comparison (medians are reported)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("timing widths ...", file=sys.stderr)
@@ -157,17 +159,23 @@ def main() -> None:
             steps = [per_step(daemon.address, script, t, widths[t], args.steps, args.blocks)
                      for t in TARGETS_MS]
             job = [str(widths[1.0]), str(args.job_steps)]
-            print(f"makespan: {args.jobs} plain processes at once ...", file=sys.stderr)
-            plain = makespan([_direct(script, *job)] * args.jobs, script.parent)
-            print(f"makespan: {args.jobs} salusd run jobs at once ...", file=sys.stderr)
-            through = makespan([_under_salusd(daemon.address, script, *job)] * args.jobs,
-                               script.parent)
+            runs: dict[str, list[float]] = {"processes": [], "salusd": []}
+            order = ["processes", "salusd", "salusd", "processes"] * args.rounds
+            for n, kind in enumerate(order):  # ABBA: both see the same drift in load
+                print(f"makespan {n + 1}/{len(order)}: {args.jobs} "
+                      f"{'plain processes' if kind == 'processes' else 'salusd run jobs'} at "
+                      "once ...", file=sys.stderr)
+                argv = (_direct(script, *job) if kind == "processes"
+                        else _under_salusd(daemon.address, script, *job))
+                runs[kind].append(makespan([argv] * args.jobs, script.parent))
+            plain, through = statistics.median(runs["processes"]), statistics.median(runs["salusd"])
     print(json.dumps({
         "bench": "script_jobs",
         "per_step": steps,
         "per_step_met": all(s["met"] for s in steps),
         "makespan": {"jobs": args.jobs, "steps_each": args.job_steps, "width": widths[1.0],
                      "processes_s": plain, "salusd_run_s": through, "ratio": through / plain,
+                     "runs_s": runs,
                      "goal": 1.0, "met": through / plain <= 1.0},
         "daemon": {"cpu_devices": args.devices, "policy": args.policy, "threads_per_job": 1},
         "cpu_count": os.cpu_count(),
