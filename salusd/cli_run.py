@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Any
 
 from salus.daemon.wire.address import connect_unix, default_socket_path
-from salus.daemon.wire.errors import DaemonUnavailable, SalusError
+from salus.daemon.wire.errors import DaemonUnavailable, SalusError, ShuttingDown
 from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
 
 CANNOT_RUN = 125  # as `env` and container runners say "the command did not run"
@@ -248,7 +248,12 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if status is not None:
-        info = _ended_info(channel, job)  # so that what follows sees the job ended
+        try:
+            info = _ended_info(channel, job)  # so that what follows sees the job ended
+        except (ShuttingDown, DaemonUnavailable, OSError):  # it keeps the job for its restart
+            print(f"salusd run: salusd stopped while job {job} ran; its command exited with "
+                  f"status {status}", file=sys.stderr)
+            return status
         if TIME_LIMIT_REASON in str(info.get("reason")):
             print(f"salusd run: job {job} {info.get('reason')}", file=sys.stderr)
             return TIME_LIMIT

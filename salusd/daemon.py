@@ -221,6 +221,11 @@ class Daemon:
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         while not self.engine.idle and time.monotonic() < deadline:
             self.loop.run_once(0.1)
+        # Script jobs were sent SIGTERM (their handlers may save a checkpoint and exit); what
+        # still runs after the grace is killed with its executor below.
+        deadline = time.monotonic() + self.config.script_grace_s
+        while self.engine.scripts_running and time.monotonic() < deadline:
+            self.loop.run_once(0.1)
         self._retire_executors()
         flush_deadline = time.monotonic() + 2.0
         while any(link.out for link in self.loop.links) and time.monotonic() < flush_deadline:

@@ -396,6 +396,45 @@ def test_a_cancelled_script_gets_sigterm_and_its_grace(daemon: str, tmp_path: Pa
     assert (tmp_path / "checkpoint").read_text() == "saved after the last step"
 
 
+@pytest.mark.slow
+def test_a_stopping_salusd_gives_a_script_sigterm_and_its_grace_then_restores_it(
+        tmp_path: Path) -> None:
+    """Kubernetes' and systemd's stop: SIGTERM to `salusd serve` sends the script SIGTERM; its
+    handler takes two seconds to save a checkpoint and exits 0, which `salusd run` reports;
+    salusd waited for it, then stopped. After the restart the job is not `finished`: it says
+    salusd stopped while it ran (before: the script was killed at once, its handler never ran)."""
+    path = script(tmp_path, """\
+        import pathlib, signal, sys, time
+        import salus.adapters.torch as salus
+
+        def save(signum, frame):
+            time.sleep(2.0)
+            pathlib.Path("checkpoint").write_text(f"saved on {signal.Signals(signum).name}")
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, save)
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    with salusd(tmp_path, devices=1) as (daemon, address):
+        proc = salusd_run(address, [str(path)], tmp_path, "--name", "stopped",
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        with Control(address) as ctl:
+            job = _job_named(ctl, "stopped")
+        daemon.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc)
+        assert code == 0, err
+        assert daemon.wait(timeout=TIMEOUT_S) == 0
+    assert (tmp_path / "checkpoint").read_text() == "saved on SIGTERM"
+    with salusd(tmp_path, devices=1) as (_, address), Control(address) as ctl:
+        ended = ctl.info(job)
+    assert ended["state"] == "failed" and "salusd restarted while job" in ended["reason"], ended
+
+
 def test_the_script_knows_its_job_id_and_name(daemon: str, tmp_path: Path) -> None:
     """As Slurm's SLURM_JOB_ID: `SALUS_JOB_ID` is the id `salusd status` shows."""
     path = script(tmp_path, """\

@@ -387,7 +387,16 @@ class Engine:
             if (core.config.checkpoints is not None and record.phase == "submitted"
                     and record.since_checkpoint and not record.checkpointing):
                 checkpoints.request(core, record)  # after its running call, if any
+        signalled = scripts.stop_all(core)
+        if signalled:
+            log.info("sent SIGTERM to the commands of %d script job(s); waiting for them up to "
+                     "%g s", signalled, core.config.script_grace_s)
         self._step()
+
+    @property
+    def scripts_running(self) -> bool:
+        """A script job's command still runs (shutdown gives them `script_grace_s`)."""
+        return scripts.running(self.core)
 
     def checkpoint(self, record: JobRecord, on_done: OnDone | None = None) -> None:
         """Ask the job's executors to write its state at their next boundary; `on_done` gets

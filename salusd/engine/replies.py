@@ -14,7 +14,7 @@ from salus.daemon.engine.core import Core, LaneKey, error_frame
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
-from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError
+from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
 from salus.daemon.wire.executor_ops import Estimate, Lease, Refuse
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler.dispatch import Finished, RanUnderLease
@@ -258,6 +258,8 @@ class Replies:
         again = scripts.executor_gone(core, record, f"{reason} {where}")
         if again:  # a script job run with --restart on-failure: its command runs again
             error = JobFailed(f"{reason} {where}")
+        elif record.live and core.stopping and record.script is not None:
+            error = ShuttingDown("salusd is shutting down")  # killed by its SIGTERM: restored
         elif record.live:
             error = JobFailed(f"{reason} {where}")
             log.warning("%s", error)

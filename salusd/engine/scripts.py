@@ -9,15 +9,17 @@ on-failure` (a Kubernetes Job's `restartPolicy: OnFailure`) a command that exits
 whose executor dies, runs again in a fresh executor, at most `max_restarts` times, keeping the
 job, its lane and its `salus.resume_dir()`; the client of `salusd run` stays attached across
 reruns (the daemon keeps a duplicate of its socket, on which each rerun asks for its stdio). Its
-process cannot outlive the daemon: after a restart the job is reported failed, saying so, or
-with `on-failure` its command runs again (output to the job's log); its checkpoints are its
-own, in `salus.resume_dir()`.
+process cannot outlive the daemon: when salusd stops it sends the command SIGTERM and waits for it
+up to `script_grace_s` (its handler may save a checkpoint and exit), then kills it; after the
+restart the job is reported failed, saying so, or with `on-failure` its command runs again
+(output to the job's log); its checkpoints are its own, in `salus.resume_dir()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import RESTARTING, Script
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
 
+log = logging.getLogger("salusd.engine")
 RESTART_POLICIES = ("never", "on-failure")
 MAX_RESTARTS = 3  # as many as a Kubernetes Job's default backoffLimit would allow, about
 MAX_RESTARTS_LIMIT = 1000
@@ -185,6 +188,10 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
         record.grace = False
         core.finalize(record)
         return
+    if core.stopping:  # on salusd's SIGTERM: the job stays, restored (or rerun) at the next start
+        log.info("job %d's command exited with status %d as salusd stops", record.job_id, code)
+        core.outbox.retire_all(record, "shutting_down", "salusd is shutting down")
+        return
     why = f"its command exited with status {code}: {_shown(record)}"
     if code != 0 and may_rerun(core, record):
         assert record.script is not None
@@ -193,6 +200,24 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
         core.outbox.retire_all(record, RESTARTING, why)
         return
     core.end(record, "finished" if code == 0 else "failed", failed_reason(record, why))
+
+
+def stop_all(core: Core) -> int:
+    """salusd is stopping: SIGTERM to every live script job's command (as `end` does for one
+    job); the number of jobs signalled."""
+    signalled = 0
+    for record in core.registry:
+        if record.live and record.script is not None and not record.grace and any(
+                core.outbox.alive(executor) for executor in record.replicas):
+            core.outbox.signal_all(record, signal.SIGTERM)
+            signalled += 1
+    return signalled
+
+
+def running(core: Core) -> bool:
+    """Whether a live script job's command still runs (shutdown waits for these)."""
+    return any(record.script is not None and any(
+        core.outbox.alive(executor) for executor in record.replicas) for record in core.registry)
 
 
 def may_rerun(core: Core, record: JobRecord) -> bool:
