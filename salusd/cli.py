@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from salus.daemon import cli_logs, cli_run
+from salus.scheduler.policies import POLICIES
 
 EPILOG = """\
 examples:
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-threads", metavar="N", type=int, default=None,
                        help="intra-op threads per torch op on CPU devices (default: half the "
                        "cores per CPU device, at least 1: lanes run in parallel and share them)")
-    serve.add_argument("--policy", default="pack", choices=["fifo", "srtf", "fair", "pack"],
+    serve.add_argument("--policy", default="pack", choices=list(POLICIES),
                        help="iteration scheduling policy (default: pack)")
     serve.add_argument("--group", metavar="NAME", default=None,
                        help="group that may use the socket (mode 0660)")
@@ -182,7 +183,7 @@ def _control_commands(sub: Any) -> None:
                              help="a multi-node gang's id, the same on every node and new for "
                              "each submission (default: the job's name)")
         elif name == "policy":
-            cmd.add_argument("name", nargs="?", choices=["fifo", "srtf", "fair", "pack"])
+            cmd.add_argument("name", nargs="?", choices=list(POLICIES))
         elif name == "token":
             cmd.add_argument("action", choices=["add", "revoke", "list"])
             cmd.add_argument("name", nargs="?", help="the token's name")

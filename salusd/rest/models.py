@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from salus.scheduler.policies import POLICIES
+
 MAX_ITERATIONS = 2**53
 
 
@@ -177,7 +179,15 @@ class Priority(Strict):
 
 
 class PolicyIn(Strict):
-    policy: Literal["fifo", "srtf", "fair", "pack"]
+    policy: str = Field(description=f"one of {', '.join(POLICIES)}")
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value[:100]!r}; choose one of "
+                             f"{', '.join(POLICIES)}")
+        return value
 
 
 class PolicyOut(BaseModel):
