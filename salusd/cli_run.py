@@ -100,11 +100,14 @@ def add_parser(sub: Any) -> None:
                      f"{MAX_RESTARTS})")
     cmd.add_argument("--time", type=duration, default=None, metavar="DURATION",
                      help="a time limit, as Slurm's: SECONDS, N[smhd] or [[D-]H:]M:S; at the "
-                     "limit the script gets SIGTERM, then SIGKILL after the daemon's grace, "
+                     "limit the script gets SIGTERM, then SIGKILL after its --grace, "
                      f"and this exits {TIME_LIMIT}")
     cmd.add_argument("--signal", type=early_signal, default=None, metavar="SIG[@SECONDS]",
                      help="with --time: send SIG (TERM, INT, HUP, USR1, USR2 or a number) that "
                      "many seconds before the limit (default 60), as Slurm's --signal")
+    cmd.add_argument("--grace", type=duration, default=None, metavar="DURATION",
+                     help="seconds between SIGTERM and SIGKILL when the job is cancelled or hits "
+                     "its --time (default: the daemon's --script-grace, 30 s)")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -192,6 +195,8 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
             request["time_limit_s"] = args.time
         if args.signal is not None:
             request["signal"], request["signal_before_s"] = args.signal
+        if args.grace is not None:
+            request["grace_s"] = args.grace
         try:
             channel.send(request, theirs.fileno())
         finally:

@@ -855,6 +855,67 @@ def test_a_time_limit_sends_the_early_signal_then_sigterm_and_says_so(
     assert 3.5 < took < 20
 
 
+def test_a_jobs_own_grace_cuts_the_wait_for_a_script_that_ignores_sigterm(
+        daemon: str, tmp_path: Path) -> None:
+    """`--time 2 --grace 1` on a script whose SIGTERM handler does nothing: killed about a
+    second after its limit (the daemon's grace is 30 s), failed saying it hit its limit."""
+    path = script(tmp_path, """\
+        import signal, time
+        import salus.adapters.torch as salus
+        signal.signal(signal.SIGTERM, lambda *_: print("TERM ignored", flush=True))
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    started = time.monotonic()
+    proc = salusd_run(daemon, [str(path)], tmp_path, "--time", "2", "--grace", "1",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    code, out, err = finish(proc)
+    took = time.monotonic() - started
+    assert out.splitlines() == ["ready", "TERM ignored"]
+    assert code == 124 and "hit its time limit of 2 s" in err
+    assert 2.5 < took < 15
+
+
+@pytest.mark.slow
+def test_rest_takes_a_script_jobs_time_limit_signal_and_grace(tmp_path: Path) -> None:
+    """`POST /v1/jobs` with `time_limit_s`, `signal` and `grace_s`: the early signal, then
+    SIGTERM (ignored), then SIGKILL after the job's own grace; the job fails saying it hit its
+    time limit. Bodies that give them without a script or a limit are refused (422)."""
+    from rest_client import connect, job, wait_for
+
+    path = script(tmp_path, """\
+        import signal, time
+        import salus.adapters.torch as salus
+        signal.signal(signal.SIGUSR1, lambda *_: print("USR1", flush=True))
+        signal.signal(signal.SIGTERM, lambda *_: print("TERM ignored", flush=True))
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    body = {"name": "limited", "command": [sys.executable, str(path)], "cwd": str(tmp_path),
+            "time_limit_s": 3, "signal": int(signal.SIGUSR1), "signal_before_s": 1.5,
+            "grace_s": 1}
+    with salusd(tmp_path, "--http", "127.0.0.1:0"), connect(tmp_path / "state") as client:
+        started = time.monotonic()
+        reply = client.post("/v1/jobs", json=body)
+        assert reply.status_code == 201, reply.text
+        jid = reply.json()["id"]
+        failed = wait_for(lambda: (j := job(client, jid))["state"] == "failed" and j,
+                          "the job failed")
+        took = time.monotonic() - started
+        assert "hit its time limit of 3 s" in failed["reason"], failed
+        assert 3 < took < 20
+        log = wait_for(lambda: (t := client.get(f"/v1/jobs/{jid}/log").text)
+                       .count("TERM ignored") and t, "the log")
+        assert log.splitlines() == ["USR1", "TERM ignored"], log
+        for wrong in ({"name": "b", "entrypoint": "x.py:f", "iterations": 1, "grace_s": 1},
+                      {**body, "time_limit_s": None}):
+            refused = client.post("/v1/jobs", json=wrong)
+            assert refused.status_code == 422, refused.text
+
+
 def test_durations_and_signals_read_as_slurms() -> None:
     from salus.daemon.cli_run import duration, early_signal
 

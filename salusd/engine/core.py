@@ -90,7 +90,8 @@ class Core:
             executor_gone: bool = False, grace: bool = False) -> None:
         """End a live job: answer its queued calls, free its memory now, and retire or kill its
         executor once its running call (if any) has returned. A script job that is cancelled,
-        or ended with `grace` (its time limit), gets SIGTERM and `script_grace_s` first."""
+        or ended with `grace` (its time limit), gets SIGTERM and its grace first (its own
+        `grace_s`, else `script_grace_s`)."""
         error: SalusError = JobFailed(reason) if state == "failed" else JobCancelled(reason)
         while record.calls:
             refuse(record.calls.popleft(), error)
@@ -114,7 +115,8 @@ class Core:
             # checkpoint and exit (then `scripts.exited` lets it go), SIGKILL after the grace.
             record.grace = True
             self.outbox.signal_all(record, signal.SIGTERM)
-            self.timers.call_later(self.config.script_grace_s,
+            own = record.script.command.grace_s
+            self.timers.call_later(self.config.script_grace_s if own is None else own,
                                    lambda: self.outbox.kill_all(record))
             return
         if self.dispatch.running(record.job_id):

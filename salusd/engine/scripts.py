@@ -40,6 +40,7 @@ MAX_ARGS = 4096
 MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
 MAX_TIME_LIMIT_S = 366 * 86400.0
+MAX_GRACE_S = 3600.0  # a job's own grace; a stopping salusd waits at most its --script-grace
 LIMIT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                            signal.SIGUSR2})
 
@@ -50,7 +51,9 @@ class ScriptCommand:
     shell), in directory `cwd`, with environment `env`, and its restart policy; its time limit
     (`time_limit_s`, seconds from its start; None: none) and the signal its command gets
     `signal_before_s` before it (`signal`, a number; None: none), as Slurm's `--time` and
-    `--signal`."""
+    `--signal`; its grace (`grace_s`, seconds between SIGTERM and SIGKILL when it is cancelled
+    or hits its limit; None: the daemon's `--script-grace`), as Kubernetes'
+    `terminationGracePeriodSeconds`."""
 
     command: tuple[str, ...]
     cwd: str
@@ -60,6 +63,7 @@ class ScriptCommand:
     time_limit_s: float | None = None
     signal: int | None = None
     signal_before_s: float = 0.0
+    grace_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -133,6 +137,14 @@ def with_limits(command: ScriptCommand, time_limit_s: object, signum: object,
                                signal_before_s=before)
 
 
+def with_grace(command: ScriptCommand, grace_s: object) -> ScriptCommand:
+    """`command` with a request's `grace_s` (None: the daemon's); BadRequest when it is not
+    seconds from 0 to `MAX_GRACE_S`."""
+    if grace_s is None:
+        return command
+    return dataclasses.replace(command, grace_s=_seconds(grace_s, "grace_s", MAX_GRACE_S))
+
+
 def _seconds(value: object, name: str, most: float) -> float:
     if type(value) not in (int, float) or not 0 <= float(value) <= most:  # type: ignore[arg-type]
         raise BadRequest(f"'{name}' must be seconds from 0 to {most:g}")
@@ -146,6 +158,8 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
                            "restart": command.restart, "max_restarts": command.max_restarts}
     if command.restart == "on-failure":
         out["env"] = command.env
+    if command.grace_s is not None:
+        out["grace_s"] = command.grace_s
     return out
 
 
@@ -212,6 +226,12 @@ def stop_all(core: Core) -> int:
             core.outbox.signal_all(record, signal.SIGTERM)
             signalled += 1
     return signalled
+
+
+def grace_s(core: Core, record: JobRecord) -> float:
+    """The seconds between SIGTERM and SIGKILL for the job's command."""
+    own = record.script.command.grace_s if record.script is not None else None
+    return core.config.script_grace_s if own is None else own
 
 
 def running(core: Core) -> bool:
@@ -323,9 +343,12 @@ def restored(core: Core, record: JobRecord) -> None:
                  "checkpoints in salus.resume_dir()) to have it rerun")
         return
     core.event("restart", record.job_id, reason=why)
+    grace = record.spec.get("grace_s")
     start(core, record, ScriptCommand(tuple(record.spec["command"]), str(record.spec["cwd"]),
                                       dict(record.spec.get("env", {})), "on-failure",
-                                      int(record.spec.get("max_restarts", MAX_RESTARTS))), None)
+                                      int(record.spec.get("max_restarts", MAX_RESTARTS)),
+                                      grace_s=float(grace) if grace is not None else None),
+          None)
 
 
 def _shown(record: JobRecord) -> str:

@@ -190,6 +190,7 @@ class Handlers:
                                 request.get("max_restarts", scripts.MAX_RESTARTS))
         command = scripts.with_limits(command, request.get("time_limit_s"),
                                       request.get("signal"), request.get("signal_before_s"))
+        command = scripts.with_grace(command, request.get("grace_s"))
         command = as_caller(client.owner, command)
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,

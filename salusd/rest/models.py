@@ -125,6 +125,17 @@ class JobSubmit(Strict):
         "its process dies or salusd restarts while it runs: fail it, or run its command again")
     max_restarts: int = Field(default=3, ge=0, le=1000, description="with restart "
                               "on-failure, at most this many reruns")
+    time_limit_s: float | None = Field(
+        default=None, ge=0, le=366 * 86400, description="a script job's time limit (seconds "
+        "from its start, as Slurm's --time): then SIGTERM, SIGKILL after its grace, and the "
+        "job fails saying it hit its time limit")
+    signal: Literal[1, 2, 10, 12, 15] | None = Field(
+        default=None, description="with time_limit_s: the signal number (HUP, INT, USR1, USR2, "
+        "TERM) sent signal_before_s before the limit, as Slurm's --signal")
+    signal_before_s: float | None = Field(default=None, ge=0, le=366 * 86400)
+    grace_s: float | None = Field(
+        default=None, ge=0, le=3600, description="a script job's seconds between SIGTERM and "
+        "SIGKILL when it is cancelled or hits its limit (default: the daemon's --script-grace)")
     iterations: int | None = Field(default=None, ge=1, le=MAX_ITERATIONS,
                                    description="required for a batch job; a script job's "
                                    "planned iterations (optimizer steps), for SRTF")
@@ -150,8 +161,14 @@ class JobSubmit(Strict):
         if (self.entrypoint is None) == (self.command is None):
             raise ValueError("give either 'entrypoint' (a batch job) or 'command' (a script "
                              "job)")
-        if self.command is None and (self.cwd is not None or self.env is not None):
-            raise ValueError("'cwd' and 'env' are a script job's: give 'command' too")
+        if self.command is None and any(v is not None for v in (
+                self.cwd, self.env, self.time_limit_s, self.signal, self.signal_before_s,
+                self.grace_s)):
+            raise ValueError("'cwd', 'env', 'time_limit_s', 'signal', 'signal_before_s' and "
+                             "'grace_s' are a script job's: give 'command' too")
+        if self.time_limit_s is None and (self.signal is not None
+                                          or self.signal_before_s is not None):
+            raise ValueError("'signal' and 'signal_before_s' go with 'time_limit_s'")
         if self.command is not None and self.cwd is None:
             raise ValueError("a script job needs 'cwd', the absolute directory it runs in")
         if self.entrypoint is not None and self.iterations is None:

@@ -114,6 +114,9 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     if body.command is not None:
         command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
                                 body.restart, body.max_restarts)
+        command = scripts.with_limits(command, body.time_limit_s, body.signal,
+                                      body.signal_before_s)
+        command = scripts.with_grace(command, body.grace_s)
         command = await run_in_threadpool(as_caller, who.owner, command)
 
         def run() -> JobOut:
