@@ -31,6 +31,7 @@ from salus.daemon.launch import running_daemon
 from salus.daemon.rest.client import RestClient
 from salus.demo import latency
 from salus.demo.scripts import (
+    STAGGER_S,
     Ended,
     Resident,
     ScriptJob,
@@ -184,10 +185,11 @@ def _report(jobs: list[ScriptJob], runs: Runs, memory: Memory,
     console.print(table)
     console.print(
         "[dim]in turn / fifo / srtf: one job runs at a time; at once / pack: all of them share "
-        "the cores. Each batch started its commands together, in this order; the daemon "
-        "itself was already running (its start is not counted). Losses compared bitwise, all "
-        "five runs. While salusd ran, the demo asked it for its lane table "
-        f"{1 / SAMPLE_S:.0f} times a second for the plot: that cost is in its figures.[/dim]")
+        f"the cores. Each batch started its commands {STAGGER_S} s apart in this order (in "
+        "turn: each when the one before exited); the daemon was already running (its start is "
+        "not counted). Losses compared bitwise, all five runs. While salusd ran, the demo "
+        f"asked it for its lane table {1 / SAMPLE_S:.0f} times a second for the plot: that "
+        "cost is in its figures.[/dim]")
 
     mem = Table(title=f"memory of {resident_count} resident {RESIDENT.name} jobs (trained, "
                 "model and Adam state alive), MiB")
@@ -208,7 +210,7 @@ def _report(jobs: list[ScriptJob], runs: Runs, memory: Memory,
     lt = Table(title=f"inference ({latency.INFERENCE}, one batch every "
                f"{latency.GAP_S * 1e3:.0f} ms), milliseconds per call at the caller")
     for col in ("", "p50 alone", "p99 alone", "p50 beside training", "p99 beside training",
-                "calls beside", "training's time"):
+                "calls beside", "training, step 1 to exit"):
         lt.add_column(col, justify="left" if not col else "right")
     for name, label in (("salusd", f"salusd, fair, priority {latency.PRIORITY:g}"),
                         ("plain", "plain processes")):
@@ -229,8 +231,8 @@ def _ratio(a: float, b: float, better: str, worse: str) -> str:
 
 def _summary(runs: Runs, memory: Memory, lat: dict[str, latency.Latency],
              resident_count: int, plot_path: Path) -> None:
-    pack = max(e.jct_s for e in runs["salusd, pack"])
-    crowd = max(e.jct_s for e in runs["plain, at once"])
+    ended = {r: max(e.jct_s for e in runs[r]) for r in runs}  # each batch's makespan
+    pack, crowd = ended["salusd, pack"], ended["plain, at once"]
     turn, fifo, srtf = (_mean(runs[r]) for r in ("plain, in turn", "salusd, fifo",
                                                  "salusd, srtf"))
     in_turn = [e.jct_s for e in runs["plain, in turn"]]
@@ -241,16 +243,18 @@ def _summary(runs: Runs, memory: Memory, lat: dict[str, latency.Latency],
     plain_pss = memory["plain processes"][0]
     s, p = lat["salusd"], lat["plain"]
     console.rule("what this run measured")
+    shortest = runs["plain, in turn"][short].name
     lines = [
-        f"warm start: the 4 scripts at once finished in {pack:.2f} s with `salusd run` (pack) "
-        f"against {crowd:.2f} s as plain processes ({_ratio(pack, crowd, 'faster', 'slower')}"
-        f"): each plain process imports torch itself, each executor was forked with it "
-        f"imported.",
-        f"scheduling: mean JCT {srtf:.2f} s under srtf, {fifo:.2f} s under fifo, {turn:.2f} s "
-        f"for plain processes in turn (srtf {_ratio(srtf, turn, 'lower', 'higher')} than in "
-        f"turn); the shortest job, {runs['salusd, srtf'][short].name}, ended at "
-        f"{runs['salusd, srtf'][short].jct_s:.2f} s under srtf, "
-        f"{runs['salusd, fifo'][short].jct_s:.2f} s under fifo.",
+        f"warm start: the {len(in_turn)} scripts at once all ended by {pack:.2f} s with `salusd "
+        f"run` (pack) against {crowd:.2f} s as plain processes "
+        f"({_ratio(pack, crowd, 'sooner', 'later')}): each plain process imports torch "
+        f"itself, each executor was forked with it imported. One at a time under fifo they "
+        f"all ended by {ended['salusd, fifo']:.2f} s.",
+        f"scheduling, one job at a time: mean JCT {turn:.2f} s for plain processes in turn, "
+        f"{fifo:.2f} s under fifo, {srtf:.2f} s under srtf; the shortest job, {shortest}, "
+        f"ended at {runs['plain, in turn'][short].jct_s:.2f} s in turn, "
+        f"{runs['salusd, fifo'][short].jct_s:.2f} s under fifo and "
+        f"{runs['salusd, srtf'][short].jct_s:.2f} s under srtf.",
         f"memory: {resident_count} resident jobs cost {salusd_pss / MIB:.0f} MiB PSS in salusd "
         f"(daemon, executors and clients) against {plain_pss / MIB:.0f} MiB as plain "
         f"processes ({_ratio(salusd_pss, plain_pss, 'less', 'more')}).",
@@ -258,9 +262,8 @@ def _summary(runs: Runs, memory: Memory, lat: dict[str, latency.Latency],
         f"training through salusd (alone {latency.percentile(s.alone, 99) * 1e3:.1f} ms), "
         f"{latency.percentile(p.beside, 99) * 1e3:.1f} ms as plain processes (alone "
         f"{latency.percentile(p.alone, 99) * 1e3:.1f} ms): under fair the inference calls and "
-        f"the training steps take turns in one lane, the priority putting a waiting call first "
-        f"at each boundary, while the OS ran the two plain processes side by side on the "
-        f"{os.cpu_count()} cores."
+        f"the training steps take turns in one lane, a call waiting for the step in progress, "
+        f"while the OS ran the two plain processes side by side on the {os.cpu_count()} cores."
         if s.beside and p.beside else "priority: no inference call overlapped the training.",
         "final losses: every script's loss under salusd equals its plain run's "
         "(bitwise)." if all(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 TRAIN = str(Path(__file__).with_name("train.py"))
 POLL_S = 0.01
+STAGGER_S = 0.25  # between the starts of a batch's jobs
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,16 @@ def _result(job: ScriptJob, proc: subprocess.Popen[str], jct_s: float) -> Ended:
     return Ended(job.name, jct_s, json.loads(lines[-1])["final_loss"])
 
 
-def at_once(jobs: list[ScriptJob], socket: Path | None, threads: int) -> list[Ended]:
-    """Start every job together; each one's JCT is when its process was seen to exit."""
+def at_once(jobs: list[ScriptJob], socket: Path | None, threads: int,
+            stagger_s: float = STAGGER_S) -> list[Ended]:
+    """Start every job, `stagger_s` apart in their order (so the daemon sees them arrive in
+    that order); each one's JCT is when its process was seen to exit."""
     began = time.monotonic()
-    procs = [_start(job, socket, threads) for job in jobs]
+    procs = []
+    for i, job in enumerate(jobs):
+        if i:
+            time.sleep(stagger_s)
+        procs.append(_start(job, socket, threads))
     exits: dict[int, float] = {}
     while len(exits) < len(procs):
         for i, proc in enumerate(procs):
