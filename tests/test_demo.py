@@ -40,8 +40,8 @@ def test_quick_demo_runs_every_part(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
     for part in ("JCT of each script", "memory of 2 resident", "inference (infer-mlp",
-                 "- warm start:", "- scheduling:", "- memory:", "- priority:",
-                 "on a GPU (not measured here)"):
+                 "- warm start:", "- scheduling, one job at a time:", "- memory:",
+                 "- priority:", "on a GPU (not measured here)"):
         assert part in text, part
     assert "every script's loss under salusd equals its plain run's (bitwise)" in text
     plot = out / "lanes.png"
