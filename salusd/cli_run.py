@@ -31,6 +31,7 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
+from salus.daemon.devices import parse_size
 from salus.daemon.wire.address import connect_unix, default_socket_path
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError
 from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
@@ -78,6 +79,17 @@ def early_signal(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: use SIG[@SECONDS], e.g. USR1@60") from None
 
 
+def memory_size(text: str) -> int:
+    """Bytes of a size such as `512M`, `2G` or `1.5GiB` (`--mem`)."""
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a job needs more than 0 bytes")
+    return nbytes
+
+
 def add_parser(sub: Any) -> None:
     text = "run an unchanged training script as a salusd job (like srun python train.py)"
     cmd = sub.add_parser(
@@ -105,6 +117,11 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument("--signal", type=early_signal, default=None, metavar="SIG[@SECONDS]",
                      help="with --time: send SIG (TERM, INT, HUP, USR1, USR2 or a number) that "
                      "many seconds before the limit (default 60), as Slurm's --signal")
+    cmd.add_argument("--mem", type=memory_size, default=None, metavar="SIZE",
+                     help="the job's device memory, e.g. 512M or 2G, as Slurm's --mem: its "
+                     "lane from the start (not sized from what it measures) and its cap (on a "
+                     "GPU the allocator's; on the CPU the job ends once an iteration measures "
+                     "more)")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -192,6 +209,8 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
             request["time_limit_s"] = args.time
         if args.signal is not None:
             request["signal"], request["signal_before_s"] = args.signal
+        if args.mem is not None:
+            request["mem_bytes"] = args.mem
         try:
             channel.send(request, theirs.fileno())
         finally:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
+from salus.daemon.devices import format_size
 from salus.daemon.engine import admission, checkpoints, scripts
 from salus.daemon.engine.core import Config, Core, error_frame, ok_frame
 from salus.daemon.engine.events import EventStream
@@ -209,6 +210,7 @@ class Engine:
         if self.check_devices(devices) != 1:
             raise BadRequest("a script job runs on one device; for several, run the script "
                              "once per device or use salus.connect(devices=N)")
+        self.check_memory(command.mem_bytes)
         record = self.open(owner, name, iterations, command.cwd, spec=scripts.spec(command),
                            priority=priority)
         scripts.start(self.core, record, command, frame)
@@ -235,6 +237,13 @@ class Engine:
                          f"{limit:g} s", grace=True)
 
         core.timers.call_later(limit, lambda: self._after(time_up))
+
+    def check_memory(self, mem_bytes: int | None) -> None:
+        """BadRequest when no device of this node can hold `mem_bytes` (a `--mem` request)."""
+        largest = max(ledger.capacity for ledger in self.core.ledgers)
+        if mem_bytes is not None and mem_bytes > largest:
+            raise BadRequest(f"the job needs {format_size(mem_bytes)} (--mem), the largest "
+                             f"device has {format_size(largest)}")
 
     def check_devices(self, devices: object) -> int:
         """`devices` when this node has that many devices; BadRequest says what it has."""

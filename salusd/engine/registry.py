@@ -115,6 +115,7 @@ class JobRecord:
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
     comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
     script: ScriptState | None = None  # a script job's reruns and client (engine/scripts.py)
+    limit: str | None = None  # the limit that ended it: "time" (--time) or "memory" (--mem)
 
     @property
     def live(self) -> bool:
@@ -144,6 +145,13 @@ def spec_devices(spec: dict[str, Any]) -> int:
 def spec_nodes(spec: dict[str, Any]) -> int:
     """Nodes a job was submitted for: a spec without `nodes` runs on this node only."""
     return int(spec.get("nodes", 1))
+
+
+def requested_memory(record: JobRecord) -> int | None:
+    """The device memory (bytes) the job asked for (`salusd run --mem`): its lane at
+    admission and its cap; None: sized from its first call, as measured."""
+    mem = record.spec.get("mem_bytes")
+    return mem if type(mem) is int else None
 
 
 def check_name(name: object) -> str:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from salus.daemon.devices import format_size
 from salus.daemon.engine import scripts
 from salus.daemon.engine.admission import RSS_NOISE_BYTES
 from salus.daemon.engine.jobstate import live_state
-from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.registry import JobRecord, requested_memory
 
 if TYPE_CHECKING:
     from salus.daemon.engine.engine import Engine
@@ -27,6 +28,7 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
     placed = engine.dispatch.placements(record.job_id)
     lane = engine.dispatch.lane((placed[0].device, placed[0].lane_id)) if placed else None
     enforced = "enforced" if record.device_kind == "cuda" else "accounted"
+    requested = requested_memory(record)
     ephemeral = record.measured_peak
     slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
     over = ephemeral is not None and lane is not None and ephemeral > lane.size + slack
@@ -63,9 +65,14 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
             "ephemeral_estimate_method": record.estimate_method,
             "ephemeral_measured_bytes": ephemeral,
             "lane_bytes": lane.size if lane else None,
-            "ephemeral_limit": enforced,
-            "over_lane": (f"measured {ephemeral} B over the {lane.size} B lane; being moved"
-                          if over and lane is not None else ""),
+            "ephemeral_limit": ("enforced at iteration boundaries: the job ends once it "
+                                "measures more than it asked for (--mem)"
+                                if requested is not None and enforced == "accounted"
+                                else enforced),
+            "requested_bytes": requested,  # --mem: its lane at admission and its cap
+            "over_lane": (f"measured {format_size(ephemeral)} over the "
+                          f"{format_size(lane.size)} lane; being moved"
+                          if over and lane is not None and ephemeral is not None else ""),
             "measured_by": ("CUDA caching allocator peak" if record.device_kind == "cuda" else
                             "executor's peak resident memory above its state (VmHWM), every "
                             f"call; overshoots under {RSS_NOISE_BYTES >> 20} MiB are noise"),

@@ -25,7 +25,7 @@ from typing import Any
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.outbox import Sent
-from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord
+from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord, requested_memory
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import RESTARTING, Script
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
@@ -37,6 +37,7 @@ MAX_ARGS = 4096
 MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
 MAX_TIME_LIMIT_S = 366 * 86400.0
+MAX_MEM_BYTES = 2**50
 LIMIT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                            signal.SIGUSR2})
 
@@ -47,7 +48,8 @@ class ScriptCommand:
     shell), in directory `cwd`, with environment `env`, and its restart policy; its time limit
     (`time_limit_s`, seconds from its start; None: none) and the signal its command gets
     `signal_before_s` before it (`signal`, a number; None: none), as Slurm's `--time` and
-    `--signal`."""
+    `--signal`; its device-memory request (`mem_bytes`, Slurm's `--mem`; None: sized from
+    what it measures)."""
 
     command: tuple[str, ...]
     cwd: str
@@ -57,6 +59,7 @@ class ScriptCommand:
     time_limit_s: float | None = None
     signal: int | None = None
     signal_before_s: float = 0.0
+    mem_bytes: int | None = None
 
 
 @dataclass(eq=False)
@@ -130,6 +133,16 @@ def with_limits(command: ScriptCommand, time_limit_s: object, signum: object,
                                signal_before_s=before)
 
 
+def with_memory(command: ScriptCommand, mem_bytes: object) -> ScriptCommand:
+    """`command` with a request's `mem_bytes` (may be left out); BadRequest names what is
+    wrong. Whether a device can hold it is the engine's check."""
+    if mem_bytes is None:
+        return command
+    if type(mem_bytes) is not int or not 0 < mem_bytes <= MAX_MEM_BYTES:
+        raise BadRequest(f"'mem_bytes' must be an integer from 1 to {MAX_MEM_BYTES} (bytes)")
+    return dataclasses.replace(command, mem_bytes=mem_bytes)
+
+
 def _seconds(value: object, name: str, most: float) -> float:
     if type(value) not in (int, float) or not 0 <= float(value) <= most:  # type: ignore[arg-type]
         raise BadRequest(f"'{name}' must be seconds from 0 to {most:g}")
@@ -143,6 +156,8 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
                            "restart": command.restart, "max_restarts": command.max_restarts}
     if command.restart == "on-failure":
         out["env"] = command.env
+    if command.mem_bytes is not None:
+        out["mem_bytes"] = command.mem_bytes
     return out
 
 
@@ -298,9 +313,16 @@ def restored(core: Core, record: JobRecord) -> None:
                  "checkpoints in salus.resume_dir()) to have it rerun")
         return
     core.event("restart", record.job_id, reason=why)
-    start(core, record, ScriptCommand(tuple(record.spec["command"]), str(record.spec["cwd"]),
-                                      dict(record.spec.get("env", {})), "on-failure",
-                                      int(record.spec.get("max_restarts", MAX_RESTARTS))), None)
+    start(core, record, stored(record), None)
+
+
+def stored(record: JobRecord) -> ScriptCommand:
+    """The command the durable registry kept of the job (`spec`)."""
+    spec = record.spec
+    return ScriptCommand(tuple(spec["command"]), str(spec["cwd"]), dict(spec.get("env", {})),
+                         str(spec.get("restart", "never")),
+                         int(spec.get("max_restarts", MAX_RESTARTS)),
+                         mem_bytes=requested_memory(record))
 
 
 def _shown(record: JobRecord) -> str:

@@ -28,9 +28,9 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     priority   job, priority                           daemon        None
     run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
                priority?, devices?, restart?,          a script job; its executor
-               max_restarts? (+ the client's end of    runs `command` as the
-               a socket pair)                                        caller, its stdio the
-                                                                     client's (sent on the pair)
+               max_restarts?, time_limit_s?,           runs `command` as the
+               signal?, signal_before_s?, mem_bytes?   caller, its stdio the
+               (+ the client's end of a socket pair)                 client's (sent on the pair)
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
                                                                      output file from byte
@@ -189,6 +189,7 @@ class Handlers:
                                 request.get("max_restarts", scripts.MAX_RESTARTS))
         command = scripts.with_limits(command, request.get("time_limit_s"),
                                       request.get("signal"), request.get("signal_before_s"))
+        command = scripts.with_memory(command, request.get("mem_bytes"))
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),

@@ -82,6 +82,8 @@ class JobOut(BaseModel):
     ephemeral_bytes: int | None = Field(description="measured peak per call above the state, "
                                         "else the admission estimate")
     lane_bytes: int | None
+    mem_bytes: int | None = Field(default=None, description="the device memory a script job "
+                                  "asked for (--mem): its lane at admission and its cap")
     checkpoint: Checkpoint | None
     resumed_from: int | None
     swapped: bool = Field(default=False, description="its state was moved to host memory")
@@ -123,6 +125,9 @@ class JobSubmit(Strict):
         "its process dies or salusd restarts while it runs: fail it, or run its command again")
     max_restarts: int = Field(default=3, ge=0, le=1000, description="with restart "
                               "on-failure, at most this many reruns")
+    mem_bytes: int | None = Field(default=None, ge=1, le=2**50, description="a script job's "
+                                  "device-memory request (bytes), as Slurm's --mem: its lane "
+                                  "at admission and its cap")
     iterations: int | None = Field(default=None, ge=1, le=MAX_ITERATIONS,
                                    description="required for a batch job; a script job's "
                                    "planned iterations (optimizer steps), for SRTF")
@@ -148,8 +153,10 @@ class JobSubmit(Strict):
         if (self.entrypoint is None) == (self.command is None):
             raise ValueError("give either 'entrypoint' (a batch job) or 'command' (a script "
                              "job)")
-        if self.command is None and (self.cwd is not None or self.env is not None):
-            raise ValueError("'cwd' and 'env' are a script job's: give 'command' too")
+        if self.command is None and (self.cwd is not None or self.env is not None
+                                     or self.mem_bytes is not None):
+            raise ValueError("'cwd', 'env' and 'mem_bytes' are a script job's: give 'command' "
+                             "too")
         if self.command is not None and self.cwd is None:
             raise ValueError("a script job needs 'cwd', the absolute directory it runs in")
         if self.entrypoint is not None and self.iterations is None:

@@ -111,8 +111,9 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     per device (data-parallel); with `nodes` > 1 the gang spans that many nodes of the
     cluster (submitted to each)."""
     if body.command is not None:
-        command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
-                                body.restart, body.max_restarts)
+        command = scripts.with_memory(scripts.check(
+            body.command, body.cwd, _script_env(who, body.env), body.restart,
+            body.max_restarts), body.mem_bytes)
 
         def run() -> JobOut:
             record = ctx.engine.run_script(who.owner, body.name,
