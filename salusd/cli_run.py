@@ -90,6 +90,17 @@ def memory_size(text: str) -> int:
     return nbytes
 
 
+def job_ids(text: str) -> list[int]:
+    """The job ids of `--after`: `12` or `12,13`."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give job ids, e.g. 12 or 12,13") from None
+    if not all(0 < job < 2**63 for job in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: a job id is a positive integer")
+    return ids
+
+
 def add_parser(sub: Any) -> None:
     text = "run an unchanged training script as a salusd job (like srun python train.py)"
     cmd = sub.add_parser(
@@ -122,6 +133,10 @@ def add_parser(sub: Any) -> None:
                      "lane from the start (not sized from what it measures) and its cap (on a "
                      "GPU the allocator's; on the CPU the job ends once an iteration measures "
                      "more)")
+    cmd.add_argument("--after", type=job_ids, action="append", default=None, metavar="JOB",
+                     help="start once job JOB has finished (repeat it, or JOB,JOB,...: once "
+                     "all have); when one fails or is cancelled this job fails, naming it "
+                     "(Slurm's --dependency=afterok)")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -211,6 +226,8 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
             request["signal"], request["signal_before_s"] = args.signal
         if args.mem is not None:
             request["mem_bytes"] = args.mem
+        if args.after:
+            request["after"] = [job for ids in args.after for job in ids]
         try:
             channel.send(request, theirs.fileno())
         finally:

@@ -124,3 +124,112 @@ def test_a_job_over_its_mem_on_the_cpu_is_ended_saying_so(daemon: str, tmp_path:
     assert "done" not in out
     assert code != 0
     assert f"more than the {64:.1f} MiB it asked for (--mem)" in err
+
+
+# ---- --after ---------------------------------------------------------------------------------
+def job_named(ctl: Control, name: str) -> dict[str, Any]:
+    """The info of the live job named `name`, once salusd has it."""
+    def find() -> dict[str, Any] | None:
+        jobs = [j for j in ctl.status()["jobs"] if j["name"] == name]
+        return jobs[-1] if jobs else None
+    return wait_for(find, f"a job named {name!r}")
+
+
+MARKS = """\
+    import pathlib, sys
+    pathlib.Path(sys.argv[1]).write_text("ran")
+    print("ran")
+"""
+
+
+def test_after_starts_the_job_once_the_other_finished(daemon: str, tmp_path: Path) -> None:
+    first = salusd_run(daemon, [str(script(tmp_path, WAITS)), str(tmp_path / "id"),
+                                str(tmp_path / "go")], tmp_path)
+    first_id = job_id_in(tmp_path / "id")
+    marks = script(tmp_path, MARKS, "marks.py")
+    second = salusd_run(daemon, [str(marks), str(tmp_path / "second-ran")], tmp_path,
+                        "--after", first_id, "--name", "second")
+    with Control(daemon) as ctl:
+        waiting = job_named(ctl, "second")
+        time.sleep(1.0)  # time it would need to start, were it not waiting
+        assert not (tmp_path / "second-ran").exists()
+        again = ctl.info(str(waiting["job_id"]))
+    assert (waiting["state"], waiting["waiting_for"]) == ("pending", [int(first_id)])
+    assert (again["state"], again["after"], again["memory"]["lane_bytes"]) == (
+        "pending", [int(first_id)], None)
+    (tmp_path / "go").touch()
+    assert finish(first)[:2] == (0, "done\n")
+    assert finish(second)[:2] == (0, "ran\n")
+
+
+def test_after_a_failed_job_fails_naming_it_and_so_do_those_after_that(
+        daemon: str, tmp_path: Path) -> None:
+    """A fails with status 3; B runs after A, C after B: neither runs, each names its reason."""
+    fails = script(tmp_path, WAITS.replace('print("done")', "sys.exit(3)"), "fails.py")
+    a = salusd_run(daemon, [str(fails), str(tmp_path / "id"), str(tmp_path / "go")], tmp_path)
+    a_id = job_id_in(tmp_path / "id")
+    marks = script(tmp_path, MARKS, "marks.py")
+    b = salusd_run(daemon, [str(marks), str(tmp_path / "b-ran")], tmp_path,
+                   "--after", a_id, "--name", "after-a")
+    with Control(daemon) as ctl:
+        b_id = str(job_named(ctl, "after-a")["job_id"])
+        c = salusd_run(daemon, [str(marks), str(tmp_path / "c-ran")], tmp_path,
+                       "--after", f"{a_id},{b_id}", "--name", "after-b")
+        c_id = str(job_named(ctl, "after-b")["job_id"])
+    (tmp_path / "go").touch()
+    assert finish(a)[0] == 3
+    b_code, b_out, b_err = finish(b)
+    c_code, c_out, c_err = finish(c)
+    assert (b_code, b_out, c_code, c_out) == (1, "", 1, "")
+    assert f"job {a_id}, which job {b_id} was to run after (--after), failed: its command " \
+           "exited with status 3" in b_err
+    assert f"which job {c_id} was to run after (--after), failed" in c_err
+    assert not (tmp_path / "b-ran").exists() and not (tmp_path / "c-ran").exists()
+
+
+def test_after_a_job_that_does_not_exist_is_refused(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, "print('ran')\n")
+    code, out, err = finish(salusd_run(daemon, [str(path)], tmp_path, "--after", "999999"))
+    assert (code, out) == (125, "")
+    assert "--after 999999: there is no job 999999" in err
+
+
+@pytest.mark.slow
+def test_rest_after_waits_across_a_daemon_restart(tmp_path: Path) -> None:
+    """REST `after`: B waits for A; salusd is killed (-9) and started again: A (restart
+    on-failure) runs again, B still waits for it, and runs, its output in its log, once A
+    finished."""
+    from rest_client import connect, job
+
+    waits = script(tmp_path, WAITS)
+    marks = script(tmp_path, MARKS, "marks.py")
+    body = {"cwd": str(tmp_path), "env": {"PATH": os.environ["PATH"]}}
+    with salusd(tmp_path, "--http", "127.0.0.1:0") as (proc, _), \
+            connect(tmp_path / "state") as client:
+        a = client.post("/v1/jobs", json={**body, "name": "a", "restart": "on-failure",
+                                          "command": [sys.executable, str(waits),
+                                                      str(tmp_path / "id"),
+                                                      str(tmp_path / "go")]})
+        assert a.status_code == 201, a.text
+        a_id = a.json()["id"]
+        b = client.post("/v1/jobs", json={**body, "name": "b", "after": [a_id],
+                                          "command": [sys.executable, str(marks),
+                                                      str(tmp_path / "b-ran")]})
+        assert b.status_code == 201, b.text
+        b_id = b.json()["id"]
+        assert (b.json()["state"], b.json()["after"], b.json()["waiting_for"]) == (
+            "pending", [a_id], [a_id])
+        job_id_in(tmp_path / "id")
+        proc.kill()
+        proc.wait()
+    (tmp_path / "id").unlink()
+    with salusd(tmp_path, "--http", "127.0.0.1:0"), connect(tmp_path / "state") as client:
+        job_id_in(tmp_path / "id")  # A runs again
+        assert (job(client, b_id)["state"], job(client, b_id)["waiting_for"]) == (
+            "pending", [a_id])
+        assert not (tmp_path / "b-ran").exists()
+        (tmp_path / "go").touch()
+        wait_for(lambda: job(client, b_id)["state"] == "finished", "B finished")
+        assert job(client, a_id)["state"] == "finished"
+        assert client.get(f"/v1/jobs/{b_id}/log", params={"offset": 0}).text == "ran\n"
+    assert (tmp_path / "b-ran").read_text() == "ran"

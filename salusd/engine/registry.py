@@ -116,6 +116,7 @@ class JobRecord:
     comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
     script: ScriptState | None = None  # a script job's reruns and client (engine/scripts.py)
     limit: str | None = None  # the limit that ended it: "time" (--time) or "memory" (--mem)
+    after: tuple[int, ...] = ()  # jobs it still waits for (--after: engine/dependencies.py)
 
     @property
     def live(self) -> bool:

@@ -55,6 +55,8 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "threads": record.threads,
         "last_loss": record.last_loss,  # a batch job's, or what a script's framework logged
         "script": scripts.view(record),  # a script job's reruns and swap; None for others
+        "after": record.spec.get("after"),  # the jobs a script job runs after (--after)
+        "waiting_for": list(record.after),  # those of them that have not finished yet
         "executor_pid": getattr(record.executor, "pid", None),
         "executor": describe() if callable(describe := getattr(record.executor, "describe",
                                                                  None)) else None,

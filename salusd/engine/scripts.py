@@ -158,6 +158,9 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
         out["env"] = command.env
     if command.mem_bytes is not None:
         out["mem_bytes"] = command.mem_bytes
+    if command.time_limit_s is not None:
+        out.update(time_limit_s=command.time_limit_s, signal=command.signal,
+                   signal_before_s=command.signal_before_s)
     return out
 
 
@@ -319,10 +322,12 @@ def restored(core: Core, record: JobRecord) -> None:
 def stored(record: JobRecord) -> ScriptCommand:
     """The command the durable registry kept of the job (`spec`)."""
     spec = record.spec
-    return ScriptCommand(tuple(spec["command"]), str(spec["cwd"]), dict(spec.get("env", {})),
-                         str(spec.get("restart", "never")),
-                         int(spec.get("max_restarts", MAX_RESTARTS)),
-                         mem_bytes=requested_memory(record))
+    command = ScriptCommand(tuple(spec["command"]), str(spec["cwd"]), dict(spec.get("env", {})),
+                            str(spec.get("restart", "never")),
+                            int(spec.get("max_restarts", MAX_RESTARTS)),
+                            mem_bytes=requested_memory(record))
+    return with_limits(command, spec.get("time_limit_s"), spec.get("signal"),
+                       spec.get("signal_before_s"))
 
 
 def _shown(record: JobRecord) -> str:

@@ -29,8 +29,10 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
                priority?, devices?, restart?,          a script job; its executor
                max_restarts?, time_limit_s?,           runs `command` as the
-               signal?, signal_before_s?, mem_bytes?   caller, its stdio the
-               (+ the client's end of a socket pair)                 client's (sent on the pair)
+               signal?, signal_before_s?, mem_bytes?,  caller, its stdio the
+               after? (job ids: start once they        client's (sent on the pair)
+               finished) (+ the client's end of a
+               socket pair)
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
                                                                      output file from byte
@@ -193,7 +195,7 @@ class Handlers:
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),
-            devices=request.get("devices", 1))
+            devices=request.get("devices", 1), after=request.get("after"))
         client.jobs.add(record.job_id)
         answer(ok_frame({"job": str(record.job_id), "threads": record.threads}))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -84,6 +84,10 @@ class JobOut(BaseModel):
     lane_bytes: int | None
     mem_bytes: int | None = Field(default=None, description="the device memory a script job "
                                   "asked for (--mem): its lane at admission and its cap")
+    after: list[int] | None = Field(default=None, description="the jobs a script job runs "
+                                    "after (--after)")
+    waiting_for: list[int] = Field(default_factory=list, description="those of them that "
+                                   "have not finished yet (the job is pending until then)")
     checkpoint: Checkpoint | None
     resumed_from: int | None
     swapped: bool = Field(default=False, description="its state was moved to host memory")
@@ -128,6 +132,10 @@ class JobSubmit(Strict):
     mem_bytes: int | None = Field(default=None, ge=1, le=2**50, description="a script job's "
                                   "device-memory request (bytes), as Slurm's --mem: its lane "
                                   "at admission and its cap")
+    after: list[Annotated[int, Field(ge=1, le=2**63 - 1)]] | None = Field(
+        default=None, min_length=1, max_length=64, description="a script job starts once these "
+        "jobs have finished, and fails when one of them fails or is cancelled (Slurm's "
+        "--dependency=afterok)")
     iterations: int | None = Field(default=None, ge=1, le=MAX_ITERATIONS,
                                    description="required for a batch job; a script job's "
                                    "planned iterations (optimizer steps), for SRTF")
@@ -154,9 +162,9 @@ class JobSubmit(Strict):
             raise ValueError("give either 'entrypoint' (a batch job) or 'command' (a script "
                              "job)")
         if self.command is None and (self.cwd is not None or self.env is not None
-                                     or self.mem_bytes is not None):
-            raise ValueError("'cwd', 'env' and 'mem_bytes' are a script job's: give 'command' "
-                             "too")
+                                     or self.mem_bytes is not None or self.after is not None):
+            raise ValueError("'cwd', 'env', 'mem_bytes' and 'after' are a script job's: give "
+                             "'command' too")
         if self.command is not None and self.cwd is None:
             raise ValueError("a script job needs 'cwd', the absolute directory it runs in")
         if self.entrypoint is not None and self.iterations is None:

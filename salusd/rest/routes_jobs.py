@@ -118,7 +118,7 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
         def run() -> JobOut:
             record = ctx.engine.run_script(who.owner, body.name,
                                            body.iterations or MAX_ITERATIONS, command, None,
-                                           priority=body.priority)
+                                           priority=body.priority, after=body.after)
             return job_out(ctx.engine, record)
         return await ctx.bridge.run(run)
     assert body.entrypoint is not None and body.iterations is not None

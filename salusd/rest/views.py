@@ -35,7 +35,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         ephemeral_bytes=ephemeral if ephemeral is not None else memory[
             "ephemeral_estimate_bytes"],
         lane_bytes=memory["lane_bytes"], mem_bytes=memory["requested_bytes"],
-        checkpoint=checkpoint,
+        after=info["after"], waiting_for=info["waiting_for"], checkpoint=checkpoint,
         resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
         entrypoint=record.spec.get("entrypoint"), command=record.spec.get("command"),
         script=info["script"], last_loss=record.last_loss, cache=record.cache, comm=record.comm,
