@@ -48,6 +48,9 @@ MAX_RESTARTS = 3  # as salusd/engine/scripts.py (not imported: it would load the
 TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
 TIME_LIMIT_REASON = "hit its time limit"  # in the job's reason (salusd/engine/engine.py)
 SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default
+MAX_ARRAY_TASKS = 1000  # as Slurm's default MaxArraySize allows, about
+MAX_ARRAY_INDEX = 2**31 - 1
+ARRAY_OUTPUT = "salus-%A_%a.out"  # as sbatch's slurm-%A_%a.out
 
 
 def duration(text: str) -> float:
@@ -101,6 +104,31 @@ def job_ids(text: str) -> list[int]:
     return ids
 
 
+def array_spec(text: str) -> tuple[list[int], int | None]:
+    """The indexes of `--array` (`0-7`, `0,2,5`, `0-15:4`, sorted, each once) and the most
+    tasks to run at once (`%N`; None: all)."""
+    spec, _, most = text.partition("%")
+    try:
+        indexes: set[int] = set()
+        for part in spec.split(","):
+            span, _, step = part.partition(":")
+            first, _, last = span.partition("-")
+            low, high = int(first), int(last) if last else int(first)
+            if not 0 <= low <= high <= MAX_ARRAY_INDEX or (step and int(step) < 1):
+                raise ValueError(part)
+            indexes.update(range(low, high + 1, int(step) if step else 1))
+            if len(indexes) > MAX_ARRAY_TASKS:
+                raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_ARRAY_TASKS} tasks")
+        limit = int(most) if most else None
+        if limit is not None and limit < 1:
+            raise ValueError(most)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use indexes such as 0-7, 0,2,5 or 0-15:4, and %N for at most N at "
+            "once") from None
+    return sorted(indexes), limit
+
+
 def add_parser(sub: Any) -> None:
     text = "run an unchanged training script as a salusd job (like srun python train.py)"
     cmd = sub.add_parser(
@@ -137,6 +165,14 @@ def add_parser(sub: Any) -> None:
                      help="start once job JOB has finished (repeat it, or JOB,JOB,...: once "
                      "all have); when one fails or is cancelled this job fails, naming it "
                      "(Slurm's --dependency=afterok)")
+    cmd.add_argument("--array", type=array_spec, default=None, metavar="INDEXES[%N]",
+                     help="a job array, as Slurm's: one job per index (0-7, 0,2,5, 0-15:4), "
+                     "each with SALUS_ARRAY_INDEX and SALUS_ARRAY_JOB_ID set and its output "
+                     "in its own file (--output); %%N runs at most N at once; this waits for "
+                     "all and exits with the highest status")
+    cmd.add_argument("--output", default=ARRAY_OUTPUT, metavar="PATTERN",
+                     help="with --array, each task's stdout and stderr: %%A the array's job id, "
+                     "%%a the index, %%j the task's job id (default salus-%%A_%%a.out)")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -212,28 +248,37 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
     hello = channel.call({"op": "ping"})
     if hello.get("version") != VERSION:
         raise ValueError("salusd speaks another protocol version: install matching versions")
+    if args.array is not None:
+        from salus.daemon.cli_array import run_array
+
+        return run_array(channel, command, args)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours:
         socket.send_fds(ours, [b"stdio"], _stdio())
-        request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
-                   "name": args.name or _name(command),
-                   "iterations": args.iterations or MAX_ITERATIONS,
-                   "priority": args.priority, "devices": args.devices, "restart": args.restart,
-                   "max_restarts": args.max_restarts}
-        if args.time is not None:
-            request["time_limit_s"] = args.time
-        if args.signal is not None:
-            request["signal"], request["signal_before_s"] = args.signal
-        if args.mem is not None:
-            request["mem_bytes"] = args.mem
-        if args.after:
-            request["after"] = [job for ids in args.after for job in ids]
         try:
-            channel.send(request, theirs.fileno())
+            channel.send(run_request(command, args), theirs.fileno())
         finally:
             theirs.close()
         job = str(channel.reply()["job"])
         return _wait(channel, ours, job)
+
+
+def run_request(command: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The `run` request of `command` with the options in `args`."""
+    request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
+               "name": args.name or _name(command),
+               "iterations": args.iterations or MAX_ITERATIONS,
+               "priority": args.priority, "devices": args.devices, "restart": args.restart,
+               "max_restarts": args.max_restarts}
+    if args.time is not None:
+        request["time_limit_s"] = args.time
+    if args.signal is not None:
+        request["signal"], request["signal_before_s"] = args.signal
+    if args.mem is not None:
+        request["mem_bytes"] = args.mem
+    if args.after:
+        request["after"] = [job for ids in args.after for job in ids]
+    return request
 
 
 def _stdio() -> list[int]:
@@ -283,6 +328,11 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    return final_status(channel, job, status)
+
+
+def final_status(channel: _Link, job: str, status: int | None) -> int:
+    """What to exit with for `job`, whose script sent exit status `status` (None: none came)."""
     if status is not None:
         info = _ended_info(channel, job)  # so that what follows sees the job ended
         if TIME_LIMIT_REASON in str(info.get("reason")):

@@ -8,7 +8,9 @@ from running the same script directly.
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -233,3 +235,88 @@ def test_rest_after_waits_across_a_daemon_restart(tmp_path: Path) -> None:
         assert job(client, a_id)["state"] == "finished"
         assert client.get(f"/v1/jobs/{b_id}/log", params={"offset": 0}).text == "ran\n"
     assert (tmp_path / "b-ran").read_text() == "ran"
+
+
+# ---- --array ---------------------------------------------------------------------------------
+def test_an_array_runs_a_job_per_index_each_with_its_own_output_file(
+        daemon: str, tmp_path: Path) -> None:
+    """`--array 0,2,5`: three jobs, each told its index and the array's id (the first task's
+    job id), stdin empty, output in salus-A_I.out; `salusd run` exits with the highest status
+    (each task exits with its index: 5)."""
+    path = script(tmp_path, """\
+        import os, sys
+        index = int(os.environ["SALUS_ARRAY_INDEX"])
+        print(index, os.environ["SALUS_ARRAY_JOB_ID"], os.environ["SALUS_JOB_ID"],
+              repr(sys.stdin.read()))
+        print("to stderr", file=sys.stderr)
+        sys.exit(index)
+    """)
+    code, out, err = finish(salusd_run(daemon, [str(path)], tmp_path, "--array", "0,2,5"))
+    assert (code, out) == (max(0, 2, 5), "")
+    files = sorted(tmp_path.glob("salus-*_*.out"))
+    assert len(files) == 3, err
+    lines = {int(f.name.split("_")[1].removesuffix(".out")): f.read_text().splitlines()
+             for f in files}
+    assert sorted(lines) == [0, 2, 5]
+    first = lines[0][0].split()[2]  # task 0's job id is the array's
+    for index, (printed, stderr) in lines.items():
+        got_index, array_job, job, stdin = printed.split()
+        assert (int(got_index), array_job, stdin, stderr) == (index, first, "''", "to stderr")
+        assert (tmp_path / f"salus-{first}_{index}.out").exists()
+        assert f"task {index} (job {job}) exited {index}" in err
+    assert len({line[0].split()[2] for line in lines.values()}) == 3  # three jobs
+
+
+def test_an_array_with_a_throttle_runs_at_most_that_many_at_once(
+        daemon: str, tmp_path: Path) -> None:
+    """`--array 0-3%2`: four tasks of 1.5 s, each in a lane of its own (--mem 64M: four fit
+    the device at once), never more than two running at a time, two at first."""
+    path = script(tmp_path, """\
+        import os, sys, time
+        began = time.time()
+        time.sleep(1.5)
+        print(began, time.time())
+    """)
+    code, _, err = finish(salusd_run(daemon, [str(path)], tmp_path, "--array", "0-3%2",
+                                     "--mem", "64M"))
+    assert code == 0, err
+    spans = [tuple(map(float, f.read_text().split())) for f in tmp_path.glob("salus-*.out")]
+    assert len(spans) == 4
+    most = max(sum(1 for b, e in spans if b <= t < e) for t, _ in spans)
+    assert most == 2, spans
+
+
+def test_signals_reach_every_task_of_an_array(daemon: str, tmp_path: Path) -> None:
+    path = script(tmp_path, """\
+        import signal, sys, time
+        import salus.adapters.torch as salus
+
+        def term(*_):
+            print("got TERM", flush=True)
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, term)
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    proc = salusd_run(daemon, [str(path)], tmp_path, "--array", "0-1")
+    wait_for(lambda: [f.read_text() for f in tmp_path.glob("salus-*.out")] == ["ready\n"] * 2,
+             "both tasks ready")
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == 0, err
+    assert [f.read_text() for f in tmp_path.glob("salus-*.out")] == ["ready\ngot TERM\n"] * 2
+
+
+def test_array_indexes_read_as_slurms() -> None:
+    from salus.daemon.cli_run import array_spec
+
+    assert array_spec("0-7") == (list(range(8)), None)
+    assert array_spec("0,2,5") == ([0, 2, 5], None)
+    assert array_spec("0-15:4%2") == ([0, 4, 8, 12], 2)
+    assert array_spec("3,1-2,3") == ([1, 2, 3], None)
+    for bad in ("", "a", "3-1", "0-7%0", "0-4:0", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            array_spec(bad)

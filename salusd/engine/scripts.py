@@ -38,6 +38,10 @@ MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
 MAX_TIME_LIMIT_S = 366 * 86400.0
 MAX_MEM_BYTES = 2**50
+MAX_ARRAY_INDEX = 2**31 - 1
+# A job array's task: its index and the array's job id, as Slurm's SLURM_ARRAY_TASK_ID and
+# SLURM_ARRAY_JOB_ID.
+ARRAY_INDEX_ENV, ARRAY_JOB_ENV = "SALUS_ARRAY_INDEX", "SALUS_ARRAY_JOB_ID"
 LIMIT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                            signal.SIGUSR2})
 
@@ -49,7 +53,8 @@ class ScriptCommand:
     (`time_limit_s`, seconds from its start; None: none) and the signal its command gets
     `signal_before_s` before it (`signal`, a number; None: none), as Slurm's `--time` and
     `--signal`; its device-memory request (`mem_bytes`, Slurm's `--mem`; None: sized from
-    what it measures)."""
+    what it measures); for a task of a job array (`salusd run --array`), its index and the
+    array's job id, the first task's (None for the first task itself)."""
 
     command: tuple[str, ...]
     cwd: str
@@ -60,6 +65,8 @@ class ScriptCommand:
     signal: int | None = None
     signal_before_s: float = 0.0
     mem_bytes: int | None = None
+    array_index: int | None = None
+    array_job: int | None = None  # the array's first job (None: this one is)
 
 
 @dataclass(eq=False)
@@ -143,6 +150,19 @@ def with_memory(command: ScriptCommand, mem_bytes: object) -> ScriptCommand:
     return dataclasses.replace(command, mem_bytes=mem_bytes)
 
 
+def with_array(command: ScriptCommand, index: object, job: object) -> ScriptCommand:
+    """`command` as task `index` of the job array whose first job is `job` (both may be left
+    out; `job` also for the first task itself); BadRequest names what is wrong."""
+    if index is None and job is None:
+        return command
+    if type(index) is not int or not 0 <= index <= MAX_ARRAY_INDEX:
+        raise BadRequest(f"'array_index' must be an integer from 0 to {MAX_ARRAY_INDEX}")
+    if job is not None and (type(job) is not int or not 0 < job < 2**63):
+        raise BadRequest("'array_job' must be a job id")
+    return dataclasses.replace(command, array_index=index,
+                               array_job=job if type(job) is int else None)
+
+
 def _seconds(value: object, name: str, most: float) -> float:
     if type(value) not in (int, float) or not 0 <= float(value) <= most:  # type: ignore[arg-type]
         raise BadRequest(f"'{name}' must be seconds from 0 to {most:g}")
@@ -161,6 +181,8 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
     if command.time_limit_s is not None:
         out.update(time_limit_s=command.time_limit_s, signal=command.signal,
                    signal_before_s=command.signal_before_s)
+    if command.array_index is not None:
+        out.update(array_index=command.array_index, array_job=command.array_job)
     return out
 
 
@@ -189,6 +211,9 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
 
     # The job's id and name in its environment, as Slurm's SLURM_JOB_ID and SLURM_JOB_NAME.
     env = {**command.env, JOB_ID_ENV: str(record.job_id), JOB_NAME_ENV: record.name}
+    if command.array_index is not None:
+        env.update({ARRAY_INDEX_ENV: str(command.array_index),
+                    ARRAY_JOB_ENV: str(command.array_job or record.job_id)})
     script = Script(command.command[0], command.command[1:], env, resume,
                     None if frame is not None else False, state.restarts)
     core.outbox.send(record, Sent("script", on_done=started), script, frame)
@@ -263,7 +288,10 @@ def view(record: JobRecord) -> dict[str, Any] | None:
     state = record.script
     if state is None:
         return None
+    array = state.command.array_index
     return {"restart": state.command.restart, "restarts": state.restarts,
+            "array": None if array is None else {"job": state.command.array_job
+                                                 or record.job_id, "index": array},
             "max_restarts": state.command.max_restarts, "last_failure": state.last_failure,
             "swap": state.swap or None}
 
@@ -326,6 +354,7 @@ def stored(record: JobRecord) -> ScriptCommand:
                             str(spec.get("restart", "never")),
                             int(spec.get("max_restarts", MAX_RESTARTS)),
                             mem_bytes=requested_memory(record))
+    command = with_array(command, spec.get("array_index"), spec.get("array_job"))
     return with_limits(command, spec.get("time_limit_s"), spec.get("signal"),
                        spec.get("signal_before_s"))
 

@@ -31,8 +31,8 @@ functions and arguments it carries stay pickled and go to the job's executor unt
                max_restarts?, time_limit_s?,           runs `command` as the
                signal?, signal_before_s?, mem_bytes?,  caller, its stdio the
                after? (job ids: start once they        client's (sent on the pair)
-               finished) (+ the client's end of a
-               socket pair)
+               finished), array_index?, array_job?
+               (+ the client's end of a socket pair)
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
                                                                      output file from byte
@@ -192,6 +192,8 @@ class Handlers:
         command = scripts.with_limits(command, request.get("time_limit_s"),
                                       request.get("signal"), request.get("signal_before_s"))
         command = scripts.with_memory(command, request.get("mem_bytes"))
+        command = scripts.with_array(command, request.get("array_index"),
+                                     request.get("array_job"))
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),
