@@ -10,9 +10,11 @@ second cancels the job. SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to this proces
 in the script, as Slurm's `srun` forwards them: a script that saves a checkpoint on SIGTERM
 does so, and this process exits with the script's status (143 where the script dies of it).
 With `--restart on-failure` a failed run's command runs again, still
-attached to this terminal, and the status is the last run's. Exit statuses of its own: 125
-when the job could not be run, 128 + N when the script died of signal N, 1 when the job ended
-otherwise (cancelled, the daemon went away), with the reason on stderr.
+attached to this terminal, and the status is the last run's. Exit statuses of its own, from
+the job's `limit`, `exit_status` and `signal` fields (never from its reason's text): 124 when
+it hit its `--time`, 125 when the job could not be run, 128 + N when the script died of
+signal N (also the SIGTERM of a cancel), 1 when the job ended otherwise (cancelled before its
+script ran, the daemon went away), with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -46,7 +47,6 @@ ENDED = ("finished", "failed", "cancelled")
 ENDED_WAIT_S = 10.0
 MAX_RESTARTS = 3  # as salusd/engine/scripts.py (not imported: it would load the engine)
 TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
-TIME_LIMIT_REASON = "hit its time limit"  # in the job's reason (salusd/engine/engine.py)
 SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default
 MAX_ARRAY_TASKS = 1000  # as Slurm's default MaxArraySize allows, about
 MAX_ARRAY_INDEX = 2**31 - 1
@@ -332,14 +332,25 @@ def _wait(channel: _Link, ours: socket.socket, job: str) -> int:
 
 
 def final_status(channel: _Link, job: str, status: int | None) -> int:
-    """What to exit with for `job`, whose script sent exit status `status` (None: none came)."""
-    if status is not None:
+    """What to exit with for `job`, whose script sent exit status `status` (None: none came):
+    from the job's `limit`, `exit_status` and `signal` fields once the daemon ended it."""
+    try:
         info = _ended_info(channel, job)  # so that what follows sees the job ended
-        if TIME_LIMIT_REASON in str(info.get("reason")):
-            print(f"salusd run: job {job} {info.get('reason')}", file=sys.stderr)
-            return TIME_LIMIT
+    except (SalusError, OSError) as exc:
+        if status is not None:
+            return status
+        print(f"salusd run: job {job}'s script was lost: {exc}", file=sys.stderr)
+        return 1
+    if info.get("limit") == "time":
+        print(f"salusd run: job {job} {info.get('reason')}", file=sys.stderr)
+        return TIME_LIMIT
+    if status is not None:
         return status
-    return _ended(channel, job)
+    # The executor went away without the script's status: say why.
+    reason = str(info.get("reason") or info.get("state"))
+    print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
+    code = info.get("exit_status")
+    return code if type(code) is int else 1
 
 
 def _status(ours: socket.socket) -> int | None:
@@ -363,32 +374,12 @@ def _status(ours: socket.socket) -> int | None:
                 socket.send_fds(ours, [b"stdio"], _stdio())
 
 
-def _ended(channel: _Link, job: str) -> int:
-    """The script's executor went away without an exit status: say why, from the daemon."""
-    try:
-        info = _ended_info(channel, job)
-    except (SalusError, OSError) as exc:
-        print(f"salusd run: job {job}'s script was lost: {exc}", file=sys.stderr)
-        return 1
-    reason = str(info.get("reason") or info.get("state"))
-    print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
-    if reason.startswith("the script could not start"):
-        return CANNOT_RUN
-    if TIME_LIMIT_REASON in reason:
-        return TIME_LIMIT
-    died = re.search(r"died: signal (\d+)", reason)
-    if died:
-        return 128 + int(died.group(1))
-    status = re.search(r"died: exit status (\d+)", reason)
-    return int(status.group(1)) if status else 1
-
-
 def _ended_info(channel: _Link, job: str) -> dict[str, Any]:
-    """The job's info once the daemon has ended it (it learns of an exit or a death within
-    moments), or as it stands after ENDED_WAIT_S seconds."""
+    """The job's info once the daemon has ended it and its command is over (it learns of an
+    exit or a death within moments), or as it stands after ENDED_WAIT_S seconds."""
     for _ in range(int(ENDED_WAIT_S / 0.02)):
         info = channel.call({"op": "info", "job": job})
-        if info.get("state") in ENDED:
+        if info.get("state") in ENDED and not info.get("grace"):
             break
         time.sleep(0.02)
     return info

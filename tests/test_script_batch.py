@@ -320,3 +320,101 @@ def test_array_indexes_read_as_slurms() -> None:
     for bad in ("", "a", "3-1", "0-7%0", "0-4:0", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             array_spec(bad)
+
+
+# ---- how a job ended: exit_status, signal, limit; salusd status --------------------------------
+@pytest.fixture(scope="module")
+def rest_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A daemon with its REST API: (socket address, state dir)."""
+    tmp = tmp_path_factory.mktemp("salusd-rest")
+    with salusd(tmp, "--http", "127.0.0.1:0", "--script-grace", "5", devices=1,
+                memory=f"{DEVICE_MIB}M") as (_, address):
+        yield address, tmp / "state"
+
+
+@pytest.mark.parametrize("ending, exit_status, signum", [
+    ("sys.exit(3)", 3, None),
+    ("os._exit(7)", 7, None),  # the process ends without the script's status reaching salusd
+    ("os.kill(os.getpid(), signal.SIGKILL)", 128 + 9, 9),
+])
+def test_the_job_view_says_how_the_command_ended_and_salusd_run_exits_so(
+        rest_daemon: tuple[str, Path], tmp_path: Path, ending: str, exit_status: int,
+        signum: int | None) -> None:
+    from rest_client import connect, job
+
+    address, state = rest_daemon
+    path = script(tmp_path, f"""\
+        import os, signal, sys
+        print(os.environ["SALUS_JOB_ID"], flush=True)
+        {ending}
+    """)
+    code, out, _ = finish(salusd_run(address, [str(path)], tmp_path))
+    assert code == exit_status
+    with connect(state) as client:
+        view = job(client, int(out.split()[0]))
+    assert (view["state"], view["exit_status"], view["signal"], view["limit"]) == (
+        "failed", exit_status, signum, None)
+
+
+def test_salusd_run_takes_its_status_from_the_fields_not_the_reason(
+        daemon: str, tmp_path: Path) -> None:
+    """A script that exits 0 with "hit its time limit" in its command line (so in the job's
+    reason) exits 0, and one that hits its --time exits 124 (`limit` is "time")."""
+    path = script(tmp_path, """\
+        import sys, time
+        import salus.adapters.torch as salus
+        if sys.argv[1] == "wait":
+            while True:
+                time.sleep(0.01)
+                salus.step()
+    """)
+    code, _, err = finish(salusd_run(daemon, [str(path), "hit its time limit"], tmp_path))
+    assert code == 0, err
+    code, _, err = finish(salusd_run(daemon, [str(path), "wait"], tmp_path, "--time", "2"))
+    assert code == 124 and "hit its time limit of 2 s" in err
+
+
+def test_a_cancelled_script_that_dies_of_sigterm_is_recorded_with_it(
+        rest_daemon: tuple[str, Path], tmp_path: Path) -> None:
+    from rest_client import connect, job
+
+    address, state = rest_daemon
+    proc = salusd_run(address, [str(script(tmp_path, WAITS)), str(tmp_path / "id"),
+                                str(tmp_path / "never")], tmp_path)
+    job_id = int(job_id_in(tmp_path / "id"))
+    with connect(state) as client:
+        assert client.delete(f"/v1/jobs/{job_id}").status_code == 200
+        assert finish(proc)[0] == 128 + signal.SIGTERM
+        view = wait_for(lambda: (v := job(client, job_id))["signal"] and v, "the signal")
+    assert (view["state"], view["exit_status"], view["signal"]) == (
+        "cancelled", 128 + signal.SIGTERM, signal.SIGTERM)
+
+
+def test_status_shows_live_jobs_unless_all_and_an_unknown_count_as_a_dash(
+        rest_daemon: tuple[str, Path], tmp_path: Path) -> None:
+    address, state = rest_daemon
+    quick = script(tmp_path, "print('quick')\n", "quick.py")
+    assert finish(salusd_run(address, [str(quick)], tmp_path, "--name", "ended-one"))[0] == 0
+    live = salusd_run(address, [str(script(tmp_path, WAITS)), str(tmp_path / "id"),
+                                str(tmp_path / "go")], tmp_path, "--name", "live-one")
+    live_id = job_id_in(tmp_path / "id")
+
+    def status(*options: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "status",
+                               "--state-dir", str(state), *options], capture_output=True,
+                              text=True, env=ENV, timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    import json
+
+    names = {j["name"] for j in json.loads(status("--json"))["jobs"]}
+    every = {j["name"] for j in json.loads(status("--json", "--all"))["jobs"]}
+    table = status()
+    (tmp_path / "go").touch()
+    assert finish(live)[0] == 0
+    assert "live-one" in names and "ended-one" not in names
+    assert {"live-one", "ended-one"} <= every
+    assert str(2**53) not in table
+    row = next((line for line in table.splitlines() if line.startswith(f"│ {live_id} ")), "")
+    assert "/- " in row, table  # done/planned, the planned count unknown

@@ -4,6 +4,7 @@ submitted to the scheduler, and re-admitted when a call measures more than its l
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 from salus.daemon.devices import format_size
@@ -57,7 +58,9 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
                                       open_ended=record.kind == "interactive")
     except ValueError as exc:
         core.event("reject", record.job_id, reason=str(exc))
-        core.end(record, "failed", str(DoesNotFit(f"job {record.job_id} can never fit: {exc}")))
+        needs = _needs(core, job.persistent_bytes, job.ephemeral_bytes)
+        core.end(record, "failed", str(DoesNotFit(f"job {record.job_id} can never fit: "
+                                                  f"{needs}")))
         return
     record.phase = "submitted"
     for call in record.calls:
@@ -67,6 +70,14 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     core.event("submit", record.job_id, persistent=job.persistent_bytes,
                ephemeral=job.ephemeral_bytes, method=record.estimate_method)
     core.take(update)
+
+
+def _needs(core: Core, persistent: int, ephemeral: int) -> str:
+    """What a job that fits no device needs, and what the largest device has, for people."""
+    largest = max(ledger.capacity for ledger in core.ledgers)
+    return (f"it needs {format_size(persistent + ephemeral)} ({format_size(persistent)} of "
+            f"state, {format_size(ephemeral)} per iteration), the largest device has "
+            f"{format_size(largest)}")
 
 
 def first_call_guess(record: JobRecord) -> int:
@@ -126,8 +137,8 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
     except ValueError as exc:
         core.event("reject", record.job_id, reason=str(exc))
         core.end(record, "failed", str(DoesNotFit(
-            f"job {record.job_id} measured {peak} bytes per call above its state, more "
-            f"than any device can hold: {exc}")))
+            f"job {record.job_id} measured {format_size(peak)} per call above its state, "
+            f"more than any device can hold: {_needs(core, job.persistent_bytes, peak)}")))
         return
     core.event("requeue", record.job_id, *key, peak=peak)
     core.take(update)
@@ -138,6 +149,7 @@ def over_request(core: Core, record: JobRecord, peak: int, requested: int) -> No
     asked for (`--mem`): as an out-of-memory kill under Slurm's `--mem`, the job fails and its
     process is killed at once (on the CPU nothing could cap it before)."""
     record.limit = "memory"
+    record.signal, record.exit_status = signal.SIGKILL, 128 + signal.SIGKILL
     core.end(record, "failed", f"job {record.job_id} used {format_size(peak)} in an "
              f"iteration, more than the {format_size(requested)} it asked for (--mem)")
     core.outbox.kill_all(record)
@@ -159,9 +171,10 @@ def placed(core: Core, record: JobRecord, reserved: int) -> None:
     record.persistent_bytes = aligned(reserved)
     try:
         update = core.dispatch.requeue(record.job_id, aligned(reserved), job.ephemeral_bytes)
-    except ValueError as exc:
+    except ValueError:
         core.end(record, "failed", str(DoesNotFit(
-            f"job {record.job_id} holds {reserved} bytes of state on its GPU, more than any "
-            f"device can hold beside its lane: {exc}")))
+            f"job {record.job_id} holds {format_size(reserved)} of state on its GPU, more "
+            "than any device can hold beside its lane: "
+            f"{_needs(core, reserved, job.ephemeral_bytes)}")))
         return
     core.take(update)

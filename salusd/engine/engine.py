@@ -248,6 +248,7 @@ class Engine:
 
         def time_up() -> None:
             if record.live:
+                record.limit = "time"
                 core.end(record, "failed", f"job {record.job_id} hit its time limit of "
                          f"{limit:g} s", grace=True)
 
@@ -465,10 +466,12 @@ class Engine:
         self.replies.reply(executor, meta, frame)
         self._step()
 
-    def on_executor_died(self, executor: object, reason: str) -> None:
-        """The executor is gone: fail its job with `reason` (unless it had already ended) and
-        answer everything it still owed."""
-        self.replies.died(executor, reason)
+    def on_executor_died(self, executor: object, reason: str,
+                         exit_code: int | None = None) -> None:
+        """The executor is gone (`reason`; `exit_code` its status, -N for signal N, None when
+        unknown): fail its job with `reason` (unless it had already ended) and answer
+        everything it still owed."""
+        self.replies.died(executor, reason, exit_code)
         self._step()
 
     def _after(self, fn: Callable[[], None]) -> None:

@@ -115,7 +115,10 @@ class JobRecord:
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
     comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
     script: ScriptState | None = None  # a script job's reruns and client (engine/scripts.py)
-    limit: str | None = None  # the limit that ended it: "time" (--time) or "memory" (--mem)
+    limit: Literal["time", "memory"] | None = None  # what ended it: its --time or its --mem
+    # A script job's command's end, as a shell reports it (engine/scripts.py `died`)
+    exit_status: int | None = None
+    signal: int | None = None
     after: tuple[int, ...] = ()  # jobs it still waits for (--after: engine/dependencies.py)
 
     @property

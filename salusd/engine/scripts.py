@@ -38,6 +38,7 @@ MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
 MAX_TIME_LIMIT_S = 366 * 86400.0
 MAX_MEM_BYTES = 2**50
+CANNOT_START = 125  # a command that could not start, as env(1) and container runners say
 MAX_ARRAY_INDEX = 2**31 - 1
 # A job array's task: its index and the array's job id, as Slurm's SLURM_ARRAY_TASK_ID and
 # SLURM_ARRAY_JOB_ID.
@@ -206,6 +207,7 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
             record.direct = True  # its boundaries come from its executor, as direct calls
             record.phase = "attached" if record.phase == "open" else record.phase
         else:
+            record.exit_status = CANNOT_START
             core.end(record, "failed", "the script could not start: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
 
@@ -224,6 +226,7 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     reruns left a non-zero status lets its executor go, and the command runs again once it
     is gone (`executor_gone`)."""
     code = int(meta.get("code", 1))
+    record.exit_status, record.signal = code, None
     if not record.live:  # cancelled: its command ended within its grace
         record.grace = False
         core.finalize(record)
@@ -236,6 +239,23 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
         core.outbox.retire_all(record, RESTARTING, why)
         return
     core.end(record, "finished" if code == 0 else "failed", failed_reason(record, why))
+
+
+def died(record: JobRecord, exit_code: int | None) -> None:
+    """The script job's executor process, which runs its command, ended with `exit_code`
+    (-N: signal N; None: unknown) without the command's status: recorded as a shell reports
+    it (128 + N for signal N), and a command whose executor went before it started as one
+    that could not start. Not for a job that ended otherwise, nor a run already over (its
+    command's own status stands)."""
+    state = record.script
+    if state is None or state.restarting or not (record.live or record.grace):
+        return
+    if exit_code is not None:
+        record.signal = -exit_code if exit_code < 0 else None
+        record.exit_status = 128 - exit_code if exit_code < 0 else exit_code
+    elif not record.direct:
+        record.exit_status = CANNOT_START
+    record.grace = False  # its command is over
 
 
 def may_rerun(core: Core, record: JobRecord) -> bool:

@@ -71,6 +71,14 @@ class JobOut(BaseModel):
     kind: Literal["interactive", "batch", "script"]
     state: str
     reason: str
+    exit_status: int | None = Field(default=None, description="a script job's command's exit "
+                                    "status, as a shell reports it: 128 + N when signal N "
+                                    "ended it, 125 when it could not start; null while it "
+                                    "runs or when it never ran")
+    signal: int | None = Field(default=None, description="the signal that ended a script "
+                               "job's command (15: SIGTERM, 9: SIGKILL), else null")
+    limit: Literal["time", "memory"] | None = Field(default=None, description="the limit that "
+                                                    "ended the job: its --time or its --mem")
     iterations_done: int
     iterations_total: int
     device: int | None

@@ -27,7 +27,8 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     return JobOut(
         id=record.job_id, name=record.name, owner=record.owner.name,
         kind="script" if is_script(record) else record.kind,
-        state=state, reason=record.reason,
+        state=state, reason=record.reason, exit_status=record.exit_status,
+        signal=record.signal, limit=record.limit,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
         devices=record.gang, nodes=record.nodes, priority=record.priority,
