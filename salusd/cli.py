@@ -156,6 +156,9 @@ def _control_commands(sub: Any) -> None:
                          "token in the state dir when readable)")
         cmd.add_argument("--state-dir", type=Path, default=None,
                          help="the daemon's state dir, to find its address and admin token")
+        if name in ("status", "top"):
+            cmd.add_argument("--all", action="store_true", help="the ended jobs too (default: "
+                             "live jobs only)")
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the raw JSON")
         elif name == "top":

@@ -95,6 +95,7 @@ class ExecutorProcess:
     device: str | None = None  # where it was first placed: CUDA binds a process to its GPU
     jobs: dict[int, ExecutorHandle] = field(default_factory=dict)
     status: str | None = None  # how it ended, once the zygote reaped it
+    exit_code: int | None = None  # the same as a number: -N for signal N
     closed: bool = False
     reported: bool = False
     kill_when_forked: bool = False
@@ -204,7 +205,8 @@ class Supervisor:
         self.isolation = isolation
         self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
             lambda *_: None)
-        self.on_died: Callable[[ExecutorHandle, str], None] = lambda *_: None
+        #: a job's executor is gone: why, and its exit code (-N: signal N; None: unknown)
+        self.on_died: Callable[[ExecutorHandle, str, int | None], None] = lambda *_: None
         self._standby: deque[ExecutorProcess] = deque()
         self._by_token: dict[int, ExecutorProcess] = {}
         self._by_pid: dict[int, ExecutorProcess] = {}
@@ -271,7 +273,9 @@ class Supervisor:
         elif op == "exited":
             proc = self._by_pid.pop(int(message.get("pid", -1)), None)
             if proc is not None:
-                proc.status = describe_status(int(message.get("status", 0)))
+                status = int(message.get("status", 0))
+                proc.status = describe_status(status)
+                proc.exit_code = os.waitstatus_to_exitcode(status)
                 self._maybe_report(proc)
 
     def _zygote_closed(self, link: Link, reason: str) -> None:
@@ -314,7 +318,7 @@ class Supervisor:
             for handle in list(proc.jobs.values()):
                 script = is_script(handle.record)
                 self.on_died(handle, f"the {'script' if script else 'job'} could not start: "
-                                     f"{why}")
+                                     f"{why}", None)
             proc.jobs.clear()
 
     def _new_process(self, owner: Owner, python: str | None = None) -> ExecutorProcess:
@@ -613,13 +617,13 @@ class Supervisor:
         elif reader == "exit":
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: "
-                                 "it ended")
+                                 "it ended", None)
         elif not meta.get("ok"):  # host, adopt, replace
             for frame in frames:
                 frame.close_fd()
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) could not {reader} job "
-                                 f"{handle.job}: {meta.get('message')}")
+                                 f"{handle.job}: {meta.get('message')}", None)
 
     def _executor_closed(self, link: Link, reason: str) -> None:
         proc = self._by_link.get(id(link))
@@ -644,7 +648,7 @@ class Supervisor:
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
             self.on_died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
-                         else f"executor (pid {proc.pid}) died: {how}")
+                         else f"executor (pid {proc.pid}) died: {how}", proc.exit_code)
         proc.jobs.clear()
 
     def stop(self) -> None:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
-from salus.daemon.engine import admission, checkpoints, scripts
+from salus.daemon.devices import format_size
+from salus.daemon.engine import admission, checkpoints, dependencies, scripts
 from salus.daemon.engine.core import Config, Core, error_frame, ok_frame
 from salus.daemon.engine.events import EventStream
 from salus.daemon.engine.leases import Leases
@@ -93,7 +94,9 @@ class Engine:
                          EventStream(keep=1000))
         self.leases = Leases(self.core)
         self.replies = Replies(self.core, self.leases, self._after)
-        self._step = Stepper(self.core, self.leases).step
+        self._stepper = Stepper(self.core, self.leases)
+        #: script jobs waiting for the jobs they run after (`--after`), by id
+        self.waiting: dict[int, dependencies.Waiting] = {}
         #: how each device's lanes share it (MPS or time-shared), for status; set by the daemon
         self.device_sharing: list[str] = [""] * len(capacities)
 
@@ -202,19 +205,33 @@ class Engine:
 
     def run_script(self, owner: Owner, name: object, iterations: object,
                    command: scripts.ScriptCommand, frame: RawFrame | None, *,
-                   priority: float = 1.0, devices: object = 1) -> JobRecord:
+                   priority: float = 1.0, devices: object = 1,
+                   after: object = None) -> JobRecord:
         """A script job: an executor runs `command` unchanged as `owner`, its optimizer steps
         its iteration boundaries (`scripts.py`); `frame` carries the client's socket (None:
-        the output goes to the job's log)."""
+        the output goes to the job's log). With `after` (job ids) it starts once those jobs
+        have finished (`dependencies.py`)."""
         if self.check_devices(devices) != 1:
             raise BadRequest("a script job runs on one device; for several, run the script "
                              "once per device or use salus.connect(devices=N)")
-        record = self.open(owner, name, iterations, command.cwd, spec=scripts.spec(command),
-                           priority=priority)
-        scripts.start(self.core, record, command, frame)
-        self._limit(record, command)
+        self.check_memory(command.mem_bytes)
+        waits = () if after is None else dependencies.check(self.core, owner, after)
+        spec = scripts.spec(command)
+        if waits:  # kept to start it after a restart too
+            spec.update(after=list(waits), env=command.env)
+        record = self.open(owner, name, iterations, command.cwd, spec=spec, priority=priority)
+        if waits:
+            record.after = waits
+            self.waiting[record.job_id] = dependencies.Waiting(record, command, frame)
+        else:
+            self._start_script(record, command, frame)
         self._step()
         return record
+
+    def _start_script(self, record: JobRecord, command: scripts.ScriptCommand,
+                      frame: RawFrame | None) -> None:
+        scripts.start(self.core, record, command, frame)
+        self._limit(record, command)
 
     def _limit(self, record: JobRecord, command: scripts.ScriptCommand) -> None:
         """Slurm's `--time` and `--signal` for a script job: its `signal` that long before its
@@ -231,10 +248,18 @@ class Engine:
 
         def time_up() -> None:
             if record.live:
+                record.limit = "time"
                 core.end(record, "failed", f"job {record.job_id} hit its time limit of "
                          f"{limit:g} s", grace=True)
 
         core.timers.call_later(limit, lambda: self._after(time_up))
+
+    def check_memory(self, mem_bytes: int | None) -> None:
+        """BadRequest when no device of this node can hold `mem_bytes` (a `--mem` request)."""
+        largest = max(ledger.capacity for ledger in self.core.ledgers)
+        if mem_bytes is not None and mem_bytes > largest:
+            raise BadRequest(f"the job needs {format_size(mem_bytes)} (--mem), the largest "
+                             f"device has {format_size(largest)}")
 
     def check_devices(self, devices: object) -> int:
         """`devices` when this node has that many devices; BadRequest says what it has."""
@@ -261,6 +286,8 @@ class Engine:
                           "this salusd restarted without --cluster")
         elif kind == "batch":
             load(self.core, record, restore=True)
+        elif is_script(record) and self._waited(record):
+            self.waiting[job_id] = dependencies.Waiting(record, scripts.stored(record), None)
         elif is_script(record):
             scripts.restored(self.core, record)
         elif checkpoint_iteration is None:
@@ -270,6 +297,17 @@ class Engine:
             record.awaiting_client = record.held = True
             load(self.core, record, restore=True)
         self._step()
+
+    def _waited(self, record: JobRecord) -> bool:
+        """Whether a restored script job was still waiting for its `--after` jobs: one of them
+        has not finished (it starts the moment they all have, so one that has started finds
+        them all finished). Then it waits again, for the ones still live."""
+        after = [int(a) for a in record.spec.get("after", ())]
+        if all((ended := dependencies.outcome(self.core, a)) is not None
+               and ended[0] == "finished" for a in after):
+            return False
+        record.after = tuple(after)
+        return True
 
     def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward the client's state to the job's executors, which load and measure it."""
@@ -437,16 +475,25 @@ class Engine:
         self.replies.reply(executor, meta, frame)
         self._step()
 
-    def on_executor_died(self, executor: object, reason: str) -> None:
-        """The executor is gone: fail its job with `reason` (unless it had already ended) and
-        answer everything it still owed."""
-        self.replies.died(executor, reason)
+    def on_executor_died(self, executor: object, reason: str,
+                         exit_code: int | None = None) -> None:
+        """The executor is gone (`reason`; `exit_code` its status, -N for signal N, None when
+        unknown): fail its job with `reason` (unless it had already ended) and answer
+        everything it still owed."""
+        self.replies.died(executor, reason, exit_code)
         self._step()
 
     def _after(self, fn: Callable[[], None]) -> None:
         """Run `fn` (a timer's work) and step."""
         fn()
         self._step()
+
+    def _step(self) -> None:
+        """Start the script jobs whose `--after` jobs all finished (failing those one of which
+        did not), then the engine's step (`step.py`)."""
+        for item in dependencies.settle(self.core, self.waiting):
+            self._start_script(item.record, item.command, item.frame)
+        self._stepper.step()
 
     def check_invariants(self) -> None:
         """The scheduler's and every ledger's invariants, and the ledgers equal to the

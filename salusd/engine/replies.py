@@ -237,13 +237,14 @@ class Replies:
         else:
             core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
 
-    def died(self, executor: object, reason: str) -> None:
-        """The executor is gone: fail its job with `reason` (unless it had already ended) and
-        answer everything it still owed."""
+    def died(self, executor: object, reason: str, exit_code: int | None = None) -> None:
+        """The executor is gone (`exit_code`: -N for signal N, None when unknown): fail its job
+        with `reason` (unless it had already ended) and answer everything it still owed."""
         core = self.core
         record, queue = core.outbox.forget(executor)
         if record is None:
             return
+        scripts.died(record, exit_code)
         running = next((s.lane for s in queue if s.kind == "run"), None)
         leased = self.leases.lane_of(record.job_id)
         if running:

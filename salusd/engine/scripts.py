@@ -27,7 +27,7 @@ from typing import Any
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.outbox import Sent
-from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord
+from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord, requested_memory
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import RESTARTING, Script
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
@@ -41,6 +41,12 @@ MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
 MAX_TIME_LIMIT_S = 366 * 86400.0
 MAX_GRACE_S = 3600.0  # a job's own grace; a stopping salusd waits at most its --script-grace
+MAX_MEM_BYTES = 2**50
+CANNOT_START = 125  # a command that could not start, as env(1) and container runners say
+MAX_ARRAY_INDEX = 2**31 - 1
+# A job array's task: its index and the array's job id, as Slurm's SLURM_ARRAY_TASK_ID and
+# SLURM_ARRAY_JOB_ID.
+ARRAY_INDEX_ENV, ARRAY_JOB_ENV = "SALUS_ARRAY_INDEX", "SALUS_ARRAY_JOB_ID"
 LIMIT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                            signal.SIGUSR2})
 
@@ -53,7 +59,9 @@ class ScriptCommand:
     `signal_before_s` before it (`signal`, a number; None: none), as Slurm's `--time` and
     `--signal`; its grace (`grace_s`, seconds between SIGTERM and SIGKILL when it is cancelled
     or hits its limit; None: the daemon's `--script-grace`), as Kubernetes'
-    `terminationGracePeriodSeconds`."""
+    `terminationGracePeriodSeconds`; its device-memory request (`mem_bytes`, Slurm's `--mem`;
+    None: sized from what it measures); for a task of a job array (`salusd run --array`), its
+    index and the array's job id, the first task's (None for the first task itself)."""
 
     command: tuple[str, ...]
     cwd: str
@@ -64,6 +72,9 @@ class ScriptCommand:
     signal: int | None = None
     signal_before_s: float = 0.0
     grace_s: float | None = None
+    mem_bytes: int | None = None
+    array_index: int | None = None
+    array_job: int | None = None  # the array's first job (None: this one is)
 
 
 @dataclass(eq=False)
@@ -143,6 +154,27 @@ def with_grace(command: ScriptCommand, grace_s: object) -> ScriptCommand:
     if grace_s is None:
         return command
     return dataclasses.replace(command, grace_s=_seconds(grace_s, "grace_s", MAX_GRACE_S))
+def with_memory(command: ScriptCommand, mem_bytes: object) -> ScriptCommand:
+    """`command` with a request's `mem_bytes` (may be left out); BadRequest names what is
+    wrong. Whether a device can hold it is the engine's check."""
+    if mem_bytes is None:
+        return command
+    if type(mem_bytes) is not int or not 0 < mem_bytes <= MAX_MEM_BYTES:
+        raise BadRequest(f"'mem_bytes' must be an integer from 1 to {MAX_MEM_BYTES} (bytes)")
+    return dataclasses.replace(command, mem_bytes=mem_bytes)
+
+
+def with_array(command: ScriptCommand, index: object, job: object) -> ScriptCommand:
+    """`command` as task `index` of the job array whose first job is `job` (both may be left
+    out; `job` also for the first task itself); BadRequest names what is wrong."""
+    if index is None and job is None:
+        return command
+    if type(index) is not int or not 0 <= index <= MAX_ARRAY_INDEX:
+        raise BadRequest(f"'array_index' must be an integer from 0 to {MAX_ARRAY_INDEX}")
+    if job is not None and (type(job) is not int or not 0 < job < 2**63):
+        raise BadRequest("'array_job' must be a job id")
+    return dataclasses.replace(command, array_index=index,
+                               array_job=job if type(job) is int else None)
 
 
 def _seconds(value: object, name: str, most: float) -> float:
@@ -160,6 +192,13 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
         out["env"] = command.env
     if command.grace_s is not None:
         out["grace_s"] = command.grace_s
+    if command.mem_bytes is not None:
+        out["mem_bytes"] = command.mem_bytes
+    if command.time_limit_s is not None:
+        out.update(time_limit_s=command.time_limit_s, signal=command.signal,
+                   signal_before_s=command.signal_before_s)
+    if command.array_index is not None:
+        out.update(array_index=command.array_index, array_job=command.array_job)
     return out
 
 
@@ -183,11 +222,15 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
             record.direct = True  # its boundaries come from its executor, as direct calls
             record.phase = "attached" if record.phase == "open" else record.phase
         else:
+            record.exit_status = CANNOT_START
             core.end(record, "failed", "the script could not start: "
                      f"{str(meta.get('message', 'no reason given'))[:2000]}")
 
     # The job's id and name in its environment, as Slurm's SLURM_JOB_ID and SLURM_JOB_NAME.
     env = {**command.env, JOB_ID_ENV: str(record.job_id), JOB_NAME_ENV: record.name}
+    if command.array_index is not None:
+        env.update({ARRAY_INDEX_ENV: str(command.array_index),
+                    ARRAY_JOB_ENV: str(command.array_job or record.job_id)})
     script = Script(command.command[0], command.command[1:], env, resume,
                     None if frame is not None else False, state.restarts)
     core.outbox.send(record, Sent("script", on_done=started), script, frame)
@@ -198,6 +241,7 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     reruns left a non-zero status lets its executor go, and the command runs again once it
     is gone (`executor_gone`)."""
     code = int(meta.get("code", 1))
+    record.exit_status, record.signal = code, None
     if not record.live:  # cancelled: its command ended within its grace
         record.grace = False
         core.finalize(record)
@@ -228,16 +272,25 @@ def stop_all(core: Core) -> int:
     return signalled
 
 
-def grace_s(core: Core, record: JobRecord) -> float:
-    """The seconds between SIGTERM and SIGKILL for the job's command."""
-    own = record.script.command.grace_s if record.script is not None else None
-    return core.config.script_grace_s if own is None else own
-
-
 def running(core: Core) -> bool:
     """Whether a live script job's command still runs (shutdown waits for these)."""
     return any(record.script is not None and any(
         core.outbox.alive(executor) for executor in record.replicas) for record in core.registry)
+def died(record: JobRecord, exit_code: int | None) -> None:
+    """The script job's executor process, which runs its command, ended with `exit_code`
+    (-N: signal N; None: unknown) without the command's status: recorded as a shell reports
+    it (128 + N for signal N), and a command whose executor went before it started as one
+    that could not start. Not for a job that ended otherwise, nor a run already over (its
+    command's own status stands)."""
+    state = record.script
+    if state is None or state.restarting or not (record.live or record.grace):
+        return
+    if exit_code is not None:
+        record.signal = -exit_code if exit_code < 0 else None
+        record.exit_status = 128 - exit_code if exit_code < 0 else exit_code
+    elif not record.direct:
+        record.exit_status = CANNOT_START
+    record.grace = False  # its command is over
 
 
 def may_rerun(core: Core, record: JobRecord) -> bool:
@@ -290,7 +343,10 @@ def view(record: JobRecord) -> dict[str, Any] | None:
     state = record.script
     if state is None:
         return None
+    array = state.command.array_index
     return {"restart": state.command.restart, "restarts": state.restarts,
+            "array": None if array is None else {"job": state.command.array_job
+                                                 or record.job_id, "index": array},
             "max_restarts": state.command.max_restarts, "last_failure": state.last_failure,
             "swap": state.swap or None}
 
@@ -343,12 +399,20 @@ def restored(core: Core, record: JobRecord) -> None:
                  "checkpoints in salus.resume_dir()) to have it rerun")
         return
     core.event("restart", record.job_id, reason=why)
-    grace = record.spec.get("grace_s")
-    start(core, record, ScriptCommand(tuple(record.spec["command"]), str(record.spec["cwd"]),
-                                      dict(record.spec.get("env", {})), "on-failure",
-                                      int(record.spec.get("max_restarts", MAX_RESTARTS)),
-                                      grace_s=float(grace) if grace is not None else None),
-          None)
+    start(core, record, stored(record), None)
+
+
+def stored(record: JobRecord) -> ScriptCommand:
+    """The command the durable registry kept of the job (`spec`)."""
+    spec = record.spec
+    command = ScriptCommand(tuple(spec["command"]), str(spec["cwd"]), dict(spec.get("env", {})),
+                            str(spec.get("restart", "never")),
+                            int(spec.get("max_restarts", MAX_RESTARTS)),
+                            mem_bytes=requested_memory(record))
+    command = with_array(command, spec.get("array_index"), spec.get("array_job"))
+    command = with_grace(command, spec.get("grace_s"))
+    return with_limits(command, spec.get("time_limit_s"), spec.get("signal"),
+                       spec.get("signal_before_s"))
 
 
 def _shown(record: JobRecord) -> str:

@@ -28,9 +28,11 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     priority   job, priority                           daemon        None
     run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
                priority?, devices?, restart?,          a script job; its executor
-               max_restarts? (+ the client's end of    runs `command` as the
-               a socket pair)                                        caller, its stdio the
-                                                                     client's (sent on the pair)
+               max_restarts?, time_limit_s?,           runs `command` as the
+               signal?, signal_before_s?, mem_bytes?,  caller, its stdio the
+               after? (job ids: start once they        client's (sent on the pair)
+               finished), array_index?, array_job?
+               (+ the client's end of a socket pair)
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
                                                                      output file from byte
@@ -191,11 +193,14 @@ class Handlers:
         command = scripts.with_limits(command, request.get("time_limit_s"),
                                       request.get("signal"), request.get("signal_before_s"))
         command = scripts.with_grace(command, request.get("grace_s"))
+        command = scripts.with_memory(command, request.get("mem_bytes"))
+        command = scripts.with_array(command, request.get("array_index"),
+                                     request.get("array_job"))
         command = as_caller(client.owner, command)
         record = self.engine.run_script(
             client.owner, request.get("name"), request.get("iterations"), command, frame,
             priority=check_priority(request.get("priority", 1.0)),
-            devices=request.get("devices", 1))
+            devices=request.get("devices", 1), after=request.get("after"))
         client.jobs.add(record.job_id)
         answer(ok_frame({"job": str(record.job_id), "threads": record.threads}))
 

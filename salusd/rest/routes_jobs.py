@@ -117,12 +117,13 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
         command = scripts.with_limits(command, body.time_limit_s, body.signal,
                                       body.signal_before_s)
         command = scripts.with_grace(command, body.grace_s)
+        command = scripts.with_memory(command, body.mem_bytes)
         command = await run_in_threadpool(as_caller, who.owner, command)
 
         def run() -> JobOut:
             record = ctx.engine.run_script(who.owner, body.name,
                                            body.iterations or MAX_ITERATIONS, command, None,
-                                           priority=body.priority)
+                                           priority=body.priority, after=body.after)
             return job_out(ctx.engine, record)
         return await ctx.bridge.run(run)
     assert body.entrypoint is not None and body.iterations is not None
