@@ -102,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start an NVIDIA MPS control daemon per GPU, so that the lanes' "
                        "processes on a GPU run their kernels concurrently (a fatal fault in one "
                        "then reaches every process on that GPU; see docs/runtime.md)")
+    serve.add_argument("--device-plugin", action="store_true",
+                       help="serve the kubelet device plugin of salusd.io/gpu-mem: each GPU's "
+                       "budget in GiB units that pods ask for (needs the k8s extra; "
+                       "docs/kubernetes.md); on a host without GPUs it is not started")
+    serve.add_argument("--kubelet-dir", metavar="DIR", type=Path, default=Path("/var/lib/kubelet"),
+                       help="the kubelet's directory, holding device-plugins/ and "
+                       "pod-resources/kubelet.sock (default /var/lib/kubelet)")
+    serve.add_argument("--alloc-root", metavar="DIR", type=Path, default=None,
+                       help="where the device plugin makes each allocation's directory, at the "
+                       "same path on the host (default: alloc/ beside the socket)")
     serve.add_argument("--isolation", choices=("lane", "job"), default="lane",
                        help="lane: the jobs of one owner placed in one lane share one executor "
                        "process (one CUDA context and allocator, the lane's memory); job: every "
@@ -276,6 +286,13 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    if args.device_plugin:
+        try:
+            import salus.daemon.k8s.plugin  # noqa: F401 - grpcio and protobuf are there
+        except ImportError as exc:
+            log.error("--device-plugin needs grpcio and protobuf: pip install 'salusd[k8s]' "
+                      "(%s)", exc)
+            return 2
     before, now = raise_descriptor_limit()
     if now != before:
         log.info("open files: soft limit raised from %d to %d", before, now)
@@ -291,7 +308,8 @@ def serve(args: argparse.Namespace) -> int:
                           http=http, job_root=args.job_root, checkpoint_every=every,
                           checkpoint_every_s=every_s, cluster=cluster,
                           cache_dir=args.cache_dir, cache_bytes=cache_bytes,
-                          first_call=args.first_call)
+                          first_call=args.first_call, device_plugin=args.device_plugin,
+                          kubelet_dir=args.kubelet_dir, alloc_root=args.alloc_root)
     try:
         daemon = Daemon(config)
         daemon.start()
