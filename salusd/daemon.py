@@ -139,8 +139,9 @@ class Daemon:
             self.rest = self._make_rest(config.http)
         self.supervisor.on_reply = self.engine.on_executor_reply
         self.supervisor.on_died = self.engine.on_executor_died
-        self.server = SocketServer(config.socket_path, self.loop, Handlers(
-            self.engine, state_dir=None if config.state_dir is None else str(config.state_dir)),
+        handlers = Handlers(self.engine, state_dir=None if config.state_dir is None
+                            else str(config.state_dir), store=self.store)
+        self.server = SocketServer(config.socket_path, self.loop, handlers,
                                    group=config.group, max_connections=config.max_connections,
                                    frame_timeout_s=config.frame_timeout_s)
         self._stop = False
@@ -233,7 +234,8 @@ class Daemon:
                                 row.iterations_total or 1,
                                 "batch" if row.kind == "batch" else "interactive",
                                 dict(row.spec), float(row.priority), row.checkpoint_iteration,
-                                row.checkpoint_time, row.checkpoint_bytes or 0)
+                                row.checkpoint_time, row.checkpoint_bytes or 0,
+                                iterations_done=row.iterations_done, restarts=row.restarts)
 
     def request_stop(self) -> None:
         """Safe from a signal handler or another thread."""

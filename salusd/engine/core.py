@@ -74,6 +74,11 @@ class Core:
         """Keep what the scheduler admitted for the next step."""
         self.placed.extend(update.placed)
 
+    def done_iterations(self, record: JobRecord) -> int:
+        """Iterations the job has done, those done before the last restart included."""
+        job = self.dispatch.job(record.job_id)
+        return job.done_iterations if job is not None else record.done_before
+
     def queue_call(self, record: JobRecord, call: Call) -> None:
         """A call waits for its turn; the dispatcher learns of it once the job is admitted."""
         record.calls.append(call)
@@ -99,8 +104,7 @@ class Core:
         if job is not None and not job.done:
             self.take(self.dispatch.finish(record.job_id, JobState.FINISHED
                                            if state == "finished" else JobState.CANCELLED))
-            job = self.dispatch.job(record.job_id)
-        done = job.done_iterations if job is not None else record.done_before
+        done = self.done_iterations(record)
         self.registry.end(record, state, reason)
         for gone in [j for j in self.dispatch.jobs() if j not in self.registry.live
                      and j not in self.registry.ended]:

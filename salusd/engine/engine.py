@@ -271,14 +271,18 @@ class Engine:
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
                 spec: dict[str, Any], priority: float, checkpoint_iteration: int | None,
-                checkpoint_time: float | None = None, checkpoint_bytes: int = 0) -> None:
+                checkpoint_time: float | None = None, checkpoint_bytes: int = 0, *,
+                iterations_done: int = 0, restarts: int = 0) -> None:
         """Bring back a job the durable registry says was live when salusd stopped: a batch
         job goes on from its last checkpoint on its own; an interactive one waits, suspended
-        at its last checkpoint, for its client to connect again. Until its executor has loaded
-        the checkpoint, the job's views show the one the registry recorded."""
+        at its last checkpoint, for its client to connect again; a script job fails or runs
+        its command again (its `restarts`, reruns so far, counting this one). Until its
+        executor has loaded the checkpoint, the job's views show the one the registry recorded,
+        and the `iterations_done` it recorded (what a job failed here keeps)."""
         record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
                            priority=priority, job_id=job_id)
-        record.resumed_from = record.done_before = checkpoint_iteration or 0
+        record.resumed_from = checkpoint_iteration or 0
+        record.done_before = max(iterations_done, record.resumed_from)
         record.checkpoint_iteration = checkpoint_iteration
         record.checkpoint_time, record.checkpoint_bytes = checkpoint_time, checkpoint_bytes
         if record.nodes > 1 and self.core.config.cluster is None:
@@ -289,7 +293,7 @@ class Engine:
         elif is_script(record) and self._waited(record):
             self.waiting[job_id] = dependencies.Waiting(record, scripts.stored(record), None)
         elif is_script(record):
-            scripts.restored(self.core, record)
+            scripts.restored(self.core, record, restarts)
         elif checkpoint_iteration is None:
             self.core.end(record, "failed", f"salusd restarted before job {job_id}'s first "
                           "checkpoint, so its state was lost; connect a new job")

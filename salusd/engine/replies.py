@@ -156,7 +156,8 @@ class Replies:
         if record.live and lane is not None:
             self._accounted(record, lane, iterations, seconds, meta)
             core.event("ran", record.job_id, *lane, calls=calls, iterations=iterations,
-                       seconds=seconds, began=meta.get("began"), ended=meta.get("ended"))
+                       seconds=seconds, began=meta.get("began"), ended=meta.get("ended"),
+                       done=core.done_iterations(record))
         else:  # calls that ran under the lease before the job ended, reported after
             core.event("ran", record.job_id, calls=calls, iterations=iterations,
                        seconds=seconds)
@@ -183,6 +184,7 @@ class Replies:
             core.finalize(record)
         core.event("end", record.job_id, *sent.lane, seconds=seconds, iterations=counted,
                    ok=bool(meta.get("ok")), began=meta.get("began"), ended=meta.get("ended"),
+                   **({"done": core.done_iterations(record)} if record.live else {}),
                    **({"cache": meta["cache"]} if isinstance(meta.get("cache"), dict) else {}))
         if record.live and record.kind == "batch":
             checkpoints.batch_step_done(core, record, meta)

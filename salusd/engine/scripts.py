@@ -388,18 +388,24 @@ def progress(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
             core.dispatch.set_total(record.job_id, max_steps)
 
 
-def restored(core: Core, record: JobRecord) -> None:
+def restored(core: Core, record: JobRecord, restarts: int) -> None:
     """The daemon restarted while the job's command ran: its process is gone. With
-    `--restart on-failure` the command runs again (its output to the job's log), else the job
-    fails saying so."""
+    `--restart on-failure` and reruns left (it had `restarts`) the command runs again (its
+    output to the job's log), a rerun counted as any other; else the job fails saying so."""
     why = (f"salusd restarted while job {record.job_id} ran its command "
            f"({_shown(record)}), whose process ended with it")
     if record.spec.get("restart") != "on-failure":
         core.end(record, "failed", why + "; run it with --restart on-failure (and keep its "
                  "checkpoints in salus.resume_dir()) to have it rerun")
         return
-    core.event("restart", record.job_id, reason=why)
-    start(core, record, stored(record), None)
+    command = stored(record)
+    record.script = ScriptState(command, restarts=restarts, last_failure=why)
+    if restarts >= command.max_restarts:
+        core.end(record, "failed", failed_reason(record, why))
+        return
+    record.script.restarts += 1
+    core.event("restart", record.job_id, reason=why, restarts=record.script.restarts)
+    start(core, record, command, None)
 
 
 def stored(record: JobRecord) -> ScriptCommand:

@@ -60,4 +60,7 @@ def row_out(row: JobRow) -> JobOut:
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
         entrypoint=row.spec.get("entrypoint"), command=row.spec.get("command"),
+        script=({"restart": row.spec.get("restart", "never"), "restarts": row.restarts,
+                 "max_restarts": row.spec.get("max_restarts")}
+                if "command" in row.spec else None),
         pipeline=row.spec.get("pipeline"))
