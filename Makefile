@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench sim clean gpu-wheels
+.PHONY: demo test lint bench sim clean gpu-wheels k8s-stubs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,10 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(PY) -m salus.demo
 
+# The daemon tests mostly wait on processes: three workers, each test file on one of them (its
+# module-scoped daemon started once), keep two cores busy.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 3 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -50,6 +52,20 @@ gpu-wheels:
 		--implementation cp --python-version 3.12 $(GPU_PLATFORMS) $(GPU_WHEELS)
 	$(PYTHON) bench/gpu/install.py --check
 	du -sh .whl
+
+# The Python modules of the kubelet APIs the device plugin speaks (salusd/k8s/*.proto), committed
+# beside them. The protos are compiled as salus/daemon/k8s/<name>.proto so the gRPC modules
+# import their messages by package name; a newer grpcio-tools raises the grpcio and protobuf
+# floors of the `k8s` extra in pyproject.toml to the versions its output names.
+GRPC_TOOLS ?= grpcio-tools==1.85.1
+
+k8s-stubs: $(PY)
+	$(PY) -m pip install --quiet "$(GRPC_TOOLS)"
+	rm -rf build/k8s-stubs && mkdir -p build/k8s-stubs
+	$(PY) -m grpc_tools.protoc --proto_path=salus/daemon/k8s=salusd/k8s \
+		--python_out=build/k8s-stubs --pyi_out=build/k8s-stubs --grpc_python_out=build/k8s-stubs \
+		salusd/k8s/deviceplugin.proto salusd/k8s/podresources.proto
+	cp build/k8s-stubs/salus/daemon/k8s/*_pb2*.py* salusd/k8s/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from salus.daemon import cli_logs, cli_run
+from salus.scheduler.policies import POLICIES
 
 EPILOG = """\
 examples:
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-threads", metavar="N", type=int, default=None,
                        help="intra-op threads per torch op on CPU devices (default: half the "
                        "cores per CPU device, at least 1: lanes run in parallel and share them)")
-    serve.add_argument("--policy", default="pack", choices=["fifo", "srtf", "fair", "pack"],
+    serve.add_argument("--policy", default="pack", choices=list(POLICIES),
                        help="iteration scheduling policy (default: pack)")
     serve.add_argument("--group", metavar="NAME", default=None,
                        help="group that may use the socket (mode 0660)")
@@ -101,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start an NVIDIA MPS control daemon per GPU, so that the lanes' "
                        "processes on a GPU run their kernels concurrently (a fatal fault in one "
                        "then reaches every process on that GPU; see docs/runtime.md)")
+    serve.add_argument("--device-plugin", action="store_true",
+                       help="serve the kubelet device plugin of salusd.io/gpu-mem: each GPU's "
+                       "budget in GiB units that pods ask for (needs the k8s extra; "
+                       "docs/kubernetes.md); on a host without GPUs it is not started")
+    serve.add_argument("--kubelet-dir", metavar="DIR", type=Path, default=Path("/var/lib/kubelet"),
+                       help="the kubelet's directory, holding device-plugins/ and "
+                       "pod-resources/kubelet.sock (default /var/lib/kubelet)")
+    serve.add_argument("--alloc-root", metavar="DIR", type=Path, default=None,
+                       help="where the device plugin makes each allocation's directory, at the "
+                       "same path on the host (default: alloc/ beside the socket)")
     serve.add_argument("--isolation", choices=("lane", "job"), default="lane",
                        help="lane: the jobs of one owner placed in one lane share one executor "
                        "process (one CUDA context and allocator, the lane's memory); job: every "
@@ -155,6 +166,9 @@ def _control_commands(sub: Any) -> None:
                          "token in the state dir when readable)")
         cmd.add_argument("--state-dir", type=Path, default=None,
                          help="the daemon's state dir, to find its address and admin token")
+        if name in ("status", "top"):
+            cmd.add_argument("--all", action="store_true", help="the ended jobs too (default: "
+                             "live jobs only)")
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the raw JSON")
         elif name == "top":
@@ -182,7 +196,7 @@ def _control_commands(sub: Any) -> None:
                              help="a multi-node gang's id, the same on every node and new for "
                              "each submission (default: the job's name)")
         elif name == "policy":
-            cmd.add_argument("name", nargs="?", choices=["fifo", "srtf", "fair", "pack"])
+            cmd.add_argument("name", nargs="?", choices=list(POLICIES))
         elif name == "token":
             cmd.add_argument("action", choices=["add", "revoke", "list"])
             cmd.add_argument("name", nargs="?", help="the token's name")
@@ -272,6 +286,13 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    if args.device_plugin:
+        try:
+            import salus.daemon.k8s.plugin  # noqa: F401 - grpcio and protobuf are there
+        except ImportError as exc:
+            log.error("--device-plugin needs grpcio and protobuf: pip install 'salusd[k8s]' "
+                      "(%s)", exc)
+            return 2
     before, now = raise_descriptor_limit()
     if now != before:
         log.info("open files: soft limit raised from %d to %d", before, now)
@@ -287,7 +308,8 @@ def serve(args: argparse.Namespace) -> int:
                           http=http, job_root=args.job_root, checkpoint_every=every,
                           checkpoint_every_s=every_s, cluster=cluster,
                           cache_dir=args.cache_dir, cache_bytes=cache_bytes,
-                          first_call=args.first_call)
+                          first_call=args.first_call, device_plugin=args.device_plugin,
+                          kubelet_dir=args.kubelet_dir, alloc_root=args.alloc_root)
     try:
         daemon = Daemon(config)
         daemon.start()

@@ -16,6 +16,9 @@ from rich.text import Text
 from salus.daemon.devices import format_size
 from salus.daemon.rest.client import RestClient, RestError, find_token, find_url
 
+ENDED = ("finished", "cancelled", "failed")
+UNKNOWN_ITERATIONS = 2**53  # what a job that gave no planned count is planned for
+
 
 def run(args: argparse.Namespace) -> int:
     console = Console(width=max(120, Console().width))
@@ -32,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _status(client: RestClient, args: argparse.Namespace, console: Console) -> int:
-    view = _view(client)
+    view = _view(client, args.all)
     if args.json:
         print(json.dumps(view, indent=2))
     else:
@@ -42,23 +45,32 @@ def _status(client: RestClient, args: argparse.Namespace, console: Console) -> i
 
 def _top(client: RestClient, args: argparse.Namespace, console: Console) -> int:
     """A live view, refreshed every `--interval` seconds until Ctrl-C (or `--count` frames)."""
-    previous = _view(client)
+    previous = _view(client, args.all)
     then = time.monotonic()
     with Live(render(previous), console=console, auto_refresh=False,
               screen=console.is_terminal) as live:
         shown = 1
         while args.count is None or shown < args.count:
             time.sleep(args.interval)
-            view = _view(client)
+            view = _view(client, args.all)
             now = time.monotonic()
             live.update(render(view, previous, now - then), refresh=True)
             previous, then, shown = view, now, shown + 1
     return 0
 
 
-def _view(client: RestClient) -> dict[str, Any]:
+def _view(client: RestClient, everything: bool = False) -> dict[str, Any]:
+    """Policy, devices, lanes and the live jobs (`everything`: the ended ones too)."""
+    jobs = client.get("/v1/jobs")
     return {"policy": client.get("/v1/policy"), "devices": client.get("/v1/devices"),
-            "lanes": client.get("/v1/lanes"), "jobs": client.get("/v1/jobs")}
+            "lanes": client.get("/v1/lanes"),
+            "jobs": [j for j in jobs if everything or j["state"] not in ENDED]}
+
+
+def _iterations(job: dict[str, Any]) -> str:
+    """`done/planned`; a planned count the job never gave (2**53) is `-`."""
+    total = job["iterations_total"]
+    return f"{job['iterations_done']}/{'-' if total >= UNKNOWN_ITERATIONS else total}"
 
 
 def _size(nbytes: Any) -> str:
@@ -116,13 +128,16 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
                 "persistent", "ephemeral", "lane", "checkpoint", "reason"):
         jobs.add_column(col, overflow="fold")
     for j in view["jobs"]:
+        if j.get("waiting_for") and not j["reason"]:
+            j = {**j, "reason": "waiting for job(s) " + ", ".join(map(str, j["waiting_for"]))
+                 + " (--after)"}
         rate = "-"
         if seconds > 0 and j["id"] in before:
             rate = f"{(j['iterations_done'] - before[j['id']]) / seconds:.1f}"
         ckpt = j.get("checkpoint")
         jobs.add_row(
             str(j["id"]), shown(j["owner"]), shown(j["name"]), j["kind"], shown(j["state"]),
-            f"{j['iterations_done']}/{j['iterations_total']}", rate,
+            _iterations(j), rate,
             f"{j['device']}.{j['lane']}" if j["device"] is not None else "-",
             _size(j["persistent_bytes"]), _size(j["ephemeral_bytes"]), _size(j["lane_bytes"]),
             f"@{ckpt['iteration']}" if ckpt else "-", shown(j["reason"])[:80])

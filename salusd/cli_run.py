@@ -10,16 +10,18 @@ second cancels the job. SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to this proces
 in the script, as Slurm's `srun` forwards them: a script that saves a checkpoint on SIGTERM
 does so, and this process exits with the script's status (143 where the script dies of it).
 With `--restart on-failure` a failed run's command runs again, still
-attached to this terminal, and the status is the last run's. Exit statuses of its own: 125
-when the job could not be run, 128 + N when the script died of signal N, 1 when the job ended
-otherwise (cancelled, the daemon went away), with the reason on stderr.
+attached to this terminal, and the status is the last run's. Exit statuses of its own, from
+the job's `limit`, `exit_status` and `signal` fields (never from its reason's text): 124 when
+it hit its `--time`, 125 when the job could not be run, 128 + N when the script died of
+signal N (also the SIGTERM of a cancel), 1 when the job ended otherwise (cancelled before its
+script ran, the daemon went away), with the reason on stderr.
 
 `salusd run --devices N -- torchrun --nproc-per-node N train.py` (or `python -m
 torch.distributed.run ...`) runs the ranks as one gang job (`salusd/engine/torchrun.py`): this
 process hands each rank its own socket pair (the extra ones in `socket` requests before the
 `run`), so every rank writes to this terminal, as under torchrun; Ctrl-C and the forwarded
-signals reach every rank; the exit status is that of the rank whose failure ended the job
-(as torchrun reports its first failure), else 0.
+signals reach every rank; the exit status is the job's `exit_status`: that of the rank whose
+failure ended the job (as torchrun reports its first failure), else 0.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import select
 import shutil
 import signal
@@ -39,9 +40,10 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
+from salus.daemon.devices import parse_size
 from salus.daemon.engine import torchrun
 from salus.daemon.wire.address import connect_unix, default_socket_path
-from salus.daemon.wire.errors import DaemonUnavailable, SalusError
+from salus.daemon.wire.errors import DaemonUnavailable, SalusError, ShuttingDown
 from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
 
 CANNOT_RUN = 125  # as `env` and container runners say "the command did not run"
@@ -54,8 +56,10 @@ ENDED = ("finished", "failed", "cancelled")
 ENDED_WAIT_S = 10.0
 MAX_RESTARTS = 3  # as salusd/engine/scripts.py (not imported: it would load the engine)
 TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
-TIME_LIMIT_REASON = "hit its time limit"  # in the job's reason (salusd/engine/engine.py)
 SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default
+MAX_ARRAY_TASKS = 1000  # as Slurm's default MaxArraySize allows, about
+MAX_ARRAY_INDEX = 2**31 - 1
+ARRAY_OUTPUT = "salus-%A_%a.out"  # as sbatch's slurm-%A_%a.out
 
 
 def duration(text: str) -> float:
@@ -87,6 +91,53 @@ def early_signal(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"{text!r}: use SIG[@SECONDS], e.g. USR1@60") from None
 
 
+def memory_size(text: str) -> int:
+    """Bytes of a size such as `512M`, `2G` or `1.5GiB` (`--mem`)."""
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a job needs more than 0 bytes")
+    return nbytes
+
+
+def job_ids(text: str) -> list[int]:
+    """The job ids of `--after`: `12` or `12,13`."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give job ids, e.g. 12 or 12,13") from None
+    if not all(0 < job < 2**63 for job in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: a job id is a positive integer")
+    return ids
+
+
+def array_spec(text: str) -> tuple[list[int], int | None]:
+    """The indexes of `--array` (`0-7`, `0,2,5`, `0-15:4`, sorted, each once) and the most
+    tasks to run at once (`%N`; None: all)."""
+    spec, _, most = text.partition("%")
+    try:
+        indexes: set[int] = set()
+        for part in spec.split(","):
+            span, _, step = part.partition(":")
+            first, _, last = span.partition("-")
+            low, high = int(first), int(last) if last else int(first)
+            if not 0 <= low <= high <= MAX_ARRAY_INDEX or (step and int(step) < 1):
+                raise ValueError(part)
+            indexes.update(range(low, high + 1, int(step) if step else 1))
+            if len(indexes) > MAX_ARRAY_TASKS:
+                raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_ARRAY_TASKS} tasks")
+        limit = int(most) if most else None
+        if limit is not None and limit < 1:
+            raise ValueError(most)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use indexes such as 0-7, 0,2,5 or 0-15:4, and %N for at most N at "
+            "once") from None
+    return sorted(indexes), limit
+
+
 def add_parser(sub: Any) -> None:
     text = "run an unchanged training script as a salusd job (like srun python train.py)"
     cmd = sub.add_parser(
@@ -112,11 +163,31 @@ def add_parser(sub: Any) -> None:
                      f"{MAX_RESTARTS})")
     cmd.add_argument("--time", type=duration, default=None, metavar="DURATION",
                      help="a time limit, as Slurm's: SECONDS, N[smhd] or [[D-]H:]M:S; at the "
-                     "limit the script gets SIGTERM, then SIGKILL after the daemon's grace, "
+                     "limit the script gets SIGTERM, then SIGKILL after its --grace, "
                      f"and this exits {TIME_LIMIT}")
     cmd.add_argument("--signal", type=early_signal, default=None, metavar="SIG[@SECONDS]",
                      help="with --time: send SIG (TERM, INT, HUP, USR1, USR2 or a number) that "
                      "many seconds before the limit (default 60), as Slurm's --signal")
+    cmd.add_argument("--grace", type=duration, default=None, metavar="DURATION",
+                     help="seconds between SIGTERM and SIGKILL when the job is cancelled or hits "
+                     "its --time (default: the daemon's --script-grace, 30 s)")
+    cmd.add_argument("--mem", type=memory_size, default=None, metavar="SIZE",
+                     help="the job's device memory, e.g. 512M or 2G, as Slurm's --mem: its "
+                     "lane from the start (not sized from what it measures) and its cap (on a "
+                     "GPU the allocator's; on the CPU the job ends once an iteration measures "
+                     "more)")
+    cmd.add_argument("--after", type=job_ids, action="append", default=None, metavar="JOB",
+                     help="start once job JOB has finished (repeat it, or JOB,JOB,...: once "
+                     "all have); when one fails or is cancelled this job fails, naming it "
+                     "(Slurm's --dependency=afterok)")
+    cmd.add_argument("--array", type=array_spec, default=None, metavar="INDEXES[%N]",
+                     help="a job array, as Slurm's: one job per index (0-7, 0,2,5, 0-15:4), "
+                     "each with SALUS_ARRAY_INDEX and SALUS_ARRAY_JOB_ID set and its output "
+                     "in its own file (--output); %%N runs at most N at once; this waits for "
+                     "all and exits with the highest status")
+    cmd.add_argument("--output", default=ARRAY_OUTPUT, metavar="PATTERN",
+                     help="with --array, each task's stdout and stderr: %%A the array's job id, "
+                     "%%a the index, %%j the task's job id (default salus-%%A_%%a.out)")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -204,6 +275,13 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
     if hello.get("version") != VERSION:
         raise ValueError("salusd speaks another protocol version: install matching versions")
     launch = torchrun.parse(command)
+    if args.array is not None and launch is not None:
+        raise ValueError("--array runs one process per index; a torchrun gang cannot be a "
+                         "task of an array")
+    if args.array is not None:
+        from salus.daemon.cli_array import run_array
+
+        return run_array(channel, command, args)
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
              for _ in range(launch.nproc if launch is not None else 1)]
     with contextlib.ExitStack() as stack:
@@ -215,21 +293,32 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
             channel.send({"op": "socket"}, theirs.fileno())
             theirs.close()
             channel.reply()
-        request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
-                   "name": args.name or _name(command, launch),
-                   "iterations": args.iterations or MAX_ITERATIONS,
-                   "priority": args.priority, "restart": args.restart,
-                   "max_restarts": args.max_restarts}
-        if args.devices is not None:
-            request["devices"] = args.devices
-        if args.time is not None:
-            request["time_limit_s"] = args.time
-        if args.signal is not None:
-            request["signal"], request["signal_before_s"] = args.signal
-        channel.send(request, pairs[0][1].fileno())
+        channel.send(run_request(command, args), pairs[0][1].fileno())
         pairs[0][1].close()
         job = str(channel.reply()["job"])
         return _wait(channel, [ours for ours, _ in pairs], job)
+
+
+def run_request(command: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The `run` request of `command` with the options in `args`."""
+    request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
+               "name": args.name or _name(command, torchrun.parse(command)),
+               "iterations": args.iterations or MAX_ITERATIONS,
+               "priority": args.priority, "restart": args.restart,
+               "max_restarts": args.max_restarts}
+    if args.devices is not None:
+        request["devices"] = args.devices
+    if args.time is not None:
+        request["time_limit_s"] = args.time
+    if args.signal is not None:
+        request["signal"], request["signal_before_s"] = args.signal
+    if args.grace is not None:
+        request["grace_s"] = args.grace
+    if args.mem is not None:
+        request["mem_bytes"] = args.mem
+    if args.after:
+        request["after"] = [job for ids in args.after for job in ids]
+    return request
 
 
 def _stdio() -> list[int]:
@@ -288,34 +377,35 @@ def _wait(channel: _Link, ranks: list[socket.socket], job: str) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    # A gang's status is the job's: its first failed rank's (`exit_status`), else 0.
     if len(ranks) > 1:
-        return _gang_status(channel, job, statuses)
-    status = statuses[0]
-    if status is not None:
+        return final_status(channel, job, 0 if all(s == 0 for s in statuses) else None)
+    return final_status(channel, job, statuses[0])
+
+
+def final_status(channel: _Link, job: str, status: int | None) -> int:
+    """What to exit with for `job`, whose script sent exit status `status` (None: none came):
+    from the job's `limit`, `exit_status` and `signal` fields once the daemon ended it."""
+    try:
         info = _ended_info(channel, job)  # so that what follows sees the job ended
-        if TIME_LIMIT_REASON in str(info.get("reason")):
-            print(f"salusd run: job {job} {info.get('reason')}", file=sys.stderr)
-            return TIME_LIMIT
+    except (SalusError, OSError) as exc:
+        if status is not None:
+            if isinstance(exc, ShuttingDown | DaemonUnavailable | OSError):
+                print(f"salusd run: salusd stopped while job {job} ran (it keeps the job for "
+                      f"its restart); its command exited with status {status}", file=sys.stderr)
+            return status
+        print(f"salusd run: job {job}'s script was lost: {exc}", file=sys.stderr)
+        return 1
+    if info.get("limit") == "time":
+        print(f"salusd run: job {job} {info.get('reason')}", file=sys.stderr)
+        return TIME_LIMIT
+    if status is not None:
         return status
-    return _ended(channel, job)
-
-
-def _gang_status(channel: _Link, job: str, statuses: list[int | None]) -> int:
-    """A torchrun gang's status: 0 when every rank exited 0, else that of the rank the job's
-    reason names (its first failure), said on stderr with the reason."""
-    info = _ended_info(channel, job)
-    if info.get("state") == "finished" and all(s == 0 for s in statuses):
-        return 0
+    # The executor went away without the script's status: say why.
     reason = str(info.get("reason") or info.get("state"))
     print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
-    if TIME_LIMIT_REASON in reason:
-        return TIME_LIMIT
-    blamed = re.match(r"(?:the script could not start: )?rank (\d+): ", reason)
-    if blamed and int(blamed.group(1)) < len(statuses):
-        status = statuses[int(blamed.group(1))]
-        if status is not None:
-            return status
-    return _status_of(reason)
+    code = info.get("exit_status")
+    return code if type(code) is int else 1
 
 
 def _statuses(ranks: list[socket.socket]) -> list[int | None]:
@@ -348,37 +438,12 @@ def _statuses(ranks: list[socket.socket]) -> list[int | None]:
     return statuses
 
 
-def _ended(channel: _Link, job: str) -> int:
-    """The script's executor went away without an exit status: say why, from the daemon."""
-    try:
-        info = _ended_info(channel, job)
-    except (SalusError, OSError) as exc:
-        print(f"salusd run: job {job}'s script was lost: {exc}", file=sys.stderr)
-        return 1
-    reason = str(info.get("reason") or info.get("state"))
-    print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
-    return _status_of(reason)
-
-
-def _status_of(reason: str) -> int:
-    """The exit status a job's ended `reason` stands for (see the module's docstring)."""
-    if reason.startswith("the script could not start"):
-        return CANNOT_RUN
-    if TIME_LIMIT_REASON in reason:
-        return TIME_LIMIT
-    died = re.search(r"died: signal (\d+)", reason)
-    if died:
-        return 128 + int(died.group(1))
-    status = re.search(r"(?:died: exit status|exited with status) (\d+)", reason)
-    return int(status.group(1)) if status else 1
-
-
 def _ended_info(channel: _Link, job: str) -> dict[str, Any]:
-    """The job's info once the daemon has ended it (it learns of an exit or a death within
-    moments), or as it stands after ENDED_WAIT_S seconds."""
+    """The job's info once the daemon has ended it and its command is over (it learns of an
+    exit or a death within moments), or as it stands after ENDED_WAIT_S seconds."""
     for _ in range(int(ENDED_WAIT_S / 0.02)):
         info = channel.call({"op": "info", "job": job})
-        if info.get("state") in ENDED:
+        if info.get("state") in ENDED and not info.get("grace"):
             break
         time.sleep(0.02)
     return info

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from salus.daemon.cluster import ClusterSpec, start_store, stop_store
 from salus.daemon.context_cost import executor_cost
@@ -38,6 +39,9 @@ from salus.daemon.state.checkpoint_files import job_has_checkpoint
 from salus.daemon.state.store import Store, ensure_admin_token
 from salus.daemon.supervisor import Supervisor
 from salus.daemon.wire.errors import StateDiskFull
+
+if TYPE_CHECKING:
+    from salus.daemon.k8s.plugin import GpuMemPlugin
 
 log = logging.getLogger("salusd")
 
@@ -70,6 +74,9 @@ class DaemonConfig:
     first_call: str = "auto"  # estimate | measure | auto (see first_call_estimated)
     isolation: str = "lane"  # lane: an owner's jobs of one lane share a process; job: not
     mps: bool = False  # start an NVIDIA MPS control daemon per GPU (salusd/mps.py)
+    device_plugin: bool = False  # serve salusd.io/gpu-mem to the kubelet (salusd/k8s/)
+    kubelet_dir: Path = Path("/var/lib/kubelet")  # its device-plugins/ and pod-resources/
+    alloc_root: Path | None = None  # the plugin's allocation dirs (default <socket dir>/alloc)
 
 
 def first_call_estimated(first_call: str, devices: Sequence[DeviceSpec]) -> bool:
@@ -132,14 +139,16 @@ class Daemon:
             self.rest = self._make_rest(config.http)
         self.supervisor.on_reply = self.engine.on_executor_reply
         self.supervisor.on_died = self.engine.on_executor_died
-        self.server = SocketServer(config.socket_path, self.loop, Handlers(
-            self.engine, state_dir=None if config.state_dir is None else str(config.state_dir)),
+        handlers = Handlers(self.engine, state_dir=None if config.state_dir is None
+                            else str(config.state_dir), store=self.store)
+        self.server = SocketServer(config.socket_path, self.loop, handlers,
                                    group=config.group, max_connections=config.max_connections,
                                    frame_timeout_s=config.frame_timeout_s)
         self._stop = False
         self.cluster_store: subprocess.Popen[bytes] | None = None
         self.mps = Mps(config.state_dir or Path(tempfile.gettempdir()) / f"salusd-{os.getpid()}",
                        config.devices)
+        self.device_plugin: GpuMemPlugin | None = None
 
     def _make_rest(self, address: tuple[str, int]) -> RestServer:
         assert self.store is not None and self.config.state_dir is not None, (
@@ -179,6 +188,28 @@ class Daemon:
             self.rest.start()
             write_private(self.config.state_dir / "http.url", self.rest.url + "\n")
             log.info("REST API on %s", self.rest.url)
+        if self.config.device_plugin:
+            self._start_device_plugin()
+
+    def _start_device_plugin(self) -> None:
+        """Serve `salusd.io/gpu-mem` to the kubelet from every GPU's budget, in threads of its
+        own; a host without GPUs has nothing to advertise, and says so."""
+        from salus.daemon.k8s.plugin import for_devices
+
+        plugin = for_devices(
+            self.config.devices, self.config.kubelet_dir,
+            self.config.alloc_root or Path(self.config.socket_path).parent / "alloc",
+            self.config.state_dir,
+            {d.uuid: pipe for d in self.config.devices
+             if d.uuid and (pipe := self.mps.pipe_for(d.uuid)) is not None}
+            if self.config.mps else None)
+        if plugin is None:
+            log.warning("--device-plugin: this host has no GPU (salusd serves CPU devices), so "
+                        "the device plugin is not started and pods cannot ask for "
+                        "salusd.io/gpu-mem here")
+            return
+        plugin.start()
+        self.device_plugin = plugin
 
     def _restore(self) -> None:
         assert self.store is not None and self.config.state_dir is not None
@@ -203,7 +234,8 @@ class Daemon:
                                 row.iterations_total or 1,
                                 "batch" if row.kind == "batch" else "interactive",
                                 dict(row.spec), float(row.priority), row.checkpoint_iteration,
-                                row.checkpoint_time, row.checkpoint_bytes or 0)
+                                row.checkpoint_time, row.checkpoint_bytes or 0,
+                                iterations_done=row.iterations_done, restarts=row.restarts)
 
     def request_stop(self) -> None:
         """Safe from a signal handler or another thread."""
@@ -218,8 +250,15 @@ class Daemon:
         while not self._stop:
             self.loop.run_once()
         log.info("shutting down: running calls finish, queued calls are refused")
+        if self.device_plugin is not None:  # the kubelet takes salusd.io/gpu-mem off the node
+            self.device_plugin.stop()
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         while not self.engine.idle and time.monotonic() < deadline:
+            self.loop.run_once(0.1)
+        # Script jobs were sent SIGTERM (their handlers may save a checkpoint and exit); what
+        # still runs after the grace is killed with its executor below.
+        deadline = time.monotonic() + self.config.script_grace_s
+        while self.engine.scripts_running and time.monotonic() < deadline:
             self.loop.run_once(0.1)
         self._retire_executors()
         flush_deadline = time.monotonic() + 2.0

@@ -44,7 +44,6 @@ import contextlib
 import itertools
 import logging
 import os
-import pwd
 import signal
 import socket
 import subprocess
@@ -59,6 +58,7 @@ from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.loop import Link, Loop
 from salus.daemon.mps import thread_percentage
+from salus.daemon.owners import identity
 from salus.daemon.state.job_output import output_path
 from salus.daemon.wire.executor_ops import (
     Adopt,
@@ -74,6 +74,7 @@ from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 from salus.daemon.zygotes import (
     OtherZygotes,
     Zygote,
+    inherited,
     launch,
     other_interpreter,
     wait_or_kill,
@@ -94,6 +95,7 @@ class ExecutorProcess:
     device: str | None = None  # where it was first placed: CUDA binds a process to its GPU
     jobs: dict[int, ExecutorHandle] = field(default_factory=dict)
     status: str | None = None  # how it ended, once the zygote reaped it
+    exit_code: int | None = None  # the same as a number: -N for signal N
     closed: bool = False
     reported: bool = False
     kill_when_forked: bool = False
@@ -169,33 +171,17 @@ def describe_status(status: int) -> str:
 
 
 def executor_environment(base: Mapping[str, str], gpu_uuids: Sequence[str]) -> dict[str, str]:
-    """The zygote's (so every executor's) environment: `base` with CUDA pinned to the daemon's
-    GPUs (`gpu_uuids`, in the daemon's device order; none on a CPU host) and, on a GPU host, the
-    cuBLAS workspace's size fixed where `base` leaves it to torch (the daemon books it:
-    `context_cost.workspace_config`)."""
-    env = {**base, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    """The zygote's (so every executor's) environment: what Python, torch and the accelerator
+    libraries read from `base` (`zygotes.inherited`; nothing else of the daemon's reaches job
+    code), CUDA pinned to the daemon's GPUs (`gpu_uuids`, in the daemon's device order; none on
+    a CPU host) and, on a GPU host, the cuBLAS workspace's size fixed where `base` leaves it to
+    torch (the daemon books it: `context_cost.workspace_config`)."""
+    env = {**inherited(base), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     if gpu_uuids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
         env[DEVICE_KIND_ENV] = "cuda"
         env["CUBLAS_WORKSPACE_CONFIG"] = workspace_config(base)
     return env
-
-
-def identity(owner: Owner) -> dict[str, Any]:
-    """Who an owner's executor runs as: the owner's uid, gid and groups when the daemon is root,
-    else the daemon's own user (it accepts jobs only from itself and root)."""
-    if os.geteuid() != 0:
-        entry = pwd.getpwuid(os.getuid())
-        return {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
-                "user": entry.pw_name, "home": entry.pw_dir}
-    try:
-        entry = pwd.getpwuid(owner.uid)
-    except KeyError:
-        return {"uid": owner.uid, "gid": owner.gid, "groups": [owner.gid], "user": owner.name,
-                "home": "/"}
-    return {"uid": owner.uid, "gid": entry.pw_gid,
-            "groups": os.getgrouplist(entry.pw_name, entry.pw_gid),
-            "user": entry.pw_name, "home": entry.pw_dir}
 
 
 class Supervisor:
@@ -219,7 +205,8 @@ class Supervisor:
         self.isolation = isolation
         self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
             lambda *_: None)
-        self.on_died: Callable[[ExecutorHandle, str], None] = lambda *_: None
+        #: a job's executor is gone: why, and its exit code (-N: signal N; None: unknown)
+        self.on_died: Callable[[ExecutorHandle, str, int | None], None] = lambda *_: None
         self._standby: deque[ExecutorProcess] = deque()
         self._by_token: dict[int, ExecutorProcess] = {}
         self._by_pid: dict[int, ExecutorProcess] = {}
@@ -244,7 +231,7 @@ class Supervisor:
     # ---- zygote -------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the zygote; it reports `ready` once torch is imported (see `wait_ready`)."""
-        self._zygote, ours = launch(sys.executable, [],
+        self._zygote, ours = launch(self.loop, sys.executable, [],
                                     executor_environment(os.environ, self.gpu_uuids))
         self.zygote_ready = False
         self._zygote_link = self.loop.add(Link(ours, self._zygote_frame, self._zygote_closed))
@@ -286,7 +273,9 @@ class Supervisor:
         elif op == "exited":
             proc = self._by_pid.pop(int(message.get("pid", -1)), None)
             if proc is not None:
-                proc.status = describe_status(int(message.get("status", 0)))
+                status = int(message.get("status", 0))
+                proc.status = describe_status(status)
+                proc.exit_code = os.waitstatus_to_exitcode(status)
                 self._maybe_report(proc)
 
     def _zygote_closed(self, link: Link, reason: str) -> None:
@@ -329,7 +318,7 @@ class Supervisor:
             for handle in list(proc.jobs.values()):
                 script = is_script(handle.record)
                 self.on_died(handle, f"the {'script' if script else 'job'} could not start: "
-                                     f"{why}")
+                                     f"{why}", None)
             proc.jobs.clear()
 
     def _new_process(self, owner: Owner, python: str | None = None) -> ExecutorProcess:
@@ -355,7 +344,13 @@ class Supervisor:
         if script and record.script is not None:
             command = record.script.command
             python = other_interpreter(command.command[0], command.env)
-        proc = self._new_process(record.owner, python)
+        try:
+            proc = self._new_process(record.owner, python)
+        except OSError as exc:  # its owner cannot start it: the owner's executor says why
+            log.warning("job %d: no executor zygote of %s (%s); the daemon's serves",
+                        record.job_id, python, exc)
+            python = None
+            proc = self._new_process(record.owner)
         sharable = self.isolation == "lane" and may_share_executor(record)
         handle = ExecutorHandle(proc, record, replica, sharable)
         if not sharable:
@@ -622,13 +617,13 @@ class Supervisor:
         elif reader == "exit":
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: "
-                                 "it ended")
+                                 "it ended", None)
         elif not meta.get("ok"):  # host, adopt, replace
             for frame in frames:
                 frame.close_fd()
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) could not {reader} job "
-                                 f"{handle.job}: {meta.get('message')}")
+                                 f"{handle.job}: {meta.get('message')}", None)
 
     def _executor_closed(self, link: Link, reason: str) -> None:
         proc = self._by_link.get(id(link))
@@ -653,7 +648,7 @@ class Supervisor:
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
             self.on_died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
-                         else f"executor (pid {proc.pid}) died: {how}")
+                         else f"executor (pid {proc.pid}) died: {how}", proc.exit_code)
         proc.jobs.clear()
 
     def stop(self) -> None:

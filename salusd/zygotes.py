@@ -34,23 +34,103 @@ log = logging.getLogger("salusd.supervisor")
 STOP_WAIT_S = 10.0
 # Variables that would point another interpreter at the daemon's own packages.
 NOT_INHERITED = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")
+# What of the daemon's environment its executors start with: the search paths and locale the
+# interpreter and its libraries need, and the settings an operator gives torch, the BLAS and
+# OpenMP runtimes, CUDA, NCCL and salusd itself. Nothing else of the daemon's (its tokens, its
+# service manager's variables) reaches job code; a script job gets its caller's environment.
+INHERITED = frozenset({"PATH", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH",
+                       "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE",
+                       "PYTHONWARNINGS", "PYTHONFAULTHANDLER"})
+INHERITED_PREFIXES = ("LC_", "SALUS_", "CUDA_", "CUBLAS_", "CUDNN_", "NCCL_", "NVIDIA_",
+                      "TORCH_", "PYTORCH_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GLOO_")
 
 
-def launch(python: str, args: list[str], env: Mapping[str, str],
+def inherited(base: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `base` (the daemon's environment) its executors start with."""
+    return {k: v for k, v in base.items() if k in INHERITED or k.startswith(INHERITED_PREFIXES)}
+
+
+def launch(loop: Loop, python: str, args: list[str], env: Mapping[str, str],
            **popen: Any) -> tuple[subprocess.Popen[bytes], socket.socket]:
     """Start an executor zygote of `python` (`args` after its socket's descriptor) with
-    `env`: the process and the daemon's end of its socket."""
+    `env`: the process and the daemon's end of its socket. Its stdout and stderr (so its
+    executors') are a pipe whose lines the daemon logs (`OutputRelay`): no executor holds a
+    descriptor of the daemon's own log."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    read, write = os.pipe()
     try:
         process = subprocess.Popen(
             [python, "-m", "salus.daemon.executor.zygote", str(theirs.fileno()), *args],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=dict(env), **popen)
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=write, stderr=write,
+            env=dict(env), **popen)
     except BaseException:
         ours.close()
+        os.close(read)
         raise
     finally:
         theirs.close()
+        os.close(write)
+    OutputRelay(loop, read, process.pid)
     return process, ours
+
+
+class OutputRelay:
+    """The daemon's end of a zygote's output pipe: each line becomes one record of the
+    daemon's log, under `executor output (zygote PID):`, so what an executor (or job code
+    writing to its descriptors) prints there cannot pass for a line of the daemon's own. At
+    most `MAX_LINES` lines a second are kept (the rest are counted, and the count logged),
+    each cut at `MAX_LINE` characters; the pipe is closed once every writer has gone."""
+
+    MAX_LINE = 2000
+    MAX_LINES = 200
+
+    def __init__(self, loop: Loop, fd: int, zygote: int) -> None:
+        self.loop, self.fd, self.zygote = loop, fd, zygote
+        self.partial = b""
+        self.second, self.lines, self.dropped = -1, 0, 0
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._read)
+
+    def _read(self) -> None:
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.loop.selector.unregister(self.fd)
+            os.close(self.fd)
+            if self.partial:
+                self._line(self.partial)
+            self._count_dropped()
+            return
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        if len(self.partial) > self.MAX_LINE:
+            lines.append(self.partial)
+            self.partial = b""
+        for line in lines:
+            self._line(line)
+
+    def _line(self, raw: bytes) -> None:
+        second = int(self.loop.clock())
+        if second != self.second:
+            self._count_dropped()
+            self.second, self.lines = second, 0
+        self.lines += 1
+        if self.lines > self.MAX_LINES:
+            self.dropped += 1
+            return
+        text = raw[:self.MAX_LINE].decode("utf-8", "replace").rstrip("\r")
+        log.warning("executor output (zygote %d): %s", self.zygote,
+                    text.encode("unicode_escape").decode("ascii") if not text.isprintable()
+                    else text)
+
+    def _count_dropped(self) -> None:
+        if self.dropped:
+            log.warning("executor output (zygote %d): %d lines left out (more than %d a "
+                        "second)", self.zygote, self.dropped, self.MAX_LINES)
+            self.dropped = 0
 
 
 def wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float = STOP_WAIT_S) -> None:
@@ -139,7 +219,7 @@ class OtherZygotes:
         drop: dict[str, Any] = {}
         if os.geteuid() == 0 and who["uid"] != 0:
             drop = {"user": who["uid"], "group": who["gid"], "extra_groups": who["groups"]}
-        popen, ours = launch(python, [salusd_version()], env, cwd="/", **drop)
+        popen, ours = launch(self.loop, python, [salusd_version()], env, cwd="/", **drop)
         log.info("starting an executor zygote of %s for uid %d (pid %d)", python, who["uid"],
                  popen.pid)
         return Zygote(python, int(who["uid"]), popen,

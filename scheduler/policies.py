@@ -3,18 +3,28 @@
 A policy sees the lane's admitted, unfinished jobs and a readiness test (in the daemon an
 interactive job is ready only once its client has sent the next batch; in the simulator every
 job is always ready). Ties are broken by earlier submit time, then smaller job id.
+
+A policy is one entry of `POLICIES`: its name, lane mode, whether it preempts, its rank (smaller
+runs first) and its batching, which tells the simulator how long its pick stands without a
+new event: "one" iteration (the default: a new policy is simulated exactly, one event per
+iteration), "to_end" (the running job stays first until a job arrives or leaves: its rank does
+not grow as it runs) or "fair" (least attained service: the lead lasts until a rival's
+attained service would overtake, `fairshare.py`). The daemon, the simulator and the front ends
+(`--policy`, REST) all take the policies from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.lanes import LaneMode
 
 Ready = Callable[[Job], bool]
 Rank = tuple[float, float, int]
+Batching = Literal["one", "to_end", "fair"]
 _LIVE = (JobState.ADMITTED, JobState.RUNNING)
 
 
@@ -46,12 +56,16 @@ def _order_rank(job: Job) -> Rank:
 
 @dataclass(frozen=True)
 class Policy:
-    """A named rule with the lane mode it needs; `pick` returns None to leave the lane idle."""
+    """A named rule with the lane mode it needs; `pick` returns None to leave the lane idle.
+    `key` ranks a job (default: submission order; a non-preemptive policy keeps a job that
+    has begun ahead of the rest); `batching` is the simulator's (module docstring)."""
 
     name: str
     lane_mode: LaneMode
     preemptive: bool
     description: str
+    key: Callable[[Job], Rank] | None = None
+    batching: Batching = "one"
 
     def pick(self, jobs: Sequence[Job], ready: Ready = always_ready) -> Job | None:
         candidates = runnable(jobs)
@@ -75,10 +89,8 @@ class Policy:
 
     @property
     def rank_function(self) -> Callable[[Job], Rank]:
-        if self.name == "srtf":
-            return _srtf_rank
-        if self.name == "fair":
-            return _fair_rank
+        if self.key is not None:
+            return self.key
         return _order_rank if self.preemptive else _hold_rank
 
 
@@ -88,30 +100,36 @@ POLICIES: dict[str, Policy] = {
         "single",
         False,
         "one lane per device; the oldest job runs until it finishes, no preemption (exclusive)",
+        batching="to_end",
     ),
     "srtf": Policy(
         "srtf",
         "single",
         True,
         "one lane per device; smallest remaining time (iterations left x iteration time) first",
+        key=_srtf_rank,
+        batching="to_end",
     ),
     "fair": Policy(
         "fair",
         "single",
         True,
         "one lane per device; least attained service (seconds run / priority) first",
+        key=_fair_rank,
+        batching="fair",
     ),
     "pack": Policy(
         "pack",
         "pack",
         True,
         "lanes sized to each job's ephemeral peak run in parallel; oldest ready job per lane",
+        batching="to_end",
     ),
 }
 
 
 def make_policy(name: str) -> Policy:
-    """The policy called `name` (fifo, srtf, fair, pack); ValueError names the choices."""
+    """The policy called `name` (one of `POLICIES`); ValueError names the choices."""
     try:
         return POLICIES[name]
     except KeyError:

@@ -204,7 +204,7 @@ class Simulator:
         self.dispatch = Dispatcher([self.capacity] * devices, self.policy, self._clock,
                                    measure=False)
         self.sched = self.dispatch.scheduler  # read for batching; written through dispatch
-        self._fair = self.policy.name == "fair"
+        self._batching = self.policy.batching
         self._shared = self.policy.lane_mode == "pack"
         self._instant = _PACK_INSTANT if self._shared else 0.0
         self._heap: list[tuple[Any, ...]] = []
@@ -388,16 +388,16 @@ class Simulator:
 
     def _start(self, start: Start) -> None:
         job, lanes = self.sched.jobs[start.job_id], start.lanes
-        if self._fair and not self.exact and job.gang == 1:
+        if self._batching == "fair" and not self.exact and job.gang == 1:
             mates = runnable(self.sched.lane_jobs(*lanes[0]))
             if len(mates) > 1 and all(m.gang == 1 for m in mates):
                 seg = _Segment(lanes[0], mates, self.now)
                 self._running[lanes[0]] = seg
                 self._push(seg.end, _END, seg.finisher.order_key, seg, 0)
                 return
-        if self.exact or job.gang > 1:
+        if self.exact or job.gang > 1 or self._batching == "one":
             count = 1
-        elif self._fair:
+        elif self._batching == "fair":
             count = self._fair_lead(job, lanes)
         else:
             count = job.remaining_iterations

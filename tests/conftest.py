@@ -6,9 +6,14 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 # Two cores here: keep each process's torch from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Property tests check properties, not speed: with the suite's files run in parallel
+# (`make test`: pytest-xdist) an example may take longer than hypothesis's default 200 ms.
+settings.register_profile("salusd", deadline=None)
+settings.load_profile("salusd")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from daemon_proc import salusd
 from torch import nn
 
 import salus.adapters.torch as salus
+from salus.daemon.control import Control
 
 pytestmark = pytest.mark.slow
 
@@ -77,4 +78,38 @@ def test_an_ended_job_leaves_no_child(tmp_path: Path) -> None:
             assert all(alive(p) for p in sleepers)
             job.close(pull=False)
         assert wait_gone(sleepers, 5.0) == []
+        assert proc.poll() is None
+
+
+def fork_sleeper(s: object) -> int:
+    """In the job: one child sleeping far longer than the test, kept (not waited for)."""
+    import subprocess
+
+    s.child = subprocess.Popen(["sleep", "300"])  # type: ignore[attr-defined]
+    return s.child.pid  # type: ignore[attr-defined]
+
+
+def test_a_jobs_children_end_with_it_in_an_executor_that_serves_on(tmp_path: Path) -> None:
+    """Two jobs of one owner in one lane share an executor; each forks a long-lived child.
+    When the first ends, its child ends, while the executor and the other job's child live on
+    (and the other job still answers); the other's child ends when that job ends."""
+    with salusd(tmp_path, "--policy", "fair", devices=1) as (proc, address):
+        first = salus.connect(name="first", iterations=1, address=address)
+        second = salus.connect(name="second", iterations=1, address=address)
+        remotes = [job.attach(model=nn.Linear(2, 2)) for job in (first, second)]
+        for remote in remotes:
+            remote.call(lambda s: None)
+        with Control(address) as ctl:
+            executors = {j["executor"]["pid"] for j in ctl.status()["jobs"]}
+        assert len(executors) == 1, executors  # the second job moved to the first's process
+        (executor,) = executors
+        mine, other = (remote.call(fork_sleeper) for remote in remotes)
+        assert {mine, other} <= set(children(executor))
+        first.close(pull=False)
+        assert wait_gone([mine], 5.0) == []
+        assert alive(executor) and alive(other)
+        assert all(alive(p) for p in children(executor))  # what ended was reaped
+        assert remotes[1].call(lambda s: 7) == 7
+        second.close(pull=False)
+        assert wait_gone([other], 5.0) == []
         assert proc.poll() is None

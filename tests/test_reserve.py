@@ -28,7 +28,7 @@ def _linear(fan_in: int, fan_out: int) -> list[int]:
 
 
 def test_the_inference_mlp_of_16_6_mib_reserves_18_mib() -> None:
-    # adapters/demo/jobs.py `infer-mlp`: 64 -> 2048 -> 2048 -> 10.
+    # adapters/demo/workloads.py `infer-mlp`: 64 -> 2048 -> 2048 -> 10.
     sizes = _linear(64, 2048) + _linear(2048, 2048) + _linear(2048, 10)
     assert round(sum(sizes) / MIB, 1) == 16.6
     # By hand: the 2048x2048 weight (16 MiB, over 10 MiB and a multiple of 2 MiB) gets its own

@@ -113,22 +113,27 @@ def test_bad_submissions_get_clear_errors(tmp_path):
         assert client.get("/healthz").json() == {"status": "ok"}
 
 
-def test_a_script_jobs_cwd_it_cannot_enter_fails_it_saying_why(tmp_path):
-    """A cwd that is well-formed but missing or not a directory is found out by the executor
-    (as the job's owner, who alone may look): the job fails with that reason, not as an
-    executor that died."""
+def test_a_script_job_refused_at_submission_says_why_and_leaves_no_job(tmp_path):
+    """A cwd that is well-formed but missing or not a directory, and an interpreter not on the
+    job's PATH, are found out at submission, as the job's owner (who alone may look): a 422 in
+    one line naming the field, and no job made (before: a job that failed later, or one left
+    open by an internal error)."""
     (tmp_path / "a-file").write_text("")
     with _serve(tmp_path):
         client = connect(tmp_path / "state")
-        for cwd, why in [(tmp_path / "missing", "No such file or directory"),
-                         (tmp_path / "a-file", "Not a directory")]:
+        for cwd, python, why in [
+                (tmp_path / "missing", sys.executable,
+                 f"'cwd' {tmp_path / 'missing'} is not a directory the job's owner can reach"),
+                (tmp_path / "a-file", sys.executable,
+                 f"'cwd' {tmp_path / 'a-file'} is not a directory the job's owner can reach"),
+                (tmp_path, "no-such-python", "no-such-python: command not found on the job's "
+                 f"PATH ({os.defpath})"),
+                (tmp_path, str(tmp_path / "a-file"), f"{tmp_path / 'a-file'} is not a file the "
+                 "job's owner can execute")]:
             reply = client.post("/v1/jobs", json={"name": "s", "cwd": str(cwd),
-                                                  "command": [sys.executable, "train.py"]})
-            assert reply.status_code == 201, reply.text
-            jid = reply.json()["id"]
-            failed = wait_for(lambda jid=jid: (j := job(client, jid))["state"] == "failed" and j,
-                              "the job failed")
-            assert f"could not start: cwd {cwd}: {why}" in failed["reason"], failed
+                                                  "command": [python, "train.py"]})
+            assert reply.status_code == 422 and why in reply.text, reply.text
+        assert client.get("/v1/jobs").json() == []
 
 
 def test_live_policy_switch_loses_no_job(tmp_path):

@@ -312,7 +312,7 @@ def test_a_second_ctrl_c_cancels_the_job(daemon: str, tmp_path: Path) -> None:
     assert proc.stdout.readline() == "ignored\n"
     proc.send_signal(signal.SIGINT)
     code, _, err = finish(proc)
-    assert code == 1
+    assert code == 128 + signal.SIGTERM  # the cancel's SIGTERM ended the script
     assert "cancelled" in err
 
 
@@ -394,6 +394,45 @@ def test_a_cancelled_script_gets_sigterm_and_its_grace(daemon: str, tmp_path: Pa
     code, _, err = finish(proc)
     assert code == 0, err
     assert (tmp_path / "checkpoint").read_text() == "saved after the last step"
+
+
+@pytest.mark.slow
+def test_a_stopping_salusd_gives_a_script_sigterm_and_its_grace_then_restores_it(
+        tmp_path: Path) -> None:
+    """Kubernetes' and systemd's stop: SIGTERM to `salusd serve` sends the script SIGTERM; its
+    handler takes two seconds to save a checkpoint and exits 0, which `salusd run` reports;
+    salusd waited for it, then stopped. After the restart the job is not `finished`: it says
+    salusd stopped while it ran (before: the script was killed at once, its handler never ran)."""
+    path = script(tmp_path, """\
+        import pathlib, signal, sys, time
+        import salus.adapters.torch as salus
+
+        def save(signum, frame):
+            time.sleep(2.0)
+            pathlib.Path("checkpoint").write_text(f"saved on {signal.Signals(signum).name}")
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, save)
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    with salusd(tmp_path, devices=1) as (daemon, address):
+        proc = salusd_run(address, [str(path)], tmp_path, "--name", "stopped",
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        with Control(address) as ctl:
+            job = _job_named(ctl, "stopped")
+        daemon.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc)
+        assert code == 0, err
+        assert daemon.wait(timeout=TIMEOUT_S) == 0
+    assert (tmp_path / "checkpoint").read_text() == "saved on SIGTERM"
+    with salusd(tmp_path, devices=1) as (_, address), Control(address) as ctl:
+        ended = ctl.info(job)
+    assert ended["state"] == "failed" and "salusd restarted while job" in ended["reason"], ended
 
 
 def test_the_script_knows_its_job_id_and_name(daemon: str, tmp_path: Path) -> None:
@@ -514,9 +553,11 @@ def test_a_root_daemon_runs_the_script_as_its_caller(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                     reason="creating a user and running as it needs root and useradd")
 def test_a_cwd_the_caller_cannot_enter_reaches_its_terminal(tmp_path: Path) -> None:
-    """`salusd run` by a user in a directory they cannot enter (root's, mode 0700): the
-    executor, running as the user, says so on the user's terminal and in the job's reason,
-    and the command did not run (125), instead of 'executor died: exit status 1'."""
+    """`salusd run` by a user in a directory they cannot enter (root's, mode 0700), and with an
+    interpreter they cannot run (in root's directory, whether it exists or not): checked as the
+    user at submission, each is refused on the user's terminal in one line (125), the same for
+    a file that exists as for one that does not, and no job is left behind (before: a job that
+    failed 'executor died: exit status 1', or one stuck open after an internal error)."""
     tag = uuid.uuid4().hex[:6]
     group, user = f"saluss{tag}", f"salusr{tag}"
     subprocess.run(["groupadd", group], check=True, capture_output=True)
@@ -532,18 +573,29 @@ def test_a_cwd_the_caller_cannot_enter_reaches_its_terminal(tmp_path: Path) -> N
                       "args = cli.build_parser().parse_args(sys.argv[1:]); "
                       f"os.setgroups([{entry.pw_gid}, {gid}]); os.setgid({entry.pw_gid}); "
                       f"os.setuid({entry.pw_uid}); sys.exit(cli_run.run(args))")
-            proc = subprocess.Popen(
-                [sys.executable, "-c", become, "run", "--socket",
-                 address.removeprefix("unix://"), "--", sys.executable, "train.py"],
-                cwd=locked, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env={"PATH": "/usr/bin:/bin", "HOME": "/", "OMP_NUM_THREADS": "1"})
-            code, _, err = finish(proc)
+            def run(cwd: Path, python: str) -> tuple[int, str]:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", become, "run", "--socket",
+                     address.removeprefix("unix://"), "--", python, "train.py"],
+                    cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    env={"PATH": "/usr/bin:/bin", "HOME": "/", "OMP_NUM_THREADS": "1"})
+                code, _, err = finish(proc)
+                return code, err
+
+            code, err = run(locked, sys.executable)
             assert code == 125, err
+            assert err.strip() == (f"salusd run: 'cwd' {locked}: the job's owner cannot enter "
+                                   "it"), err
+            shutil.copy(sys.executable, locked / "python")  # root's, behind a 0700 directory
+            answers = {}
+            for python in (locked / "python", locked / "missing"):
+                code, err = run(root, str(python))
+                assert code == 125, err
+                answers[python.name] = err.strip().replace(str(python), "PATH")
+            assert answers["python"] == answers["missing"] == (
+                "salusd run: PATH: PATH is not a file the job's owner can execute"), answers
             with Control(address) as control:
-                ended = control.info(err.split("salusd run: job ")[1].split()[0])
-        assert f"cwd {locked}: Permission denied" in err
-        assert f"cwd {locked}: Permission denied" in ended["reason"] and (
-            ended["state"] == "failed"), ended
+                assert control.status()["jobs"] == [], control.status()
     finally:
         subprocess.run(["userdel", user], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)
@@ -801,6 +853,67 @@ def test_a_time_limit_sends_the_early_signal_then_sigterm_and_says_so(
     assert out.splitlines() == ["ready", "USR1 TERM"]
     assert code == 124 and "hit its time limit of 4 s" in err
     assert 3.5 < took < 20
+
+
+def test_a_jobs_own_grace_cuts_the_wait_for_a_script_that_ignores_sigterm(
+        daemon: str, tmp_path: Path) -> None:
+    """`--time 2 --grace 1` on a script whose SIGTERM handler does nothing: killed about a
+    second after its limit (the daemon's grace is 30 s), failed saying it hit its limit."""
+    path = script(tmp_path, """\
+        import signal, time
+        import salus.adapters.torch as salus
+        signal.signal(signal.SIGTERM, lambda *_: print("TERM ignored", flush=True))
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    started = time.monotonic()
+    proc = salusd_run(daemon, [str(path)], tmp_path, "--time", "2", "--grace", "1",
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    code, out, err = finish(proc)
+    took = time.monotonic() - started
+    assert out.splitlines() == ["ready", "TERM ignored"]
+    assert code == 124 and "hit its time limit of 2 s" in err
+    assert 2.5 < took < 15
+
+
+@pytest.mark.slow
+def test_rest_takes_a_script_jobs_time_limit_signal_and_grace(tmp_path: Path) -> None:
+    """`POST /v1/jobs` with `time_limit_s`, `signal` and `grace_s`: the early signal, then
+    SIGTERM (ignored), then SIGKILL after the job's own grace; the job fails saying it hit its
+    time limit. Bodies that give them without a script or a limit are refused (422)."""
+    from rest_client import connect, job, wait_for
+
+    path = script(tmp_path, """\
+        import signal, time
+        import salus.adapters.torch as salus
+        signal.signal(signal.SIGUSR1, lambda *_: print("USR1", flush=True))
+        signal.signal(signal.SIGTERM, lambda *_: print("TERM ignored", flush=True))
+        while True:
+            time.sleep(0.01)
+            salus.step()
+    """)
+    body = {"name": "limited", "command": [sys.executable, str(path)], "cwd": str(tmp_path),
+            "time_limit_s": 3, "signal": int(signal.SIGUSR1), "signal_before_s": 1.5,
+            "grace_s": 1}
+    with salusd(tmp_path, "--http", "127.0.0.1:0"), connect(tmp_path / "state") as client:
+        started = time.monotonic()
+        reply = client.post("/v1/jobs", json=body)
+        assert reply.status_code == 201, reply.text
+        jid = reply.json()["id"]
+        failed = wait_for(lambda: (j := job(client, jid))["state"] == "failed" and j,
+                          "the job failed")
+        took = time.monotonic() - started
+        assert "hit its time limit of 3 s" in failed["reason"], failed
+        assert 3 < took < 20
+        log = wait_for(lambda: (t := client.get(f"/v1/jobs/{jid}/log").text)
+                       .count("TERM ignored") and t, "the log")
+        assert log.splitlines() == ["USR1", "TERM ignored"], log
+        for wrong in ({"name": "b", "entrypoint": "x.py:f", "iterations": 1, "grace_s": 1},
+                      {**body, "time_limit_s": None}):
+            refused = client.post("/v1/jobs", json=wrong)
+            assert refused.status_code == 422, refused.text
 
 
 def test_durations_and_signals_read_as_slurms() -> None:

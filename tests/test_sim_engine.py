@@ -3,7 +3,9 @@ the interference model, and every policy on the Tiresias trace."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from salus.scheduler.model_sizes import MIB
-from salus.scheduler.policies import POLICIES
+from salus.scheduler.policies import POLICIES, Policy
 from salus.scheduler.sim import Interval, SimResult, simulate
 from salus.scheduler.traces import TraceJob, load_trace, synthetic
 
@@ -187,3 +189,49 @@ def test_simulator_rejects_bad_setups() -> None:
         simulate([job], "lifo")
     with pytest.raises(ValueError, match="no jobs"):
         simulate([], "fifo")
+
+
+@contextlib.contextmanager
+def fifth_policy() -> Iterator[None]:
+    """POLICIES with a fifth entry meanwhile: "las", least attained service first (seconds run,
+    without fair's priorities), preemptive, one lane per device. Its rank grows as a job runs,
+    so running a pick to its end, as the simulator may for fifo, srtf and pack, would be
+    wrong."""
+    POLICIES["las"] = Policy("las", "single", True, "least attained service first",
+                             key=lambda job: (job.attained_s, job.submit_s, job.job_id))
+    try:
+        yield
+    finally:
+        del POLICIES["las"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=traces(max_jobs=8))
+def test_a_fifth_policy_is_one_entry_and_is_simulated_exactly(trace: list[TraceJob]) -> None:
+    """A policy added as one entry of POLICIES, with no batching said: the simulator steps it
+    one iteration per event and ends each job where an independent per-boundary loop does
+    (memory for everyone, one device)."""
+    with fifth_policy():
+        result = simulate(trace, "las", devices=1, device_memory_mb=1 << 30)
+        stepped = simulate(trace, "las", devices=1, device_memory_mb=1 << 30, exact=True)
+    assert outcome(result) == outcome(stepped)
+    t, left, first, finish = 0.0, {j.job_id: j.iterations for j in trace}, {}, {}
+    jobs = {j.job_id: j for j in trace}
+    attained = dict.fromkeys(jobs, 0.0)
+    while left:
+        arrived = [i for i in left if jobs[i].submit_s <= t]
+        if not arrived:
+            t = min(jobs[i].submit_s for i in left)
+            continue
+        pick = min(arrived, key=lambda i: (attained[i], jobs[i].submit_s, i))
+        first.setdefault(pick, t)
+        t += jobs[pick].iter_s
+        attained[pick] += jobs[pick].iter_s
+        left[pick] -= 1
+        if not left[pick]:
+            del left[pick]
+            finish[pick] = t
+    by_id = {r.job_id: r for r in result.records}
+    for job_id in jobs:
+        assert (by_id[job_id].first_run_s, by_id[job_id].finish_s) == (
+            first[job_id], finish[job_id]), job_id

@@ -141,6 +141,46 @@ def test_job_updates_states_and_forgetting(tmp_path: Path) -> None:
     store.close()
 
 
+def test_progress_and_restarts_are_kept_for_live_jobs_only(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / DB_NAME)
+    live, ended = _job(store, "live"), _job(store, "ended")
+    store.update_job(ended, state="failed", iterations_done=7)
+    store.update_progress({live: 250, ended: 300, 999: 1})
+    store.update_job(live, restarts=2)
+    rows = {row.id: row for row in store.jobs()}
+    assert (rows[live].iterations_done, rows[live].restarts) == (250, 2)
+    assert (rows[ended].iterations_done, rows[ended].restarts) == (7, 0)
+    store.close()
+
+
+def test_a_registry_of_schema_1_gains_the_restart_count(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied REAL)")
+    conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+    conn.execute("INSERT INTO meta VALUES ('next_job_id', 2)")
+    conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, name TEXT NOT NULL, owner TEXT "
+                 "NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, kind TEXT NOT NULL, "
+                 "spec TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '', "
+                 "iterations_done INTEGER NOT NULL DEFAULT 0, iterations_total INTEGER, "
+                 "priority REAL NOT NULL DEFAULT 0, checkpoint_iteration INTEGER, "
+                 "checkpoint_time REAL, checkpoint_bytes INTEGER, checkpoint_path TEXT, "
+                 "created REAL NOT NULL, updated REAL NOT NULL)")
+    conn.execute("CREATE TABLE tokens (name TEXT PRIMARY KEY, owner TEXT NOT NULL, uid INTEGER "
+                 "NOT NULL, gid INTEGER NOT NULL, hash TEXT NOT NULL UNIQUE, created REAL NOT "
+                 "NULL, revoked_at REAL)")
+    conn.execute("INSERT INTO jobs (id, name, owner, uid, gid, kind, spec, state, "
+                 "iterations_done, created, updated) VALUES (1, 'old', 'alice', 1000, 1000, "
+                 "'interactive', '{}', 'running', 12, 1.0, 1.0)")
+    conn.execute("INSERT INTO schema_version VALUES (1, 1.0)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    store = Store.open(tmp_path / DB_NAME)
+    (row,) = store.jobs()
+    assert (row.name, row.iterations_done, row.restarts) == ("old", 12, 0)
+    store.close()
+
+
 def test_ids_are_unique_from_two_threads(tmp_path: Path) -> None:
     store = Store.open(tmp_path / DB_NAME)
     got: list[list[int]] = [[], []]

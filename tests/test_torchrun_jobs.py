@@ -29,7 +29,10 @@ from salus.daemon.engine import torchrun
 from salus.daemon.executor.script import Command, parse_command
 
 BIN = os.path.dirname(sys.executable)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": BIN + os.pathsep + os.environ["PATH"]}
+# Without PYTHONUNBUFFERED a rank's `print(..., flush=True)` is one write, so two ranks' lines
+# on one pipe never interleave (unbuffered, the text and its newline are two, as under torchrun).
+ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+       "OMP_NUM_THREADS": "1", "PATH": BIN + os.pathsep + os.environ["PATH"]}
 TIMEOUT_S = 180
 STEPS = 5
 MODULE = ["-m", "torch.distributed.run"]

@@ -1,3 +1,4 @@
-"""`salus.demo`, what `make demo` runs (`python -m salus.demo [policy]`): three training jobs and
-one inference job through a daemon on the CPU against the same jobs run directly; `jobs` holds
-the workloads and the client processes that run them."""
+"""`salus.demo`, what `make demo` runs (`python -m salus.demo`): an unchanged training script
+(`train.py`) under `salusd run` against plain processes, per policy, with memory, an inference
+job's latency and a plot of the lanes; `workloads` holds the models, `jobs` the client
+processes the benchmarks start."""

@@ -4,12 +4,14 @@ submitted to the scheduler, and re-admitted when a call measures more than its l
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
+from salus.daemon.devices import format_size
 from salus.daemon.engine.booking import booked_estimate
 from salus.daemon.engine.core import Core, LaneKey
 from salus.daemon.engine.ledger import aligned
-from salus.daemon.engine.registry import JobRecord, may_share_executor
+from salus.daemon.engine.registry import JobRecord, may_share_executor, requested_memory
 from salus.daemon.wire.errors import DoesNotFit
 from salus.scheduler import Job
 from salus.scheduler.dispatch import Ready
@@ -24,10 +26,15 @@ call); overshoots of a lane below this are noise, not growth."""
 def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     """The first call's ephemeral size is known (`meta["bytes"]`; on a CUDA device its
     reserved bytes, `booking.booked_estimate`), or not (`ok` false: the
-    persistent size is the guess and the first call is measured): submit the job."""
+    persistent size is the guess and the first call is measured): submit the job. A job that
+    asked for its memory (`--mem`) is submitted with that instead."""
     if not record.live:
         return
-    if meta.get("ok"):
+    requested = requested_memory(record)
+    if requested is not None:  # asked for (`--mem`): its lane, instead of an estimate
+        ephemeral = requested
+        record.estimate_method = "requested (--mem)"
+    elif meta.get("ok"):
         ephemeral = booked_estimate(record.device_kind, meta)
         record.estimate_method = str(meta.get("method", "fake-tensor"))
     else:
@@ -51,7 +58,9 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
                                       open_ended=record.kind == "interactive")
     except ValueError as exc:
         core.event("reject", record.job_id, reason=str(exc))
-        core.end(record, "failed", str(DoesNotFit(f"job {record.job_id} can never fit: {exc}")))
+        needs = _needs(core, job.persistent_bytes, job.ephemeral_bytes)
+        core.end(record, "failed", str(DoesNotFit(f"job {record.job_id} can never fit: "
+                                                  f"{needs}")))
         return
     record.phase = "submitted"
     for call in record.calls:
@@ -61,6 +70,14 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     core.event("submit", record.job_id, persistent=job.persistent_bytes,
                ephemeral=job.ephemeral_bytes, method=record.estimate_method)
     core.take(update)
+
+
+def _needs(core: Core, persistent: int, ephemeral: int) -> str:
+    """What a job that fits no device needs, and what the largest device has, for people."""
+    largest = max(ledger.capacity for ledger in core.ledgers)
+    return (f"it needs {format_size(persistent + ephemeral)} ({format_size(persistent)} of "
+            f"state, {format_size(ephemeral)} per iteration), the largest device has "
+            f"{format_size(largest)}")
 
 
 def first_call_guess(record: JobRecord) -> int:
@@ -93,7 +110,8 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
     alone in a lane sized by its first call's guess that the call needed less of. Both by more
     than the measurement's noise (on the CPU, `RSS_NOISE_BYTES`). A call that ran out of device
     memory (`oom`) measured only a lower bound: the job is re-admitted with twice its lane, or
-    its peak if more."""
+    its peak if more. A job that asked for its memory (`--mem`) keeps its lane: on a GPU
+    the cap holds it there, on the CPU it is ended (`over_request`) once it measures more."""
     record.measured_peak = max(record.measured_peak or 0, peak)
     lane = core.dispatch.lane(key)
     job = core.dispatch.job(record.job_id)
@@ -101,6 +119,11 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
         return
     guessed, record.ephemeral_guessed = record.ephemeral_guessed, False
     slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
+    requested = requested_memory(record)
+    if requested is not None:  # its request is its cap: never grown
+        if not oom and peak > requested + slack:
+            over_request(core, record, peak, requested)
+        return
     if oom:
         peak = max(peak, 2 * lane.size)
     elif guessed and lane.residents == (record.job_id,) and aligned(peak) + slack < lane.size:
@@ -114,11 +137,22 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
     except ValueError as exc:
         core.event("reject", record.job_id, reason=str(exc))
         core.end(record, "failed", str(DoesNotFit(
-            f"job {record.job_id} measured {peak} bytes per call above its state, more "
-            f"than any device can hold: {exc}")))
+            f"job {record.job_id} measured {format_size(peak)} per call above its state, "
+            f"more than any device can hold: {_needs(core, job.persistent_bytes, peak)}")))
         return
     core.event("requeue", record.job_id, *key, peak=peak)
     core.take(update)
+
+
+def over_request(core: Core, record: JobRecord, peak: int, requested: int) -> None:
+    """The job measured `peak` bytes in an iteration, more than the `requested` memory it
+    asked for (`--mem`): as an out-of-memory kill under Slurm's `--mem`, the job fails and its
+    process is killed at once (on the CPU nothing could cap it before)."""
+    record.limit = "memory"
+    record.signal, record.exit_status = signal.SIGKILL, 128 + signal.SIGKILL
+    core.end(record, "failed", f"job {record.job_id} used {format_size(peak)} in an "
+             f"iteration, more than the {format_size(requested)} it asked for (--mem)")
+    core.outbox.kill_all(record)
 
 
 def placed(core: Core, record: JobRecord, reserved: int) -> None:
@@ -137,9 +171,10 @@ def placed(core: Core, record: JobRecord, reserved: int) -> None:
     record.persistent_bytes = aligned(reserved)
     try:
         update = core.dispatch.requeue(record.job_id, aligned(reserved), job.ephemeral_bytes)
-    except ValueError as exc:
+    except ValueError:
         core.end(record, "failed", str(DoesNotFit(
-            f"job {record.job_id} holds {reserved} bytes of state on its GPU, more than any "
-            f"device can hold beside its lane: {exc}")))
+            f"job {record.job_id} holds {format_size(reserved)} of state on its GPU, more "
+            "than any device can hold beside its lane: "
+            f"{_needs(core, reserved, job.ephemeral_bytes)}")))
         return
     core.take(update)

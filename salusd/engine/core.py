@@ -74,6 +74,11 @@ class Core:
         """Keep what the scheduler admitted for the next step."""
         self.placed.extend(update.placed)
 
+    def done_iterations(self, record: JobRecord) -> int:
+        """Iterations the job has done, those done before the last restart included."""
+        job = self.dispatch.job(record.job_id)
+        return job.done_iterations if job is not None else record.done_before
+
     def queue_call(self, record: JobRecord, call: Call) -> None:
         """A call waits for its turn; the dispatcher learns of it once the job is admitted."""
         record.calls.append(call)
@@ -90,7 +95,8 @@ class Core:
             executor_gone: bool = False, grace: bool = False) -> None:
         """End a live job: answer its queued calls, free its memory now, and retire or kill its
         executor once its running call (if any) has returned. A script job that is cancelled,
-        or ended with `grace` (its time limit), gets SIGTERM and `script_grace_s` first."""
+        or ended with `grace` (its time limit), gets SIGTERM and its grace first (its own
+        `grace_s`, else `script_grace_s`)."""
         error: SalusError = JobFailed(reason) if state == "failed" else JobCancelled(reason)
         while record.calls:
             refuse(record.calls.popleft(), error)
@@ -98,8 +104,7 @@ class Core:
         if job is not None and not job.done:
             self.take(self.dispatch.finish(record.job_id, JobState.FINISHED
                                            if state == "finished" else JobState.CANCELLED))
-            job = self.dispatch.job(record.job_id)
-        done = job.done_iterations if job is not None else record.done_before
+        done = self.done_iterations(record)
         self.registry.end(record, state, reason)
         for gone in [j for j in self.dispatch.jobs() if j not in self.registry.live
                      and j not in self.registry.ended]:
@@ -121,7 +126,8 @@ class Core:
                 else:
                     self.outbox.retire(executor, "job_failed" if state == "failed" else
                                        "job_cancelled", f"job {record.job_id} has {state}")
-            self.timers.call_later(self.config.script_grace_s,
+            own = record.script.command.grace_s
+            self.timers.call_later(self.config.script_grace_s if own is None else own,
                                    lambda: self.outbox.kill_all(record))
             return
         if self.dispatch.running(record.job_id):

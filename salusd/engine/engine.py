@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
-from salus.daemon.engine import admission, checkpoints, scripts
+from salus.daemon.devices import format_size
+from salus.daemon.engine import admission, checkpoints, dependencies, scripts
 from salus.daemon.engine.core import Config, Core, error_frame, ok_frame
 from salus.daemon.engine.events import EventStream
 from salus.daemon.engine.leases import Leases
@@ -93,7 +94,9 @@ class Engine:
                          EventStream(keep=1000))
         self.leases = Leases(self.core)
         self.replies = Replies(self.core, self.leases, self._after)
-        self._step = Stepper(self.core, self.leases).step
+        self._stepper = Stepper(self.core, self.leases)
+        #: script jobs waiting for the jobs they run after (`--after`), by id
+        self.waiting: dict[int, dependencies.Waiting] = {}
         #: how each device's lanes share it (MPS or time-shared), for status; set by the daemon
         self.device_sharing: list[str] = [""] * len(capacities)
 
@@ -202,22 +205,35 @@ class Engine:
 
     def run_script(self, owner: Owner, name: object, iterations: object,
                    command: scripts.ScriptCommand, frames: Sequence[RawFrame] | None, *,
-                   priority: float = 1.0, devices: object = None) -> JobRecord:
+                   priority: float = 1.0, devices: object = None,
+                   after: object = None) -> JobRecord:
         """A script job: an executor runs `command` unchanged as `owner`, its optimizer steps
         its iteration boundaries (`scripts.py`); `frames` carry the client's sockets, one per
         rank (None: the output goes to the job's log). A torchrun command runs as a gang of
-        its ranks, one per device; `devices` (None: as many as its ranks) must be that
-        many."""
+        its ranks, one per device; `devices` (None: as many as its ranks) must be that many.
+        With `after` (job ids) it starts once those jobs have finished (`dependencies.py`)."""
         self.check_devices(scripts.gang_devices(command, devices))
         if frames is not None and len(frames) != command.ranks:
             raise BadRequest(f"the command runs {command.ranks} rank(s) and the client sent "
                              f"{len(frames)} socket(s): one per rank")
-        record = self.open(owner, name, iterations, command.cwd, spec=scripts.spec(command),
-                           priority=priority)
-        scripts.start(self.core, record, command, frames)
-        self._limit(record, command)
+        self.check_memory(command.mem_bytes)
+        waits = () if after is None else dependencies.check(self.core, owner, after)
+        spec = scripts.spec(command)
+        if waits:  # kept to start it after a restart too
+            spec.update(after=list(waits), env=command.env)
+        record = self.open(owner, name, iterations, command.cwd, spec=spec, priority=priority)
+        if waits:
+            record.after = waits
+            self.waiting[record.job_id] = dependencies.Waiting(record, command, frames)
+        else:
+            self._start_script(record, command, frames)
         self._step()
         return record
+
+    def _start_script(self, record: JobRecord, command: scripts.ScriptCommand,
+                      frames: Sequence[RawFrame] | None) -> None:
+        scripts.start(self.core, record, command, frames)
+        self._limit(record, command)
 
     def _limit(self, record: JobRecord, command: scripts.ScriptCommand) -> None:
         """Slurm's `--time` and `--signal` for a script job: its `signal` that long before its
@@ -234,6 +250,7 @@ class Engine:
 
         def time_up() -> None:
             if record.live:
+                record.limit = "time"
                 core.end(record, "failed", f"job {record.job_id} hit its time limit of "
                          f"{limit:g} s", grace=True)
 
@@ -247,6 +264,13 @@ class Engine:
                 if rank not in record.script.exits:
                     self.core.outbox.signal(executor, signum)
 
+    def check_memory(self, mem_bytes: int | None) -> None:
+        """BadRequest when no device of this node can hold `mem_bytes` (a `--mem` request)."""
+        largest = max(ledger.capacity for ledger in self.core.ledgers)
+        if mem_bytes is not None and mem_bytes > largest:
+            raise BadRequest(f"the job needs {format_size(mem_bytes)} (--mem), the largest "
+                             f"device has {format_size(largest)}")
+
     def check_devices(self, devices: object) -> int:
         """`devices` when this node has that many devices; BadRequest says what it has."""
         count = len(self.core.ledgers)
@@ -257,14 +281,18 @@ class Engine:
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
                 spec: dict[str, Any], priority: float, checkpoint_iteration: int | None,
-                checkpoint_time: float | None = None, checkpoint_bytes: int = 0) -> None:
+                checkpoint_time: float | None = None, checkpoint_bytes: int = 0, *,
+                iterations_done: int = 0, restarts: int = 0) -> None:
         """Bring back a job the durable registry says was live when salusd stopped: a batch
         job goes on from its last checkpoint on its own; an interactive one waits, suspended
-        at its last checkpoint, for its client to connect again. Until its executor has loaded
-        the checkpoint, the job's views show the one the registry recorded."""
+        at its last checkpoint, for its client to connect again; a script job fails or runs
+        its command again (its `restarts`, reruns so far, counting this one). Until its
+        executor has loaded the checkpoint, the job's views show the one the registry recorded,
+        and the `iterations_done` it recorded (what a job failed here keeps)."""
         record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
                            priority=priority, job_id=job_id)
-        record.resumed_from = record.done_before = checkpoint_iteration or 0
+        record.resumed_from = checkpoint_iteration or 0
+        record.done_before = max(iterations_done, record.resumed_from)
         record.checkpoint_iteration = checkpoint_iteration
         record.checkpoint_time, record.checkpoint_bytes = checkpoint_time, checkpoint_bytes
         if record.nodes > 1 and self.core.config.cluster is None:
@@ -272,8 +300,10 @@ class Engine:
                           "this salusd restarted without --cluster")
         elif kind == "batch":
             load(self.core, record, restore=True)
+        elif is_script(record) and self._waited(record):
+            self.waiting[job_id] = dependencies.Waiting(record, scripts.stored(record), None)
         elif is_script(record):
-            scripts.restored(self.core, record)
+            scripts.restored(self.core, record, restarts)
         elif checkpoint_iteration is None:
             self.core.end(record, "failed", f"salusd restarted before job {job_id}'s first "
                           "checkpoint, so its state was lost; connect a new job")
@@ -281,6 +311,17 @@ class Engine:
             record.awaiting_client = record.held = True
             load(self.core, record, restore=True)
         self._step()
+
+    def _waited(self, record: JobRecord) -> bool:
+        """Whether a restored script job was still waiting for its `--after` jobs: one of them
+        has not finished (it starts the moment they all have, so one that has started finds
+        them all finished). Then it waits again, for the ones still live."""
+        after = [int(a) for a in record.spec.get("after", ())]
+        if all((ended := dependencies.outcome(self.core, a)) is not None
+               and ended[0] == "finished" for a in after):
+            return False
+        record.after = tuple(after)
+        return True
 
     def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward the client's state to the job's executors, which load and measure it."""
@@ -398,7 +439,16 @@ class Engine:
             if (core.config.checkpoints is not None and record.phase == "submitted"
                     and record.since_checkpoint and not record.checkpointing):
                 checkpoints.request(core, record)  # after its running call, if any
+        signalled = scripts.stop_all(core)
+        if signalled:
+            log.info("sent SIGTERM to the commands of %d script job(s); waiting for them up to "
+                     "%g s", signalled, core.config.script_grace_s)
         self._step()
+
+    @property
+    def scripts_running(self) -> bool:
+        """A script job's command still runs (shutdown gives them `script_grace_s`)."""
+        return scripts.running(self.core)
 
     def checkpoint(self, record: JobRecord, on_done: OnDone | None = None) -> None:
         """Ask the job's executors to write its state at their next boundary; `on_done` gets
@@ -439,16 +489,25 @@ class Engine:
         self.replies.reply(executor, meta, frame)
         self._step()
 
-    def on_executor_died(self, executor: object, reason: str) -> None:
-        """The executor is gone: fail its job with `reason` (unless it had already ended) and
-        answer everything it still owed."""
-        self.replies.died(executor, reason)
+    def on_executor_died(self, executor: object, reason: str,
+                         exit_code: int | None = None) -> None:
+        """The executor is gone (`reason`; `exit_code` its status, -N for signal N, None when
+        unknown): fail its job with `reason` (unless it had already ended) and answer
+        everything it still owed."""
+        self.replies.died(executor, reason, exit_code)
         self._step()
 
     def _after(self, fn: Callable[[], None]) -> None:
         """Run `fn` (a timer's work) and step."""
         fn()
         self._step()
+
+    def _step(self) -> None:
+        """Start the script jobs whose `--after` jobs all finished (failing those one of which
+        did not), then the engine's step (`step.py`)."""
+        for item in dependencies.settle(self.core, self.waiting):
+            self._start_script(item.record, item.command, item.frames)
+        self._stepper.step()
 
     def check_invariants(self) -> None:
         """The scheduler's and every ledger's invariants, and the ledgers equal to the

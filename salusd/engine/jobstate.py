@@ -6,7 +6,8 @@ metrics, the durable registry) see only the event stream: `EventState` follows o
 it. Both speak one vocabulary:
 
 - open: not yet submitted for admission (its state is loading, or its first call is sized);
-- pending: waiting for admission (also after a swap-out or a re-admission);
+- pending: waiting for admission (also after a swap-out or a re-admission), or for the jobs a
+  script job runs after (`--after`);
 - admitted / running: in a lane (`live_state` tells apart a job whose call runs now; the event
   stream does not, and says running for both);
 - suspended: held by an operator or, restored after a restart, waiting for its client;
@@ -34,6 +35,8 @@ def live_state(record: JobRecord, job: JobView | None) -> str:
         return record.end_state or "ended"
     if record.held or record.awaiting_client:
         return "suspended"
+    if record.after:  # waiting for the jobs it runs after (--after)
+        return "pending"
     if job is not None and job.done:
         return "finishing"
     if job is not None:

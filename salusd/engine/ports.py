@@ -37,11 +37,27 @@ class ExecutorPort(Protocol):
         ...
 
 
+class StoredJob(Protocol):
+    """A job as the durable registry keeps it (`salusd.state.store.JobRow`)."""
+
+    @property
+    def owner(self) -> str: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+
+
 class JobStore(Protocol):
-    """The durable registry (`salusd.state.store.Store`): job ids that never repeat."""
+    """The durable registry (`salusd.state.store.Store`): job ids that never repeat, and the
+    jobs of before a restart (what `--after` waits for may have ended then)."""
 
     def new_job(self, name: str, owner: str, uid: int, gid: int, kind: str,
                 spec: dict[str, Any], iterations_total: int, priority: float) -> int: ...
+
+    def get_job(self, job_id: int) -> StoredJob | None: ...
 
 
 class Timers(Protocol):

@@ -115,6 +115,11 @@ class JobRecord:
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
     comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
     script: ScriptState | None = None  # a script job's reruns and client (engine/scripts.py)
+    limit: Literal["time", "memory"] | None = None  # what ended it: its --time or its --mem
+    # A script job's command's end, as a shell reports it (engine/scripts.py `died`)
+    exit_status: int | None = None
+    signal: int | None = None
+    after: tuple[int, ...] = ()  # jobs it still waits for (--after: engine/dependencies.py)
 
     @property
     def live(self) -> bool:
@@ -144,6 +149,13 @@ def spec_devices(spec: dict[str, Any]) -> int:
 def spec_nodes(spec: dict[str, Any]) -> int:
     """Nodes a job was submitted for: a spec without `nodes` runs on this node only."""
     return int(spec.get("nodes", 1))
+
+
+def requested_memory(record: JobRecord) -> int | None:
+    """The device memory (bytes) the job asked for (`salusd run --mem`): its lane at
+    admission and its cap; None: sized from its first call, as measured."""
+    mem = record.spec.get("mem_bytes")
+    return mem if type(mem) is int else None
 
 
 def check_name(name: object) -> str:

@@ -14,7 +14,7 @@ from salus.daemon.engine.core import Core, LaneKey, error_frame
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
-from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError
+from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
 from salus.daemon.wire.executor_ops import Estimate, Lease, Refuse
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler.dispatch import Finished, RanUnderLease
@@ -162,7 +162,8 @@ class Replies:
         if record.live and lane is not None:
             self._accounted(record, lane, iterations, seconds, meta)
             core.event("ran", record.job_id, *lane, calls=calls, iterations=iterations,
-                       seconds=seconds, began=meta.get("began"), ended=meta.get("ended"))
+                       seconds=seconds, began=meta.get("began"), ended=meta.get("ended"),
+                       done=core.done_iterations(record))
         else:  # calls that ran under the lease before the job ended, reported after
             core.event("ran", record.job_id, calls=calls, iterations=iterations,
                        seconds=seconds)
@@ -201,6 +202,7 @@ class Replies:
             core.finalize(record)
         core.event("end", record.job_id, *sent.lane, seconds=seconds, iterations=counted,
                    ok=bool(meta.get("ok")), began=meta.get("began"), ended=meta.get("ended"),
+                   **({"done": core.done_iterations(record)} if record.live else {}),
                    **({"cache": meta["cache"]} if isinstance(meta.get("cache"), dict) else {}))
         if record.live and record.kind == "batch":
             checkpoints.batch_step_done(core, record, meta)
@@ -255,13 +257,14 @@ class Replies:
         else:
             core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
 
-    def died(self, executor: object, reason: str) -> None:
-        """The executor is gone: fail its job with `reason` (unless it had already ended) and
-        answer everything it still owed."""
+    def died(self, executor: object, reason: str, exit_code: int | None = None) -> None:
+        """The executor is gone (`exit_code`: -N for signal N, None when unknown): fail its job
+        with `reason` (unless it had already ended) and answer everything it still owed."""
         core = self.core
         record, queue = core.outbox.forget(executor)
         if record is None:
             return
+        scripts.died(record, exit_code)
         running = next((s.lane for s in queue if s.kind == "run"), None)
         leased = self.leases.lane_of(record.job_id)
         if running:
@@ -278,6 +281,8 @@ class Replies:
         again = scripts.executor_gone(core, record, f"{reason} {where}")
         if again:  # a script job run with --restart on-failure: its command runs again
             error = JobFailed(f"{reason} {where}")
+        elif record.live and core.stopping and record.script is not None:
+            error = ShuttingDown("salusd is shutting down")  # killed by its SIGTERM: restored
         elif script_gang and record.live:
             # Its peers may wait for it in a collective: SIGTERM and the grace (`Core.end`).
             error = JobFailed(f"rank {rank}: {reason} {where}")
@@ -306,6 +311,8 @@ class Replies:
             scripts.rerun(core, record)
         elif was_live and not script_gang:  # a gang without one replica cannot go on; an
             core.outbox.kill_all(record)  # ended one's replicas may still write checkpoints
+        if script_gang and not record.live:
+            scripts.settle_grace(core, record)
 
 
 def _rank(record: JobRecord, executor: object) -> int:

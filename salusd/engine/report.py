@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from salus.daemon.devices import format_size
 from salus.daemon.engine import scripts
 from salus.daemon.engine.admission import RSS_NOISE_BYTES
 from salus.daemon.engine.jobstate import live_state
-from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.registry import JobRecord, requested_memory
 
 if TYPE_CHECKING:
     from salus.daemon.engine.engine import Engine
@@ -27,6 +28,7 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
     placed = engine.dispatch.placements(record.job_id)
     lane = engine.dispatch.lane((placed[0].device, placed[0].lane_id)) if placed else None
     enforced = "enforced" if record.device_kind == "cuda" else "accounted"
+    requested = requested_memory(record)
     ephemeral = record.measured_peak
     slack = RSS_NOISE_BYTES if record.device_kind == "cpu" else 0
     over = ephemeral is not None and lane is not None and ephemeral > lane.size + slack
@@ -36,6 +38,13 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "name": record.name,
         "state": live_state(record, job),
         "reason": record.reason,
+        # A script job's command's end, as a shell reports it: its exit status (128 + N for
+        # signal N, 125 when it could not start) and the signal that ended it; the limit
+        # (time, memory) that ended the job. None while it runs, or where none applies.
+        "exit_status": record.exit_status,
+        "signal": record.signal,
+        "limit": record.limit,
+        "grace": record.grace,  # ended, its command still running on after SIGTERM
         "iterations_done": job.done_iterations if job else 0,
         "iterations_planned": record.planned_iterations,
         "calls_done": record.calls_done,
@@ -53,6 +62,8 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "threads": record.threads,
         "last_loss": record.last_loss,  # a batch job's, or what a script's framework logged
         "script": scripts.view(record),  # a script job's reruns and swap; None for others
+        "after": record.spec.get("after"),  # the jobs a script job runs after (--after)
+        "waiting_for": list(record.after),  # those of them that have not finished yet
         "executor_pid": getattr(record.executor, "pid", None),
         "executor": describe() if callable(describe := getattr(record.executor, "describe",
                                                                  None)) else None,
@@ -63,9 +74,14 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
             "ephemeral_estimate_method": record.estimate_method,
             "ephemeral_measured_bytes": ephemeral,
             "lane_bytes": lane.size if lane else None,
-            "ephemeral_limit": enforced,
-            "over_lane": (f"measured {ephemeral} B over the {lane.size} B lane; being moved"
-                          if over and lane is not None else ""),
+            "ephemeral_limit": ("enforced at iteration boundaries: the job ends once it "
+                                "measures more than it asked for (--mem)"
+                                if requested is not None and enforced == "accounted"
+                                else enforced),
+            "requested_bytes": requested,  # --mem: its lane at admission and its cap
+            "over_lane": (f"measured {format_size(ephemeral)} over the "
+                          f"{format_size(lane.size)} lane; being moved"
+                          if over and lane is not None and ephemeral is not None else ""),
             "measured_by": ("CUDA caching allocator peak" if record.device_kind == "cuda" else
                             "executor's peak resident memory above its state (VmHWM), every "
                             f"call; overshoots under {RSS_NOISE_BYTES >> 20} MiB are noise"),

@@ -9,9 +9,10 @@ on-failure` (a Kubernetes Job's `restartPolicy: OnFailure`) a command that exits
 whose executor dies, runs again in a fresh executor, at most `max_restarts` times, keeping the
 job, its lane and its `salus.resume_dir()`; the client of `salusd run` stays attached across
 reruns (the daemon keeps a duplicate of its socket, on which each rerun asks for its stdio). Its
-process cannot outlive the daemon: after a restart the job is reported failed, saying so, or
-with `on-failure` its command runs again (output to the job's log); its checkpoints are its
-own, in `salus.resume_dir()`.
+process cannot outlive the daemon: when salusd stops it sends the command SIGTERM and waits for it
+up to `script_grace_s` (its handler may save a checkpoint and exit), then kills it; after the
+restart the job is reported failed, saying so, or with `on-failure` its command runs again
+(output to the job's log); its checkpoints are its own, in `salus.resume_dir()`.
 
 A torchrun command (`python -m torch.distributed.run --nproc-per-node N train.py`,
 `torchrun.py`) is a gang script job: one executor per rank, each on its own device, runs
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -40,11 +42,12 @@ from typing import Any
 from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.outbox import OnDone, Sent
-from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord
+from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord, requested_memory
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import RESTARTING, Script
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
 
+log = logging.getLogger("salusd.engine")
 RESTART_POLICIES = ("never", "on-failure")
 MAX_RESTARTS = 3  # as many as a Kubernetes Job's default backoffLimit would allow, about
 MAX_RESTARTS_LIMIT = 1000
@@ -52,6 +55,13 @@ MAX_ARGS = 4096
 MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
 MAX_TIME_LIMIT_S = 366 * 86400.0
+MAX_GRACE_S = 3600.0  # a job's own grace; a stopping salusd waits at most its --script-grace
+MAX_MEM_BYTES = 2**50
+CANNOT_START = 125  # a command that could not start, as env(1) and container runners say
+MAX_ARRAY_INDEX = 2**31 - 1
+# A job array's task: its index and the array's job id, as Slurm's SLURM_ARRAY_TASK_ID and
+# SLURM_ARRAY_JOB_ID.
+ARRAY_INDEX_ENV, ARRAY_JOB_ENV = "SALUS_ARRAY_INDEX", "SALUS_ARRAY_JOB_ID"
 LIMIT_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                            signal.SIGUSR2})
 
@@ -62,7 +72,12 @@ class ScriptCommand:
     shell), in directory `cwd`, with environment `env`, and its restart policy; its time limit
     (`time_limit_s`, seconds from its start; None: none) and the signal its command gets
     `signal_before_s` before it (`signal`, a number; None: none), as Slurm's `--time` and
-    `--signal`. `launch` is what a torchrun command asks for (None: any other command)."""
+    `--signal`; its grace (`grace_s`, seconds between SIGTERM and SIGKILL when it is cancelled
+    or hits its limit; None: the daemon's `--script-grace`), as Kubernetes'
+    `terminationGracePeriodSeconds`; its device-memory request (`mem_bytes`, Slurm's `--mem`;
+    None: sized from what it measures); for a task of a job array (`salusd run --array`), its
+    index and the array's job id, the first task's (None for the first task itself). `launch`
+    is what a torchrun command asks for (None: any other command)."""
 
     command: tuple[str, ...]
     cwd: str
@@ -72,6 +87,10 @@ class ScriptCommand:
     time_limit_s: float | None = None
     signal: int | None = None
     signal_before_s: float = 0.0
+    grace_s: float | None = None
+    mem_bytes: int | None = None
+    array_index: int | None = None
+    array_job: int | None = None  # the array's first job (None: this one is)
     launch: torchrun.Launch | None = field(init=False, default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -181,6 +200,35 @@ def with_limits(command: ScriptCommand, time_limit_s: object, signum: object,
                                signal_before_s=before)
 
 
+def with_grace(command: ScriptCommand, grace_s: object) -> ScriptCommand:
+    """`command` with a request's `grace_s` (None: the daemon's); BadRequest when it is not
+    seconds from 0 to `MAX_GRACE_S`."""
+    if grace_s is None:
+        return command
+    return dataclasses.replace(command, grace_s=_seconds(grace_s, "grace_s", MAX_GRACE_S))
+def with_memory(command: ScriptCommand, mem_bytes: object) -> ScriptCommand:
+    """`command` with a request's `mem_bytes` (may be left out); BadRequest names what is
+    wrong. Whether a device can hold it is the engine's check."""
+    if mem_bytes is None:
+        return command
+    if type(mem_bytes) is not int or not 0 < mem_bytes <= MAX_MEM_BYTES:
+        raise BadRequest(f"'mem_bytes' must be an integer from 1 to {MAX_MEM_BYTES} (bytes)")
+    return dataclasses.replace(command, mem_bytes=mem_bytes)
+
+
+def with_array(command: ScriptCommand, index: object, job: object) -> ScriptCommand:
+    """`command` as task `index` of the job array whose first job is `job` (both may be left
+    out; `job` also for the first task itself); BadRequest names what is wrong."""
+    if index is None and job is None:
+        return command
+    if type(index) is not int or not 0 <= index <= MAX_ARRAY_INDEX:
+        raise BadRequest(f"'array_index' must be an integer from 0 to {MAX_ARRAY_INDEX}")
+    if job is not None and (type(job) is not int or not 0 < job < 2**63):
+        raise BadRequest("'array_job' must be a job id")
+    return dataclasses.replace(command, array_index=index,
+                               array_job=job if type(job) is int else None)
+
+
 def _seconds(value: object, name: str, most: float) -> float:
     if type(value) not in (int, float) or not 0 <= float(value) <= most:  # type: ignore[arg-type]
         raise BadRequest(f"'{name}' must be seconds from 0 to {most:g}")
@@ -196,6 +244,15 @@ def spec(command: ScriptCommand) -> dict[str, Any]:
         out["devices"] = command.ranks  # a gang (`JobRecord.gang`)
     if command.restart == "on-failure":
         out["env"] = command.env
+    if command.grace_s is not None:
+        out["grace_s"] = command.grace_s
+    if command.mem_bytes is not None:
+        out["mem_bytes"] = command.mem_bytes
+    if command.time_limit_s is not None:
+        out.update(time_limit_s=command.time_limit_s, signal=command.signal,
+                   signal_before_s=command.signal_before_s)
+    if command.array_index is not None:
+        out.update(array_index=command.array_index, array_job=command.array_job)
     return out
 
 
@@ -224,12 +281,16 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
                 record.phase = "attached" if record.phase == "open" else record.phase
             else:
                 who = f"rank {rank}: " if record.gang > 1 else ""
+                record.exit_status = CANNOT_START
                 core.end(record, "failed", f"the script could not start: {who}"
                          f"{str(meta.get('message', 'no reason given'))[:2000]}")
         return done
 
     # The job's id and name in its environment, as Slurm's SLURM_JOB_ID and SLURM_JOB_NAME.
     env = {**command.env, JOB_ID_ENV: str(record.job_id), JOB_NAME_ENV: record.name}
+    if command.array_index is not None:
+        env.update({ARRAY_INDEX_ENV: str(command.array_index),
+                    ARRAY_JOB_ENV: str(command.array_job or record.job_id)})
     launch = command.launch
     port = _store_port(launch) if launch is not None else 0
     for rank, executor in enumerate(record.replicas):
@@ -263,9 +324,14 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any], rank: int = 0) -
     if record.gang > 1:
         _rank_exited(core, record, rank, code)
         return
+    record.exit_status, record.signal = code, None
     if not record.live:  # cancelled: its command ended within its grace
         record.grace = False
         core.finalize(record)
+        return
+    if core.stopping:  # on salusd's SIGTERM: the job stays, restored (or rerun) at the next start
+        log.info("job %d's command exited with status %d as salusd stops", record.job_id, code)
+        core.outbox.retire_all(record, "shutting_down", "salusd is shutting down")
         return
     why = f"its command exited with status {code}: {_shown(record)}"
     if code != 0 and may_rerun(core, record):
@@ -285,11 +351,12 @@ def _rank_exited(core: Core, record: JobRecord, rank: int, code: int) -> None:
     assert state is not None
     state.exits[rank] = code
     state.ready.discard(rank)
+    if record.live:  # the gang's status: its first failed rank's, else 0
+        record.exit_status, record.signal = code, None
     if not record.live:  # ended meanwhile: its client hears the status now
         core.outbox.retire(record.replicas[rank], "job_failed" if record.end_state == "failed"
                            else "job_cancelled", f"job {record.job_id} has {record.end_state}")
-        if len(state.exits) == record.gang:
-            record.grace = False
+        settle_grace(core, record)
         return
     if code != 0:
         core.end(record, "failed", f"rank {rank}: its command exited with status {code}: "
@@ -297,6 +364,15 @@ def _rank_exited(core: Core, record: JobRecord, rank: int, code: int) -> None:
     elif len(state.exits) == record.gang:
         core.end(record, "finished", f"its command exited with status 0 on all "
                  f"{record.gang} ranks: {_shown(record)}")
+
+
+def settle_grace(core: Core, record: JobRecord) -> None:
+    """An ended gang's grace is over once none of its ranks runs its command any more (each
+    exited, or its executor is gone)."""
+    state = record.script
+    if state is not None and all(rank in state.exits or not core.outbox.alive(executor)
+                                 for rank, executor in enumerate(record.replicas)):
+        record.grace = False
 
 
 def rank_ready(record: JobRecord, rank: int) -> bool:
@@ -319,6 +395,43 @@ def turn_due(record: JobRecord) -> bool:
         return False
     state.ready.clear()
     return True
+
+
+def stop_all(core: Core) -> int:
+    """salusd is stopping: SIGTERM to every live script job's command (as `end` does for one
+    job); the number of jobs signalled."""
+    signalled = 0
+    for record in core.registry:
+        if record.live and record.script is not None and not record.grace and any(
+                core.outbox.alive(executor) for executor in record.replicas):
+            for rank, executor in enumerate(record.replicas):
+                if rank not in record.script.exits:  # a gang's rank that exited drains
+                    core.outbox.signal(executor, signal.SIGTERM)
+            signalled += 1
+    return signalled
+
+
+def running(core: Core) -> bool:
+    """Whether a live script job's command still runs (shutdown waits for these)."""
+    return any(record.script is not None and any(
+        core.outbox.alive(executor) for executor in record.replicas) for record in core.registry)
+def died(record: JobRecord, exit_code: int | None) -> None:
+    """The script job's executor process, which runs its command, ended with `exit_code`
+    (-N: signal N; None: unknown) without the command's status: recorded as a shell reports
+    it (128 + N for signal N), and a command whose executor went before it started as one
+    that could not start. Not for a job that ended otherwise, nor a run already over (its
+    command's own status stands)."""
+    state = record.script
+    if state is None or state.restarting or not (record.live or record.grace):
+        return
+    if record.gang > 1 and not record.live:  # a gang's status is its first failed rank's
+        return
+    if exit_code is not None:
+        record.signal = -exit_code if exit_code < 0 else None
+        record.exit_status = 128 - exit_code if exit_code < 0 else exit_code
+    elif not record.direct:
+        record.exit_status = CANNOT_START
+    record.grace = False  # its command is over
 
 
 def may_rerun(core: Core, record: JobRecord) -> bool:
@@ -371,7 +484,10 @@ def view(record: JobRecord) -> dict[str, Any] | None:
     state = record.script
     if state is None:
         return None
+    array = state.command.array_index
     return {"restart": state.command.restart, "restarts": state.restarts,
+            "array": None if array is None else {"job": state.command.array_job
+                                                 or record.job_id, "index": array},
             "max_restarts": state.command.max_restarts, "last_failure": state.last_failure,
             "swap": state.swap or None}
 
@@ -413,20 +529,37 @@ def progress(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
             core.dispatch.set_total(record.job_id, max_steps)
 
 
-def restored(core: Core, record: JobRecord) -> None:
+def restored(core: Core, record: JobRecord, restarts: int) -> None:
     """The daemon restarted while the job's command ran: its process is gone. With
-    `--restart on-failure` the command runs again (its output to the job's log), else the job
-    fails saying so."""
+    `--restart on-failure` and reruns left (it had `restarts`) the command runs again (its
+    output to the job's log), a rerun counted as any other; else the job fails saying so."""
     why = (f"salusd restarted while job {record.job_id} ran its command "
            f"({_shown(record)}), whose process ended with it")
     if record.spec.get("restart") != "on-failure":
         core.end(record, "failed", why + "; run it with --restart on-failure (and keep its "
                  "checkpoints in salus.resume_dir()) to have it rerun")
         return
-    core.event("restart", record.job_id, reason=why)
-    start(core, record, ScriptCommand(tuple(record.spec["command"]), str(record.spec["cwd"]),
-                                      dict(record.spec.get("env", {})), "on-failure",
-                                      int(record.spec.get("max_restarts", MAX_RESTARTS))), None)
+    command = stored(record)
+    record.script = ScriptState(command, restarts=restarts, last_failure=why)
+    if restarts >= command.max_restarts:
+        core.end(record, "failed", failed_reason(record, why))
+        return
+    record.script.restarts += 1
+    core.event("restart", record.job_id, reason=why, restarts=record.script.restarts)
+    start(core, record, command, None)
+
+
+def stored(record: JobRecord) -> ScriptCommand:
+    """The command the durable registry kept of the job (`spec`)."""
+    spec = record.spec
+    command = ScriptCommand(tuple(spec["command"]), str(spec["cwd"]), dict(spec.get("env", {})),
+                            str(spec.get("restart", "never")),
+                            int(spec.get("max_restarts", MAX_RESTARTS)),
+                            mem_bytes=requested_memory(record))
+    command = with_array(command, spec.get("array_index"), spec.get("array_job"))
+    command = with_grace(command, spec.get("grace_s"))
+    return with_limits(command, spec.get("time_limit_s"), spec.get("signal"),
+                       spec.get("signal_before_s"))
 
 
 def _shown(record: JobRecord) -> str:

@@ -11,8 +11,9 @@ import logging
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.leases import Leases
+from salus.daemon.engine.ledger import aligned
 from salus.daemon.engine.outbox import Sent
-from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.wire.executor_ops import Place, Run, Step, SwapOut
 from salus.scheduler.dispatch import Start
 
@@ -75,10 +76,13 @@ class Stepper:
             replica = lanes.index((p.device, p.lane_id))
             # The cap also holds the executor's cuBLAS workspaces, booked with its context.
             workspace = core.config.workspace_bytes[p.device]
+            # A job that asked for its memory (--mem) is capped at that in a larger lane.
+            requested = requested_memory(record)
+            lane = p.lane_bytes if requested is None else min(p.lane_bytes, aligned(requested))
             core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
-                core.config.torch_devices[p.device], job.persistent_bytes + p.lane_bytes,
+                core.config.torch_devices[p.device], job.persistent_bytes + lane,
                 core.config.compute_slowdowns[p.device], lane=p.lane_id,
-                lane_bytes=p.lane_bytes, workspace_bytes=workspace or None))
+                lane_bytes=lane, workspace_bytes=workspace or None))
 
     def _reconcile(self) -> None:
         """Make each device's ledger hold exactly the scheduler's bookings: every placed job's

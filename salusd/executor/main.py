@@ -181,10 +181,12 @@ class Executor:
 
     def _switch(self, slot: Slot) -> None:
         """Make `slot`'s job the one whose code runs: its CPU random generator, working
-        directory and output in; the peak meter's baseline taken with every job's state."""
+        directory, output and process group in; the peak meter's baseline taken with every
+        job's state."""
         previous = self.current
         if previous is slot:
             return
+        slot.group.enter()
         if previous is not None:
             previous.rng = torch.get_rng_state()
         if slot.rng is not None:
@@ -250,6 +252,7 @@ class Executor:
                         _error(LookupError(f"no job {job} here")) if with_frame else None)
             return False
         if isinstance(message, Script):  # a script job: this process runs it to its end
+            slot.group.end()  # its command runs in the executor's own group (`job_group.py`)
             return script.run(self.daemon, message, request, job, not slot.estimated,
                               slot.log, slot.cwd)
         reply, forward = turns.answer(Contract(self, slot), message, request, self.cap)
@@ -270,6 +273,7 @@ class Executor:
                                    message.cwd, message.log, not message.estimate)
             self._reply(job, Ack(), None)
             return
+        slot: Slot | None = None
         try:
             payload = request.get("bundle") if isinstance(request, dict) else None
             if not isinstance(payload, PickledPayload):
@@ -283,6 +287,8 @@ class Executor:
             slot.queue.extend(bundle["queued"])
             slot.turn.asked = bundle["asked"]
         except Exception as exc:
+            if slot is not None:
+                slot.group.end()
             for fd in (passed_fd(sock), passed_fd(pool)):
                 if fd is not None:
                     os.close(fd)
@@ -329,7 +335,9 @@ class Executor:
         self._drop(slot)  # the socket went with the bundle: closing this copy leaves it open
 
     def _drop(self, slot: Slot) -> None:
-        """Stop hosting the job; its client's channel closes here unless it was handed on."""
+        """Stop hosting the job; its client's channel closes here unless it was handed on, and
+        the processes its code started here end (they cannot follow it to another process)."""
+        slot.group.end()
         self._close_channel(slot)
         self.slots.pop(slot.job, None)
         assert self.streams is not None

@@ -215,7 +215,8 @@ class Streams:
 
 def install() -> Streams:
     """Make what jobs print go to their own sinks (`Streams.use`); the executor's own log
-    records keep going to the daemon's log."""
+    records keep going to its stderr, the zygote's output pipe, whose lines the daemon logs
+    (`zygotes.OutputRelay`)."""
     fallback: dict[str, TextIO] = {"stdout": sys.stdout, "stderr": sys.stderr}
     handler = logging.StreamHandler(fallback["stderr"])
     handler.setLevel(logging.WARNING)

@@ -190,8 +190,9 @@ def _install_stdio(fds: list[int]) -> None:
 
 
 def _keep_daemon_log() -> TextIO:
-    """The executor's own log records keep going where they went (the daemon's stderr), not
-    into the script's stderr."""
+    """The executor's own log records keep going where they went (the zygote's output pipe,
+    whose lines the daemon logs as executor output: `zygotes.OutputRelay`), not into the
+    script's stderr."""
     stream = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
     handlers = [h for logger in (logging.getLogger(), logging.getLogger("salusd"))
                 for h in logger.handlers if isinstance(h, logging.StreamHandler)]
@@ -206,7 +207,7 @@ def _keep_daemon_log() -> TextIO:
 
 def _pump_to_log(path: str | None, fallback: TextIO) -> Callable[[], None] | None:
     """Without a client: stdin is empty, and fds 1 and 2 are one pipe whose lines go to the
-    job's log file (`path`; None: the daemon's log, where they went before). Returns what
+    job's log file (`path`; None: the zygote's output pipe, where they went before). Returns what
     waits for the pipe's last lines once the script is done."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -2,8 +2,9 @@
 
 An executor process hosts the jobs of one owner in one lane (`salusd/supervisor.py`). What is
 process-wide in torch and the OS but belongs to a job — the CPU random generator, the working
-directory, where `print` goes, the peak meter's baseline — is swapped in by `Executor._switch`
-before any of the job's code runs, so each job sees only its own.
+directory, where `print` goes, the peak meter's baseline, the process group its children are
+born in (`job_group.py`) — is swapped in by `Executor._switch` before any of the job's code
+runs, so each job sees only its own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from salus.daemon.executor.job_group import JobGroup
 from salus.daemon.executor.output import OutputSink
 from salus.daemon.executor.runtime import JobRuntime
 from salus.daemon.executor.turns import Turn
@@ -37,3 +39,4 @@ class Slot:
         self.rng: torch.Tensor | None = None  # its CPU generator while another job's code ran
         self.lane_bytes = 0  # its lane's size where it was placed (bytes)
         self.shared_lane = False  # other processes run in its lane: release cached memory
+        self.group = JobGroup()  # the processes its code started, ended with it here

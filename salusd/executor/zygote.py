@@ -17,7 +17,9 @@ Nothing outlives the daemon or a job: the zygote gets SIGTERM when the daemon di
 process group, gets SIGKILL when the zygote dies, and is a child subreaper
 (`PR_SET_CHILD_SUBREAPER`), so its orphaned descendants stay in its tree. When an executor
 exits, the zygote kills its process group and every other process left reparented to the
-zygote (itself a subreaper): what a job forked dies with the job.
+zygote (itself a subreaper): what a job forked dies with the job. An executor that serves
+several jobs runs each contract job's code in a process group of the job's own and ends that
+group when the job ends there (`job_group.py`).
 """
 
 from __future__ import annotations

@@ -28,9 +28,11 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     priority   job, priority                           daemon        None
     run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
                priority?, devices?, restart?,          a script job; its executor
-               max_restarts? (+ the client's end of    runs `command` as the
-               a socket pair)                                        caller, its stdio the
-                                                                     client's (sent on the pair)
+               max_restarts?, time_limit_s?,           runs `command` as the
+               signal?, signal_before_s?, mem_bytes?,  caller, its stdio the
+               after? (job ids: start once they        client's (sent on the pair)
+               finished), array_index?, array_job?
+               (+ the client's end of a socket pair)
     socket     (+ the client's end of a socket pair)   daemon        None: the next `run`, of a
                                                                      torchrun gang, gives it to
                                                                      rank 1, the next to rank 2..
@@ -40,6 +42,9 @@ functions and arguments it carries stay pickled and go to the job's executor unt
                                                                      `offset` (default: its last
                                                                      64 KiB), the offset to go on
                                                                      from, whether the job ended
+                                                                     (also a job that ended before
+                                                                     salusd restarted, from the
+                                                                     registry, as REST finds it)
 """
 
 from __future__ import annotations
@@ -50,10 +55,11 @@ from typing import TYPE_CHECKING, Any
 
 from salus.daemon.engine import scripts
 from salus.daemon.engine.engine import Engine, ok_frame
-from salus.daemon.engine.registry import JobRecord
+from salus.daemon.engine.registry import JobRecord, parse_id
 from salus.daemon.engine.report import job_info, snapshot
+from salus.daemon.owners import as_caller
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
-from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown
+from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown, UnknownJob
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
     DEFAULT_MAX_FRAME_BYTES,
@@ -71,6 +77,7 @@ from salus.daemon.zygotes import other_interpreter
 
 if TYPE_CHECKING:
     from salus.daemon.frontend.server import Client
+    from salus.daemon.state.store import Store
 
 Answer = Callable[[RawFrame], None]
 MAX_FUNCTIONS = 1024
@@ -100,8 +107,9 @@ class Handlers:
     """Routes each request of a connection to the engine."""
 
     def __init__(self, engine: Engine, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None, store: Store | None = None) -> None:
         self.engine = engine
+        self.store = store  # the durable registry: jobs that ended before the last restart
         self.max_frame_bytes = max_frame_bytes
         self.state_dir = state_dir  # said in `ping`: where the operator's CLI finds the REST API
         self._ops: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
@@ -212,10 +220,15 @@ class Handlers:
             command = scripts.with_limits(command, request.get("time_limit_s"),
                                           request.get("signal"),
                                           request.get("signal_before_s"))
+            command = scripts.with_grace(command, request.get("grace_s"))
+            command = scripts.with_memory(command, request.get("mem_bytes"))
+            command = scripts.with_array(command, request.get("array_index"),
+                                         request.get("array_job"))
+            command = as_caller(client.owner, command)
             record = self.engine.run_script(
                 client.owner, request.get("name"), request.get("iterations"), command, ranks,
                 priority=check_priority(request.get("priority", 1.0)),
-                devices=request.get("devices"))
+                devices=request.get("devices"), after=request.get("after"))
         except BaseException:
             for rank in ranks[1:]:  # the server closes the run frame's own
                 rank.close_fd()
@@ -272,20 +285,36 @@ class Handlers:
         return snap
 
     def _logs(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
-        record = self._record(client, request)
         offset = request.get("offset")
         if offset is not None and (type(offset) is not int or offset < 0):
             raise BadRequest("'logs' field 'offset' must be a byte offset (an int >= 0)")
-        if record.checkpoint_dir is None:
-            raise BadRequest(f"job {record.job_id} has no output file: salusd keeps them in "
+        try:
+            record = self._record(client, request)
+            job_id, folder, uid = record.job_id, record.checkpoint_dir, record.owner.uid
+            ended = not record.live
+        except UnknownJob:
+            job_id, folder, uid = self._stored_output(client, request.get("job"))
+            ended = True
+        if folder is None:
+            raise BadRequest(f"job {job_id} has no output file: salusd keeps them in "
                              "its state dir, and runs without one")
         try:
-            data, offset = read_output(output_path(record.checkpoint_dir), offset,
-                                       writer_uid(record.owner.uid))
+            data, offset = read_output(output_path(folder), offset, writer_uid(uid))
         except PermissionError as exc:
             raise Conflict(str(exc)) from None
-        return {"text": data.decode("utf-8", "replace"), "offset": offset,
-                "ended": not record.live}
+        return {"text": data.decode("utf-8", "replace"), "offset": offset, "ended": ended}
+
+    def _stored_output(self, client: Client, job: object) -> tuple[int, str, int]:
+        """A job only the durable registry knows (it ended before the last restart): its id,
+        its folder in the state dir and its owner's uid, if the client may read it; else
+        UnknownJob, as for any job the engine does not know."""
+        policy = self.engine.core.config.checkpoints
+        row = None if self.store is None else self.store.get_job(parse_id(job))
+        if row is None or policy is None:
+            raise UnknownJob(f"no job {parse_id(job)} in this daemon")
+        if row.uid != client.owner.uid and not client.owner.is_admin:
+            raise NotOwner(f"job {row.id} belongs to {row.owner}, not {client.owner.name}")
+        return row.id, os.path.join(policy.root, str(row.id)), row.uid
 
     def _suspend(self, client: Client, request: dict[str, Any]) -> None:
         swap = request.get("swap", False)

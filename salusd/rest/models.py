@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from salus.scheduler.policies import POLICIES
 
 MAX_ITERATIONS = 2**53
 
@@ -71,6 +73,14 @@ class JobOut(BaseModel):
     kind: Literal["interactive", "batch", "script"]
     state: str
     reason: str
+    exit_status: int | None = Field(default=None, description="a script job's command's exit "
+                                    "status, as a shell reports it: 128 + N when signal N "
+                                    "ended it, 125 when it could not start; null while it "
+                                    "runs or when it never ran")
+    signal: int | None = Field(default=None, description="the signal that ended a script "
+                               "job's command (15: SIGTERM, 9: SIGKILL), else null")
+    limit: Literal["time", "memory"] | None = Field(default=None, description="the limit that "
+                                                    "ended the job: its --time or its --mem")
     iterations_done: int
     iterations_total: int
     device: int | None
@@ -82,6 +92,12 @@ class JobOut(BaseModel):
     ephemeral_bytes: int | None = Field(description="measured peak per call above the state, "
                                         "else the admission estimate")
     lane_bytes: int | None
+    mem_bytes: int | None = Field(default=None, description="the device memory a script job "
+                                  "asked for (--mem): its lane at admission and its cap")
+    after: list[int] | None = Field(default=None, description="the jobs a script job runs "
+                                    "after (--after)")
+    waiting_for: list[int] = Field(default_factory=list, description="those of them that "
+                                   "have not finished yet (the job is pending until then)")
     checkpoint: Checkpoint | None
     resumed_from: int | None
     swapped: bool = Field(default=False, description="its state was moved to host memory")
@@ -123,6 +139,24 @@ class JobSubmit(Strict):
         "its process dies or salusd restarts while it runs: fail it, or run its command again")
     max_restarts: int = Field(default=3, ge=0, le=1000, description="with restart "
                               "on-failure, at most this many reruns")
+    time_limit_s: float | None = Field(
+        default=None, ge=0, le=366 * 86400, description="a script job's time limit (seconds "
+        "from its start, as Slurm's --time): then SIGTERM, SIGKILL after its grace, and the "
+        "job fails saying it hit its time limit")
+    signal: Literal[1, 2, 10, 12, 15] | None = Field(
+        default=None, description="with time_limit_s: the signal number (HUP, INT, USR1, USR2, "
+        "TERM) sent signal_before_s before the limit, as Slurm's --signal")
+    signal_before_s: float | None = Field(default=None, ge=0, le=366 * 86400)
+    grace_s: float | None = Field(
+        default=None, ge=0, le=3600, description="a script job's seconds between SIGTERM and "
+        "SIGKILL when it is cancelled or hits its limit (default: the daemon's --script-grace)")
+    mem_bytes: int | None = Field(default=None, ge=1, le=2**50, description="a script job's "
+                                  "device-memory request (bytes), as Slurm's --mem: its lane "
+                                  "at admission and its cap")
+    after: list[Annotated[int, Field(ge=1, le=2**63 - 1)]] | None = Field(
+        default=None, min_length=1, max_length=64, description="a script job starts once these "
+        "jobs have finished, and fails when one of them fails or is cancelled (Slurm's "
+        "--dependency=afterok)")
     iterations: int | None = Field(default=None, ge=1, le=MAX_ITERATIONS,
                                    description="required for a batch job; a script job's "
                                    "planned iterations (optimizer steps), for SRTF")
@@ -149,8 +183,15 @@ class JobSubmit(Strict):
         if (self.entrypoint is None) == (self.command is None):
             raise ValueError("give either 'entrypoint' (a batch job) or 'command' (a script "
                              "job)")
-        if self.command is None and (self.cwd is not None or self.env is not None):
-            raise ValueError("'cwd' and 'env' are a script job's: give 'command' too")
+        if self.command is None and any(v is not None for v in (
+                self.cwd, self.env, self.time_limit_s, self.signal, self.signal_before_s,
+                self.grace_s, self.mem_bytes, self.after)):
+            raise ValueError("'cwd', 'env', 'time_limit_s', 'signal', 'signal_before_s', "
+                             "'grace_s', 'mem_bytes' and 'after' are a script job's: give "
+                             "'command' too")
+        if self.time_limit_s is None and (self.signal is not None
+                                          or self.signal_before_s is not None):
+            raise ValueError("'signal' and 'signal_before_s' go with 'time_limit_s'")
         if self.command is not None and self.cwd is None:
             raise ValueError("a script job needs 'cwd', the absolute directory it runs in")
         if self.entrypoint is not None and self.iterations is None:
@@ -178,7 +219,15 @@ class Priority(Strict):
 
 
 class PolicyIn(Strict):
-    policy: Literal["fifo", "srtf", "fair", "pack"]
+    policy: str = Field(description=f"one of {', '.join(POLICIES)}")
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value[:100]!r}; choose one of "
+                             f"{', '.join(POLICIES)}")
+        return value
 
 
 class PolicyOut(BaseModel):

@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
 from salus.daemon.engine import scripts
+from salus.daemon.owners import as_caller
 from salus.daemon.rest.auth import Principal, principal
 from salus.daemon.rest.context import Context, check_owner, context
 from salus.daemon.rest.models import (
@@ -115,6 +116,11 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     if body.command is not None:
         command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
                                 body.restart, body.max_restarts)
+        command = scripts.with_limits(command, body.time_limit_s, body.signal,
+                                      body.signal_before_s)
+        command = scripts.with_grace(command, body.grace_s)
+        command = scripts.with_memory(command, body.mem_bytes)
+        command = await run_in_threadpool(as_caller, who.owner, command)
 
         # A torchrun command runs its ranks as a gang, one per device (`devices`: as many).
         devices = body.devices if "devices" in body.model_fields_set else None
@@ -122,7 +128,8 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
         def run() -> JobOut:
             record = ctx.engine.run_script(who.owner, body.name,
                                            body.iterations or MAX_ITERATIONS, command, None,
-                                           priority=body.priority, devices=devices)
+                                           priority=body.priority, devices=devices,
+                                           after=body.after)
             return job_out(ctx.engine, record)
         return await ctx.bridge.run(run)
     assert body.entrypoint is not None and body.iterations is not None

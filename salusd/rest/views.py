@@ -27,14 +27,16 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     return JobOut(
         id=record.job_id, name=record.name, owner=record.owner.name,
         kind="script" if is_script(record) else record.kind,
-        state=state, reason=record.reason,
+        state=state, reason=record.reason, exit_status=record.exit_status,
+        signal=record.signal, limit=record.limit,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
         devices=record.gang, nodes=record.nodes, priority=record.priority,
         persistent_bytes=record.persistent_bytes,
         ephemeral_bytes=ephemeral if ephemeral is not None else memory[
             "ephemeral_estimate_bytes"],
-        lane_bytes=memory["lane_bytes"], checkpoint=checkpoint,
+        lane_bytes=memory["lane_bytes"], mem_bytes=memory["requested_bytes"],
+        after=info["after"], waiting_for=info["waiting_for"], checkpoint=checkpoint,
         resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
         entrypoint=record.spec.get("entrypoint"), command=record.spec.get("command"),
         script=info["script"], last_loss=record.last_loss, cache=record.cache, comm=record.comm,
@@ -58,4 +60,7 @@ def row_out(row: JobRow) -> JobOut:
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
         entrypoint=row.spec.get("entrypoint"), command=row.spec.get("command"),
+        script=({"restart": row.spec.get("restart", "never"), "restarts": row.restarts,
+                 "max_restarts": row.spec.get("max_restarts")}
+                if "command" in row.spec else None),
         pipeline=row.spec.get("pipeline"))

@@ -77,12 +77,16 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             created REAL NOT NULL,
             revoked_at REAL)""",
     ),
+    (  # a script job's reruns, so that a rerun after a restart counts against max_restarts
+        "ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 _JOB_COLUMNS = ("id", "name", "owner", "uid", "gid", "kind", "spec", "state", "reason",
                 "iterations_done", "iterations_total", "priority", "checkpoint_iteration",
-                "checkpoint_time", "checkpoint_bytes", "checkpoint_path", "created", "updated")
+                "checkpoint_time", "checkpoint_bytes", "checkpoint_path", "created", "updated",
+                "restarts")
 # Who a job is and when it was made never change; `updated` is set by every update.
 _JOB_MUTABLE = frozenset(_JOB_COLUMNS) - {"id", "owner", "uid", "gid", "kind", "created",
                                           "updated"}
@@ -111,6 +115,7 @@ class JobRow:
     checkpoint_path: str | None
     created: float
     updated: float
+    restarts: int = 0  # a script job's reruns (`--restart on-failure`)
 
     @property
     def ended(self) -> bool:
@@ -244,6 +249,18 @@ class Store:
                         (*fields.values(), job_id))
             if cur.rowcount == 0:
                 raise KeyError(f"no job {job_id} in the registry")
+
+    def update_progress(self, done: dict[int, int]) -> None:
+        """Set `iterations_done` of each live job in `done` (job id -> iterations) in one
+        transaction; an ended job keeps what its end recorded, an unknown id is skipped."""
+        if not done:
+            return
+        now = self._clock()
+        marks = ", ".join("?" * len(ENDED_STATES))
+        with self._transaction() as cur:
+            cur.executemany(f"UPDATE jobs SET iterations_done = ?, updated = ? WHERE id = ? "
+                            f"AND state NOT IN ({marks})",
+                            [(int(n), now, job_id, *ENDED_STATES) for job_id, n in done.items()])
 
     def get_job(self, job_id: int) -> JobRow | None:
         rows = self._jobs("WHERE id = ?", (job_id,))
