@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-threads", metavar="N", type=int, default=None,
                        help="intra-op threads per torch op on CPU devices (default: half the "
                        "cores per CPU device, at least 1: lanes run in parallel and share them)")
-    serve.add_argument("--policy", default="pack", choices=list(POLICIES),
-                       help="iteration scheduling policy (default: pack)")
+    serve.add_argument("--policy", default=None, choices=list(POLICIES),
+                       help="iteration scheduling policy (default: the one last switched to "
+                       "live with `salusd policy`, kept in the state dir, else pack)")
     serve.add_argument("--group", metavar="NAME", default=None,
                        help="group that may use the socket (mode 0660)")
     serve.add_argument("--log-level", default="info",
@@ -316,6 +317,8 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         return 1
+    # Before it says it listens: a SIGTERM right after that line stops it cleanly.
+    daemon.install_signal_handlers()
     if cluster is not None:
         log.info("cluster: %s", cluster.describe())
     for d in devices:
@@ -323,13 +326,12 @@ def serve(args: argparse.Namespace) -> int:
                  format_size(d.memory_bytes), "" if d.compute_slowdown == 1.0 else
                  f", SIMULATED compute slowdown x{d.compute_slowdown:.3g}")
     log.info("policy %s; %d intra-op thread(s) per job; state in %s; running as %s",
-             args.policy, threads, state_dir,
+             daemon.policy, threads, state_dir,
              "root: each job runs as its owner" if os.geteuid() == 0 else
              "an ordinary user: jobs accepted from this user and root only")
     print(f"salusd listening on unix://{socket_path}", flush=True)
     if daemon.rest is not None:
         print(f"salusd REST API on {daemon.rest.url}", flush=True)
-    daemon.install_signal_handlers()
     daemon.run()
     return 0
 

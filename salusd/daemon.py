@@ -39,6 +39,7 @@ from salus.daemon.state.checkpoint_files import job_has_checkpoint
 from salus.daemon.state.store import Store, ensure_admin_token
 from salus.daemon.supervisor import Supervisor
 from salus.daemon.wire.errors import StateDiskFull
+from salus.scheduler.policies import POLICIES
 
 if TYPE_CHECKING:
     from salus.daemon.k8s.plugin import GpuMemPlugin
@@ -52,7 +53,7 @@ class DaemonConfig:
 
     socket_path: str
     devices: Sequence[DeviceSpec]
-    policy: str = "pack"
+    policy: str | None = None  # None: the policy last switched to live (the registry's), else pack
     threads: int = 1
     group: str | None = None
     max_connections: int = 1024
@@ -117,8 +118,9 @@ class Daemon:
                                            config.checkpoint_every, config.checkpoint_every_s)
         # What one more executor costs each device, booked per process (a CUDA context).
         self.contexts = [executor_cost(d, given=config.context_bytes) for d in config.devices]
+        self.policy = self._policy(config.policy)
         self.engine = Engine(
-            [d.memory_bytes for d in config.devices], config.policy, self.supervisor,
+            [d.memory_bytes for d in config.devices], self.policy, self.supervisor,
             clock=time.monotonic, timers=self.loop,
             torch_devices=[d.torch_device for d in config.devices], threads=config.threads,
             retention_s=config.retention_s, cancel_grace_s=config.cancel_grace_s,
@@ -275,6 +277,17 @@ class Daemon:
         if self.store is not None:
             self.store.close()
         log.info("stopped")
+
+    def _policy(self, given: str | None) -> str:
+        """The policy to start with: the one given, else the one last switched to live (kept
+        in the registry), else pack."""
+        if given is not None:
+            return given
+        kept = self.store.setting("policy") if self.store is not None else None
+        if kept is not None and kept not in POLICIES:
+            log.warning("the registry's policy %r is unknown to this salusd: using pack", kept)
+            kept = None
+        return kept or "pack"
 
     def _retire_executors(self, timeout_s: float = 3.0) -> None:
         """Ask every job's executor to exit, refusing the direct calls it holds with `salusd is

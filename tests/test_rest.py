@@ -127,13 +127,47 @@ def test_a_script_job_refused_at_submission_says_why_and_leaves_no_job(tmp_path)
                 (tmp_path / "a-file", sys.executable,
                  f"'cwd' {tmp_path / 'a-file'} is not a directory the job's owner can reach"),
                 (tmp_path, "no-such-python", "no-such-python: command not found on the job's "
-                 f"PATH ({os.defpath})"),
+                 f"PATH ({os.environ['PATH']})"),
                 (tmp_path, str(tmp_path / "a-file"), f"{tmp_path / 'a-file'} is not a file the "
                  "job's owner can execute")]:
             reply = client.post("/v1/jobs", json={"name": "s", "cwd": str(cwd),
                                                   "command": [python, "train.py"]})
             assert reply.status_code == 422 and why in reply.text, reply.text
         assert client.get("/v1/jobs").json() == []
+
+
+def test_a_rest_script_job_finds_python_on_the_daemons_path(tmp_path, monkeypatch):
+    """The README's REST example as written: `["python", ...]` and no `env` runs with the
+    daemon's PATH, where `python` is (before: the default /bin:/usr/bin, where it is not)."""
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    with _serve(tmp_path):
+        client = connect(tmp_path / "state")
+        reply = client.post("/v1/jobs", json={"name": "s", "cwd": str(tmp_path), "command": [
+            "python", "-c", "import sys; print(sys.prefix)"]})
+        assert reply.status_code == 201, reply.text
+        jid = reply.json()["id"]
+        done = wait_for(lambda: (j := job(client, jid))["state"] in ("finished", "failed")
+                        and j, "the job ended")
+        assert done["state"] == "finished", done
+        log = client.get(f"/v1/jobs/{jid}/log").text
+        assert log.strip() == sys.prefix, log
+
+
+def test_a_live_policy_switch_survives_a_restart_unless_serve_names_one(tmp_path):
+    """`PUT /v1/policy` is kept in the state dir: the next `salusd serve` without `--policy`
+    starts with it (before: with pack again); one given `--policy` starts with that."""
+    with _serve(tmp_path) as (proc, _):
+        client = connect(tmp_path / "state")
+        assert client.get("/v1/policy").json()["policy"] == "pack"
+        assert client.put("/v1/policy", json={"policy": "fair"}).status_code == 200
+        wait_for(lambda: client.get("/v1/policy").json() == {"policy": "fair", "pending": None},
+                 "the switch")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    for args, policy in (((), "fair"), (("--policy", "srtf"), "srtf")):
+        with _serve(tmp_path, *args):
+            client = connect(tmp_path / "state")
+            assert client.get("/v1/policy").json()["policy"] == policy, args
 
 
 def test_live_policy_switch_loses_no_job(tmp_path):

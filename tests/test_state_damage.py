@@ -89,7 +89,8 @@ def test_a_restored_job_with_every_checkpoint_unreadable_ends_failed_with_the_re
         assert listed[jid]["state"] == "failed" and listed[jid]["reason"] == view["reason"]
         status = subprocess.run(
             [sys.executable, "-m", "salus.daemon.cli", "status", "--state-dir",
-             str(tmp_path / "state"), "--json"], capture_output=True, text=True, timeout=60)
+             str(tmp_path / "state"), "--json", "--all"], capture_output=True, text=True,
+            timeout=60)
         (shown,) = [j for j in json.loads(status.stdout)["jobs"] if j["id"] == jid]
         assert shown["state"] == "failed" and "unreadable" in shown["reason"]
     assert manifests[0].read_text() == "damaged"  # left for inspection

@@ -28,6 +28,8 @@ class Updates(Protocol):
 
     def update_progress(self, done: dict[int, int]) -> None: ...
 
+    def set_setting(self, key: str, value: str) -> None: ...
+
 
 class Persistence:
     """Event subscriber: `engine.events.subscribe(Persistence(store).observe)`."""
@@ -40,6 +42,9 @@ class Persistence:
         self.written_t = float("-inf")  # engine time of the last progress write
 
     def observe(self, event: Event) -> None:
+        if event.kind == "policy":  # a live switch: the next start keeps it (`salusd serve`)
+            self.store.set_setting("policy", str(event.detail["policy"]))
+            return
         if event.job_id < 0:
             return
         fields = self._fields(event)

@@ -133,7 +133,7 @@ class JobSubmit(Strict):
     cwd: str | None = Field(default=None, min_length=1, max_length=4096,
                             description="a script job's working directory (absolute)")
     env: dict[str, str] | None = Field(default=None, description="a script job's environment "
-                                       "(default: HOME, USER, LOGNAME and a default PATH)")
+                                       "(default: HOME, USER, LOGNAME and the daemon's PATH)")
     restart: Literal["never", "on-failure"] = Field(
         default="never", description="a script job's policy when its command exits non-zero, "
         "its process dies or salusd restarts while it runs: fail it, or run its command again")

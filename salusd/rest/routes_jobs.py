@@ -145,15 +145,16 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
 
 
 def _script_env(who: Principal, env: dict[str, str] | None) -> dict[str, str]:
-    """A REST script job's environment: the owner's name and home and a default PATH, then
-    what the request gives."""
+    """A REST script job's environment: the owner's name and home and the daemon's `PATH` (a
+    submitter's shell has one, a REST body often none), then what the request gives."""
     try:
         entry = pwd.getpwuid(who.owner.uid)
         home = entry.pw_dir
     except KeyError:
         home = "/"
     name = who.owner.name
-    return {"HOME": home, "USER": name, "LOGNAME": name, "PATH": os.defpath, **(env or {})}
+    return {"HOME": home, "USER": name, "LOGNAME": name,
+            "PATH": os.environ.get("PATH", os.defpath), **(env or {})}
 
 
 def resolve_entrypoint(job_root: str, entrypoint: str) -> tuple[str, str]:

@@ -80,6 +80,9 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (  # a script job's reruns, so that a rerun after a restart counts against max_restarts
         "ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0",
     ),
+    (  # the daemon's own settings made live (the policy), kept across restarts
+        "CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -290,6 +293,18 @@ class Store:
             return cur.rowcount
 
     # ---- tokens -------------------------------------------------------------------------------
+    def setting(self, key: str) -> str | None:
+        """A setting made live (`set_setting`), or None."""
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM settings WHERE key = ?",
+                                     (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_setting(self, key: str, value: str) -> None:
+        with self._transaction() as cur:
+            cur.execute("INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT (key) DO "
+                        "UPDATE SET value = excluded.value", (key, value))
+
     def add_token(self, name: str, owner: str, uid: int, gid: int) -> str:
         """Create the API token `name` for `owner` and return it in clear, the only time it is
         ever available: only its hash is stored. A revoked name may be reused; an active one
