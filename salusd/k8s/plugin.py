@@ -237,8 +237,10 @@ class GpuMemPlugin:
                            f"{self.config.unlisted_grace_s:g} s")
 
     def _free(self, allocation: Allocation, why: str) -> None:
-        self.table.remove(allocation.id)
+        # The directory first: once the table no longer lists the allocation, nothing of it
+        # is left on the node.
         self._remove_directory(allocation)
+        self.table.remove(allocation.id)
         log.info("allocation %s (%d GiB of %s) freed: %s", allocation.id, allocation.units,
                  allocation.uuid, why)
 
