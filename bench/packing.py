@@ -45,37 +45,7 @@ from typing import Any
 
 from salus.daemon.launch import DaemonProcess, running_daemon
 from salus.demo.jobs import Launched, launch
-
-
-def _memory(pid: int) -> tuple[int, int]:
-    """(PSS, RSS) of one process, bytes."""
-    fields = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 2 and parts[1].isdigit():
-                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return fields.get("Pss", 0), fields.get("Rss", 0)
-
-
-def _tree(pid: int) -> list[int]:
-    """`pid` and all its descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in os.listdir(f"/proc/{p}/task"):
-            with open(f"/proc/{p}/task/{task}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-    return out
-
-
-def _group(pids: list[int]) -> tuple[int, int]:
-    pss = rss = 0
-    for pid in pids:
-        p, r = _memory(pid)
-        pss, rss = pss + p, rss + r
-    return pss, rss
+from salus.demo.scripts import group_memory, memory, tree
 
 
 def _daemon(tmp: Path, policy: str, devices: int) -> AbstractContextManager[DaemonProcess]:
@@ -230,16 +200,16 @@ def _inference(tmp: Path, devices: int) -> dict[str, Any]:
     infer = ["infer-mlp"] * 16
     with (_daemon(tmp, "pack", devices) as daemon,
           Launched(infer, daemon.address, hold=True) as group):
-        tree = _tree(daemon.pid)
-        daemon_pss, daemon_rss = _group(tree)
-        by_process = {pid: _memory(pid)[0] for pid in tree}
+        pids = tree(daemon.pid)
+        daemon_pss, daemon_rss = group_memory(pids)
+        by_process = {pid: memory(pid)[0] for pid in pids}
         client_rss = sum(r["rss_bytes"] for r in group.results)
     print("16 inference models as separate processes ...", file=sys.stderr)
     with Launched(infer, "direct", hold=True) as group:
-        process_pss, process_rss = _group([r["pid"] for r in group.results])
+        process_pss, process_rss = group_memory([r["pid"] for r in group.results])
     return {
         "models": 16,
-        "daemon_processes": len(tree),
+        "daemon_processes": len(pids),
         "daemon_pss_bytes": daemon_pss,
         "daemon_pss_by_process_bytes": sorted(by_process.values(), reverse=True),
         "processes_pss_bytes": process_pss,

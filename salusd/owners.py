@@ -66,14 +66,19 @@ def identity(owner: Owner) -> dict[str, Any]:
             "user": entry.pw_name, "home": entry.pw_dir}
 
 
+def run_as(who: dict[str, Any]) -> dict[str, Any]:
+    """`subprocess.Popen` arguments that start a process as `who` (`identity`): its uid, gid
+    and groups when the daemon is root and `who` is not, else none."""
+    if os.geteuid() == 0 and who["uid"] != 0:
+        return {"user": who["uid"], "group": who["gid"], "extra_groups": who["groups"]}
+    return {}
+
+
 def as_caller(owner: Owner, command: ScriptCommand) -> ScriptCommand:
     """`command` with its interpreter as the absolute path its owner's shell finds, after
     checking as the owner that its `cwd` can be entered and the interpreter run; BadRequest
     says in one line what is wrong."""
     who = identity(owner)
-    drop: dict[str, Any] = {}
-    if os.geteuid() == 0 and who["uid"] != 0:
-        drop = {"user": who["uid"], "group": who["gid"], "extra_groups": who["groups"]}
     path = command.env.get("PATH", os.defpath)
     python = command.command[0]
     own = "own" if os.path.isabs(python) and os.path.abspath(python) == sys.executable else ""
@@ -81,7 +86,7 @@ def as_caller(owner: Owner, command: ScriptCommand) -> ScriptCommand:
         done = subprocess.run(["/bin/sh", "-c", _CHECK, "sh", command.cwd, python, own],
                               env={"PATH": path}, cwd="/", stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, errors="replace",
-                              timeout=CHECK_TIMEOUT_S, **drop)
+                              timeout=CHECK_TIMEOUT_S, **run_as(who))
     except subprocess.TimeoutExpired:
         raise BadRequest(f"'cwd' {command.cwd} and interpreter {command.command[0]} took over "
                          f"{CHECK_TIMEOUT_S:g} s to look up as the job's owner") from None

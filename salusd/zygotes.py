@@ -28,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from salus.daemon.loop import Link, Loop
+from salus.daemon.owners import run_as
 from salus.daemon.wire.frames import RawFrame
 
 log = logging.getLogger("salusd.supervisor")
@@ -216,10 +217,8 @@ class OtherZygotes:
     def _start(self, python: str, who: dict[str, Any]) -> Zygote:
         env = {k: v for k, v in self.environment().items() if k not in NOT_INHERITED}
         env.update({"HOME": who["home"] or "/", "USER": who["user"], "LOGNAME": who["user"]})
-        drop: dict[str, Any] = {}
-        if os.geteuid() == 0 and who["uid"] != 0:
-            drop = {"user": who["uid"], "group": who["gid"], "extra_groups": who["groups"]}
-        popen, ours = launch(self.loop, python, [salusd_version()], env, cwd="/", **drop)
+        popen, ours = launch(self.loop, python, [salusd_version()], env, cwd="/",
+                             **run_as(who))
         log.info("starting an executor zygote of %s for uid %d (pid %d)", python, who["uid"],
                  popen.pid)
         return Zygote(python, int(who["uid"]), popen,

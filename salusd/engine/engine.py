@@ -260,9 +260,7 @@ class Engine:
         """`signum` to each of a live script job's processes (a gang's ranks) still running
         its command."""
         if record.live and record.script is not None:
-            for rank, executor in enumerate(record.replicas):
-                if rank not in record.script.exits:
-                    self.core.outbox.signal(executor, signum)
+            scripts.signal_running(self.core, record, signum)
 
     def check_memory(self, mem_bytes: int | None) -> None:
         """BadRequest when no device of this node can hold `mem_bytes` (a `--mem` request)."""

@@ -402,19 +402,31 @@ def stop_all(core: Core) -> int:
     job); the number of jobs signalled."""
     signalled = 0
     for record in core.registry:
-        if record.live and record.script is not None and not record.grace and any(
-                core.outbox.alive(executor) for executor in record.replicas):
-            for rank, executor in enumerate(record.replicas):
-                if rank not in record.script.exits:  # a gang's rank that exited drains
-                    core.outbox.signal(executor, signal.SIGTERM)
+        if record.live and not record.grace and _command_runs(core, record):
+            signal_running(core, record, signal.SIGTERM)
             signalled += 1
     return signalled
 
 
+def signal_running(core: Core, record: JobRecord, signum: int) -> None:
+    """`signum` to each of the script job's processes (a gang's ranks) still running its
+    command; a gang's rank that exited drains, and a signal would run its handler again."""
+    assert record.script is not None
+    for rank, executor in enumerate(record.replicas):
+        if rank not in record.script.exits:
+            core.outbox.signal(executor, signum)
+
+
 def running(core: Core) -> bool:
     """Whether a live script job's command still runs (shutdown waits for these)."""
-    return any(record.script is not None and any(
-        core.outbox.alive(executor) for executor in record.replicas) for record in core.registry)
+    return any(_command_runs(core, record) for record in core.registry)
+
+
+def _command_runs(core: Core, record: JobRecord) -> bool:
+    return record.script is not None and any(
+        core.outbox.alive(executor) for executor in record.replicas)
+
+
 def died(record: JobRecord, exit_code: int | None) -> None:
     """The script job's executor process, which runs its command, ended with `exit_code`
     (-N: signal N; None: unknown) without the command's status: recorded as a shell reports
