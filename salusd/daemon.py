@@ -185,11 +185,13 @@ class Daemon:
         self.supervisor.wait_ready()
         if self.store is not None:
             self._restore()
-        self.server.start()
         if self.rest is not None and self.config.state_dir is not None:
             self.rest.start()
             write_private(self.config.state_dir / "http.url", self.rest.url + "\n")
             log.info("REST API on %s", self.rest.url)
+        # The socket comes last: clients take its existence as "the daemon is up", so the REST
+        # address must be written before it.
+        self.server.start()
         if self.config.device_plugin:
             self._start_device_plugin()
 

@@ -146,3 +146,17 @@ def test_cpu_device_slowdown_option() -> None:
     gpu = [DeviceSpec(0, "cuda", "cuda:0", "gpu", 2**30)]
     with pytest.raises(ValueError, match="CPU devices"):
         with_cpu_slowdown(gpu, "2")
+
+
+def test_cpu_ranks_of_one_node_share_their_best_measurement() -> None:
+    from salus.daemon.services.placement.group_plan import _one_cpu
+
+    busy = DeviceProfile("rank0", 2e9, 1e9, 2**30)  # benchmarked beside other load
+    quiet = DeviceProfile("rank1", 5e9, 3e9, 2**29)
+    shared = _one_cpu((busy, quiet))
+    assert [(d.name, d.flops_per_s, d.bytes_per_s, d.memory_bytes) for d in shared] == [
+        ("rank0", 5e9, 3e9, 2**30), ("rank1", 5e9, 3e9, 2**29)]
+    slowed = slow_down(ClusterProfile(shared, LinkProfile(((0.0, 1e-5), (1e-5, 0.0)),
+                                                          ((0.0, 1e9), (1e9, 0.0)))),
+                       [DeviceSlowdown(1.0, 1.0, 1.0), DeviceSlowdown(3.0, 1.0, 1.0)])
+    assert slowed.devices[0].flops_per_s == 3 * slowed.devices[1].flops_per_s

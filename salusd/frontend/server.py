@@ -100,15 +100,30 @@ class SocketServer:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
         _remove_stale_socket(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Bound and listening under a temporary name, then renamed: the socket file appears only
+        # once a connect to it succeeds, so clients may take its existence as "salusd is up".
+        building = os.path.join(os.path.dirname(self.path), f".salusd-{os.getpid()}.new")
+        if len(os.fsencode(building)) > _SUN_PATH_BYTES:
+            building = self.path  # no room for the other name: bound in place
+        bound = False
         try:
-            listener.bind(self.path)
-            os.chmod(self.path, self.mode)
+            if building != self.path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(building)
+            listener.bind(building)
+            bound = True
+            os.chmod(building, self.mode)
             if self.gid is not None:
-                os.chown(self.path, -1, self.gid)
-            self._inode = os.stat(self.path).st_ino
+                os.chown(building, -1, self.gid)
+            self._inode = os.stat(building).st_ino
             listener.listen(self.backlog)
+            if building != self.path:
+                os.rename(building, self.path)
         except BaseException:
             listener.close()
+            if bound:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(building)
             raise
         listener.setblocking(False)
         self._listener = listener

@@ -1,7 +1,8 @@
 """Plan a model's pipeline split from inside a process group: the benchmark phase and an
 allocator, run by the ranks that will hold the stages.
 
-Every rank benchmarks its own device (short kernels) and applies its simulated compute slowdown
+Every rank benchmarks its own device (short kernels; CPU ranks then share the best of their
+measurements, see `_one_cpu`) and applies its simulated compute slowdown
 (`--cpu-device-slowdown`), the ranks time their links, rank 0 profiles the model on an example
 micro-batch and runs the allocator, and every rank gets rank 0's plan: stage d runs on rank d.
 """
@@ -9,6 +10,7 @@ micro-batch and runs the allocator, and every rank gets rank 0's plan: stage d r
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -88,8 +90,21 @@ def _cluster(device: torch.device, memory_bytes: int, slowdown: float,
             if attempt == LINK_TRIES - 1:
                 raise
     pairs = [g for g in gathered if g is not None]
-    measured = ClusterProfile(tuple(d for d, _ in pairs), links)
+    devices = tuple(d for d, _ in pairs)
+    if device.type == "cpu":
+        devices = _one_cpu(devices)
+    measured = ClusterProfile(devices, links)
     return slow_down(measured, [DeviceSlowdown(f, 1.0, 1.0) for _, f in pairs])
+
+
+def _one_cpu(devices: tuple[DeviceProfile, ...]) -> tuple[DeviceProfile, ...]:
+    """CPU devices of one node are lanes of the same cores (a pipeline runs on one node), so
+    their measured speeds differ only by what else ran during each rank's benchmark: every rank
+    gets the best measurement, and the simulated slowdowns alone make them differ. Without
+    this, a rank benchmarked beside other load looks slower than a simulated slow device."""
+    flops = max(d.flops_per_s for d in devices)
+    copy = max(d.bytes_per_s for d in devices)
+    return tuple(replace(d, flops_per_s=flops, bytes_per_s=copy) for d in devices)
 
 
 def _profile(model: nn.Module, example_input: Activation,
