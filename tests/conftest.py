@@ -1,11 +1,10 @@
-"""Shared fixtures: small seeded models and an in-process daemon on CPU devices."""
+"""Settings every test process shares: one intra-op thread per process, and hypothesis
+without deadlines. A test that needs a daemon process starts it with `daemon_proc.salusd`."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
-import pytest
 from hypothesis import settings
 
 # Two cores here: keep each process's torch from oversubscribing them.
@@ -15,19 +14,3 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 settings.register_profile("salusd", deadline=None)
 settings.load_profile("salusd")
 
-
-@pytest.fixture
-def daemon_factory() -> Iterator[object]:
-    from salus.daemon.core import Daemon
-    from salus.daemon.devices import cpu_devices
-
-    made: list[Daemon] = []
-
-    def make(policy: str = "pack", devices: int = 1, memory: int = 256 * 2**20) -> Daemon:
-        d = Daemon(cpu_devices(devices, memory), policy)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        d.shutdown(timeout_s=30)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+from daemon_proc import wait_until
 
 
 def connect(state: Path, token: str | None = None) -> httpx.Client:
@@ -19,14 +19,8 @@ def connect(state: Path, token: str | None = None) -> httpx.Client:
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
-    """Poll `check()` until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    """`daemon_proc.wait_until` with the argument order these tests were written with."""
+    return wait_until(check, timeout_s, what)
 
 
 def job(client: httpx.Client, job_id: int) -> dict[str, Any]:

@@ -14,12 +14,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_proc import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -555,20 +555,13 @@ def running(tmp: Path, wire: Wire) -> Iterator[tuple[Daemon, str]]:
         assert not thread.is_alive(), "the daemon did not stop"
 
 
-def wait_until(what: str, done: Callable[[], bool], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.05)
-
-
 def submit(daemon: Daemon, path: Path, function: str, iterations: int) -> JobRecord:
     """A batch job submitted on the daemon's loop thread."""
     me = pwd.getpwuid(os.getuid())
     made: list[JobRecord] = []
     daemon.loop.call_soon_threadsafe(lambda: made.append(daemon.engine.submit_batch(
         Owner(me.pw_name, me.pw_uid, me.pw_gid), function, iterations, str(path), function)))
-    wait_until("the batch job is submitted", lambda: bool(made))
+    wait_until(lambda: made, 120, "the batch job to be submitted")
     return made[0]
 
 
@@ -593,12 +586,12 @@ def test_what_a_real_daemon_and_its_executors_say_decodes_and_encodes_back(
             assert single and gang, [c.communicate(timeout=60) for c in clients]
             with Control(address) as ctl:
                 ctl.suspend(single, swap=True)
-                wait_until("the job is swapped out", lambda: any(
-                    d["op"] == "swap_out" for d in wire.requests))
+                wait_until(lambda: any(d["op"] == "swap_out" for d in wire.requests), 120,
+                           "the job to be swapped out")
                 ctl.resume(single)
             jobs = [submit(daemon, batch, "make_job", 4),
                     submit(daemon, batch, "make_failing", 4)]
-            wait_until("the batch jobs end", lambda: all(j.end_state for j in jobs))
+            wait_until(lambda: all(j.end_state for j in jobs), 120, "the batch jobs to end")
             assert [j.end_state for j in jobs] == ["finished", "failed"], [j.reason for j in jobs]
             _, err = clients[1].communicate("\n", timeout=120)
             assert clients[1].returncode == 0, err
@@ -612,8 +605,8 @@ def test_what_a_real_daemon_and_its_executors_say_decodes_and_encodes_back(
     # A restart brings the single job back from the checkpoint taken when it was suspended.
     before = len(wire.replies)
     with running(tmp_path, wire):
-        wait_until("the job is restored", lambda: any(
-            r.get("iteration") == 6 and "persistent_bytes" in r for r in wire.replies[before:]))
+        wait_until(lambda: any(r.get("iteration") == 6 and "persistent_bytes" in r
+                               for r in wire.replies[before:]), 120, "the job to be restored")
 
     sent = [decode_request(d) for d in wire.requests]
     for d, msg in zip(wire.requests, sent, strict=True):

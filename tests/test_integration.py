@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import salusd
+from daemon_proc import RunningDaemon, salusd, wait_until
 from workloads import batches, mlp, train_direct
 
 import salus.adapters.torch as salus
@@ -26,26 +26,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def daemon_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    sock = tmp_path / "salusd.sock"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket", str(sock),
-         "--state-dir", str(tmp_path / "state"), "--cpu-devices", "2", "--cpu-memory", "256M",
-         "--policy", "pack", "--http", "127.0.0.1:0", "--first-call", "estimate"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        while line and "salusd listening on" not in line:
-            line = proc.stdout.readline()
-        assert f"unix://{sock}" in line, "salusd did not print where it listens"
-        yield proc, f"unix://{sock}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def daemon_proc(tmp_path: Path) -> Iterator[RunningDaemon]:
+    with salusd(tmp_path, "--policy", "pack", "--http", "127.0.0.1:0", "--first-call",
+                "estimate", memory="256M") as daemon:
+        yield daemon
 
 
 CLIENT = textwrap.dedent("""
@@ -142,7 +126,7 @@ def test_sigterm_finishes_running_iterations_and_exits_cleanly(daemon_proc):
     assert isinstance(step(x, y), float)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
-    out = proc.stdout.read() if proc.stdout else ""
+    out = daemon_proc.log_text()
     assert "shutting down" in out and "stopped" in out
     assert not os.path.exists(address.removeprefix("unix://"))
     with pytest.raises((JobCancelled, ConnectionError)):
@@ -177,12 +161,14 @@ def test_control_commands_show_and_steer_a_running_job(daemon_proc, tmp_path):
         assert top.returncode == 0 and "steered" in top.stdout
 
         assert _salusd("suspend", job.id, "--swap", *state).returncode == 0
-        deadline = time.monotonic() + 10  # the swap happens at the job's next boundary
-        while True:
-            (after,) = [j for j in json.loads(_salusd("status", *state, "--json")
-                                              .stdout)["jobs"] if j["name"] == "steered"]
-            if after["swapped"] or time.monotonic() > deadline:
-                break
+
+        def steered() -> dict:
+            status = json.loads(_salusd("status", *state, "--json").stdout)
+            (job_status,) = [j for j in status["jobs"] if j["name"] == "steered"]
+            return job_status
+
+        # The swap happens at the job's next boundary.
+        after = wait_until(lambda: (j := steered())["swapped"] and j, 10, "the job swapped out")
         assert after["state"] == "suspended" and after["swapped"] is True
         assert _salusd("resume", job.id, *state).returncode == 0
         assert isinstance(step(x, y), float)  # runs again after resume
@@ -244,11 +230,10 @@ def test_memory_the_estimate_cannot_see_is_measured_on_every_call(daemon_proc):
         assert small["ephemeral_estimate_bytes"] < 8 * mib
         step(x, torch.tensor(1))
         deadline = time.monotonic() + 30
-        memory = job.info()["memory"]
-        while ((memory["ephemeral_measured_bytes"] or 0) < 90 * mib
-               and time.monotonic() < deadline):
-            time.sleep(0.05)  # a call under the lease is reported within 20 ms
-            memory = job.info()["memory"]
+        # A call under the lease is reported within 20 ms.
+        memory = wait_until(lambda: (m := job.info()["memory"])[
+            "ephemeral_measured_bytes"] and m["ephemeral_measured_bytes"] >= 90 * mib and m,
+            30, "the 96 MiB call measured")
         assert 90 * mib <= memory["ephemeral_measured_bytes"] <= 120 * mib, memory
         while memory["lane_bytes"] < 90 * mib and time.monotonic() < deadline:
             step(x, torch.tensor(0))  # the move happens at the job's next boundary

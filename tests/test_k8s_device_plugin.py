@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from daemon_proc import wait_until
 
 from salus.daemon.devices import DeviceSpec
 from salus.daemon.k8s import deviceplugin_pb2 as dp
@@ -33,13 +34,6 @@ GIB = 2**30
 A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 B = "GPU-bbbbbbbb-5555-6666-7777-888888888888"
 WAIT_S = 10.0
-
-
-def wait_for(what: Callable[[], object], timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 class FakeKubelet(dp_grpc.RegistrationServicer):
@@ -328,7 +322,7 @@ def test_a_restarted_kubelet_brings_a_new_registration(
     time.sleep(0.2)  # a few of the plugin's polls see no kubelet
     restarted = FakeKubelet(root / "device-plugins")
     try:
-        wait_for(lambda: restarted.requests)
+        wait_until(lambda: restarted.requests, WAIT_S, "the plugin to register again")
         assert plugin.registrations == 2
         assert restarted.requests[0].resource_name == "salusd.io/gpu-mem"
         stream = restarted.dial().ListAndWatch(dp.Empty(), timeout=30)
@@ -346,7 +340,7 @@ def test_a_plugin_started_before_the_kubelet_registers_when_it_comes(
     assert plugin.registrations == 0
     late = FakeKubelet(root / "device-plugins")
     try:
-        wait_for(lambda: late.requests)
+        wait_until(lambda: late.requests, WAIT_S, "the plugin to register")
     finally:
         late.stop()
 
@@ -410,9 +404,10 @@ def test_the_plugin_lists_pods_by_itself_every_interval(
                        config(root, pod_resources_every_s=0.1, unlisted_grace_s=3600.0))
         (reply,) = allocate(kubelet.dial(), ids(A, 1)).container_responses
         pods.pods = {"ns/p": [("c", "salusd.io/gpu-mem", ids(A, 1))]}
-        wait_for(lambda: [a.pod for a in plugin.allocations()] == ["ns/p"])
+        wait_until(lambda: [a.pod for a in plugin.allocations()] == ["ns/p"], WAIT_S,
+                   "the allocation to be matched to pod ns/p")
         pods.pods = {}
-        wait_for(lambda: plugin.allocations() == [])
+        wait_until(lambda: plugin.allocations() == [], WAIT_S, "the allocation to go")
         assert not Path(reply.mounts[0].host_path).exists()
         assert pods.calls >= 2
     finally:

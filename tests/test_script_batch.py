@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from daemon_proc import salusd
+from rest_client import wait_for
 
 from salus.daemon.control import Control
 
@@ -57,16 +58,6 @@ def script(tmp_path: Path, body: str, name: str = "s.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def wait_for(check: Any, what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def job_id_in(path: Path) -> str:
