@@ -177,10 +177,10 @@ def test_suspend_swap_reaches_the_stepped_optimizer_and_its_modules_and_the_scri
                       "--name", "swap", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with Control(daemon[0]) as ctl:
         ident = _job_named(ctl, "swap")
-        _wait_until(lambda: ctl.info(ident)["iterations_done"] >= 5, "five iterations")
+        wait_for(lambda: ctl.info(ident)["iterations_done"] >= 5, "five iterations")
         ctl.suspend(ident, swap=True)
-        _wait_until(lambda: (ctl.info(ident)["script"]["swap"] or {}).get("swapped_out"),
-                    "the swap")
+        wait_for(lambda: (ctl.info(ident)["script"]["swap"] or {}).get("swapped_out"),
+                 "the swap")
         info = ctl.info(ident)
         held = info["iterations_done"]
         assert info["state"] == "suspended" and info["memory"]["swapped_out"]
@@ -194,10 +194,10 @@ def test_suspend_swap_reaches_the_stepped_optimizer_and_its_modules_and_the_scri
         swap = info["script"]["swap"]
         assert swap["left_modules"] >= 1 and swap["left_tensors"] >= 2  # the teacher
         assert swap["left_bytes"] >= 4 * (8 + 1)
-        time.sleep(0.3)
+        time.sleep(0.3)  # not a wait: the window in which a suspended job must not run
         assert ctl.info(ident)["iterations_done"] == held
         ctl.resume(ident)
-        _wait_until(lambda: not ctl.info(ident)["script"]["swap"]["swapped_out"], "the swap in")
+        wait_for(lambda: not ctl.info(ident)["script"]["swap"]["swapped_out"], "the swap in")
         assert ctl.info(ident)["script"]["swap"]["moved_back_bytes"] == 0
     code, out, err = finish(proc)
     assert (code, out) == (0, "from 0\ndone\n"), err
@@ -238,12 +238,20 @@ def test_a_script_jobs_iterations_step_and_loss_show_in_metrics_and_status(
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with Control(daemon[0]) as ctl, connect(daemon[1]) as client:
         ident = _job_named(ctl, "metrics")
-        _wait_until(lambda: ctl.info(ident)["iterations_done"] >= 9, "nine iterations")
-        _wait_until(lambda: _metric(client.get("/metrics").text, "salusd_job_step",
-                                    ident) == 10, "the tenth step's report")
-        time.sleep(0.1)  # what the executor sent is accounted
-        text = client.get("/metrics").text
-        done = next(j for j in ctl.status()["jobs"] if str(j["job_id"]) == ident)
+        wait_for(lambda: ctl.info(ident)["iterations_done"] >= 9, "nine iterations")
+        wait_for(lambda: _metric(client.get("/metrics").text, "salusd_job_step",
+                                 ident) == 10, "the tenth step's report")
+
+        def accounted() -> tuple[str, dict] | None:
+            """The metrics and the job's status once they show its last report's loss and
+            the same iterations (what the executor sent is accounted)."""
+            text = client.get("/metrics").text
+            done = next(j for j in ctl.status()["jobs"] if str(j["job_id"]) == ident)
+            same = _metric(text, "salusd_job_iterations_total", ident) == done["iterations_done"]
+            loss = _metric(text, "salusd_job_loss", ident)
+            return (text, done) if same and loss is not None else None
+
+        text, done = wait_for(accounted, "the executor's reports accounted")
         # The last iteration under the lease is reported at the next boundary (the exit).
         assert done["iterations_done"] in (9, 10)
         assert _metric(text, "salusd_job_iterations_total", ident) == done["iterations_done"]
@@ -268,11 +276,11 @@ def test_policy_switches_while_two_scripts_run_under_fair_leave_both_equal_to_di
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     with Control(daemon[0]) as ctl, connect(daemon[1]) as client:
         idents = [_job_named(ctl, f"policy-{name}") for name in runs]
-        _wait_until(lambda: all(ctl.info(i)["iterations_done"] >= 3 for i in idents),
-                    "both scripts running")
+        wait_for(lambda: all(ctl.info(i)["iterations_done"] >= 3 for i in idents),
+                 "both scripts running")
         for policy in ("srtf", "pack", "fifo", "fair"):
             assert client.put("/v1/policy", json={"policy": policy}).status_code == 200
-            _wait_until(lambda p=policy: client.get("/v1/policy").json() == {  # type: ignore
+            wait_for(lambda p=policy: client.get("/v1/policy").json() == {  # type: ignore
                 "policy": p, "pending": None}, f"the switch to {policy}")
         states = [ctl.info(i)["state"] for i in idents]
         assert all(s in ("admitted", "running") for s in states), states  # switched meanwhile
@@ -306,10 +314,3 @@ def test_on_a_gpu_the_swap_moves_the_reached_state_to_the_host_and_back_in_place
 
 def _threads() -> dict[str, str]:
     return {"OMP_NUM_THREADS": ENV["OMP_NUM_THREADS"]}
-
-
-def _wait_until(check: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from daemon_proc import salusd
+from daemon_proc import salusd, wait_until
 
 from salus.daemon.control import Control
 
@@ -729,18 +729,19 @@ def test_suspend_resume_priority_and_status_act_at_boundaries(
                       env={**ENV, "SALUS_BOUNDARY": "explicit"})
     with Control(daemon) as ctl:
         job = _job_named(ctl, "boundaries")
-        while ctl.info(job)["iterations_done"] < 20:
-            time.sleep(0.02)
+        wait_until(lambda: ctl.info(job)["iterations_done"] >= 20, TIMEOUT_S, "20 iterations")
         ctl.suspend(job)
-        time.sleep(0.3)  # the iteration running when suspended ends at its boundary
+        # The iteration running when suspended ends at its boundary and gives its lane back.
+        wait_until(lambda: not _in_a_lane(ctl, job), TIMEOUT_S,
+                   "the suspended job's last iteration to end")
         held = ctl.info(job)["iterations_done"]
-        time.sleep(0.3)
+        time.sleep(0.3)  # not a wait: the window in which a suspended job must not run
         assert ctl.info(job)["iterations_done"] == held
         assert ctl.info(job)["state"] == "suspended"
         ctl.priority(job, 3.0)
         ctl.resume(job)
-        while ctl.info(job)["iterations_done"] <= held:
-            time.sleep(0.02)
+        wait_until(lambda: ctl.info(job)["iterations_done"] > held, TIMEOUT_S,
+                   "an iteration after the resume")
         info = ctl.info(job)
         assert info["iterations_planned"] == 400
         assert info["mean_iteration_s"] > 0.004
@@ -752,12 +753,16 @@ def test_suspend_resume_priority_and_status_act_at_boundaries(
 
 
 def _job_named(ctl: Control, name: str) -> str:
-    for _ in range(500):
-        jobs = [j for j in ctl.status()["jobs"] if j["name"] == name]
-        if jobs:
-            return str(jobs[-1]["job_id"])
-        time.sleep(0.02)
-    raise AssertionError(f"no job {name!r}")
+    """The id of the last job named `name`, once there is one."""
+    jobs = wait_until(lambda: [j for j in ctl.status()["jobs"] if j["name"] == name], 10,
+                      f"a job named {name!r}")
+    return str(jobs[-1]["job_id"])
+
+
+def _in_a_lane(ctl: Control, job: str) -> bool:
+    """Whether job `job` runs an iteration in a lane, or holds a lane's lease, now."""
+    return any(str(lane["busy_job"]) == job
+               for device in ctl.status()["devices"] for lane in device["lanes"])
 
 
 # ---- REST, the job's log, restarts -------------------------------------------------------------
