@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -35,6 +34,8 @@ def daemonset() -> dict[str, Any]:
 
 @pytest.mark.parametrize("path", MANIFESTS + EXAMPLES, ids=lambda p: p.name)
 def test_every_document_is_valid(path: Path) -> None:
+    import kubernetes_validate  # here: its import is most of this file's collection time
+
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     assert docs
     for doc in docs:
@@ -43,6 +44,8 @@ def test_every_document_is_valid(path: Path) -> None:
 
 def test_the_validator_refuses_a_broken_daemonset() -> None:
     """What the test above relies on: a wrong type and an unknown field are caught."""
+    import kubernetes_validate
+
     broken = daemonset()
     broken["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "7077"
     with pytest.raises(kubernetes_validate.ValidationError):

@@ -23,7 +23,6 @@ from salus.daemon.services.federated import (
     synthetic,
     synthetic_model,
 )
-from salus.daemon.services.federated.plot import plot_losses
 from salus.daemon.services.federated.progress import round_progress
 
 torch.set_num_threads(1)
@@ -134,6 +133,8 @@ def test_a_three_round_run_is_deterministic_for_a_seed(clients: list[ClientDatas
 
 
 def test_progress_bar_and_plot(clients: list[ClientDataset], tmp_path: Path) -> None:
+    from salus.daemon.services.federated.plot import plot_losses  # matplotlib: seconds
+
     with round_progress(2, "FedAvg") as on_round:
         result = run(synthetic_model, clients, FedAvg(), 2, seed=0, on_round=on_round, **SETTING)
     path = tmp_path / "loss.png"

@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader
 
 from salus.daemon.engine.pipeline_spec import check_pipeline
 from salus.daemon.executor import checkpoint
-from salus.daemon.executor.pipeline_job import stage_optimizer
 from salus.daemon.services.placement import split_model
 from salus.daemon.wire.errors import BadRequest
 
@@ -117,6 +116,9 @@ def test_the_daemon_checks_a_pipeline_request_without_the_model() -> None:
 
 
 def test_a_stage_optimizer_keeps_each_group_hyperparameters_and_state() -> None:
+    # Here: it imports torch.distributed.pipelining, seconds of every run's collection.
+    from salus.daemon.executor.pipeline_job import stage_optimizer
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
     opt = torch.optim.SGD([{"params": model[0].parameters()},

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import schemathesis
 from daemon_proc import job_root, salusd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +32,8 @@ def live(tmp_path_factory):
 
 
 def test_no_request_gets_a_server_error(live):
+    import schemathesis  # here: its import is most of this file's collection time
+
     proc, url, token = live
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -92,6 +93,8 @@ def _put(doc: Any, at: tuple[Any, ...], key: bool, new: Any) -> Any:
 
 
 def test_job_routes_refuse_nan_infinity_and_lone_surrogates_with_a_4xx(live):
+    import schemathesis  # here: its import is most of this file's collection time
+
     proc, url, token = live
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     operations = [op for op in (r.ok() for r in schema.get_all_operations())
