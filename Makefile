@@ -25,6 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile
 
+# The house rules: ruff over everything, mypy over the package code (.ci/run: after `make test`).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy salusd scheduler adapters
