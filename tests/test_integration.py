@@ -25,10 +25,20 @@ from salus.daemon.wire.errors import JobCancelled, SalusError
 pytestmark = pytest.mark.slow
 
 
+SERVE = ("--policy", "pack", "--http", "127.0.0.1:0", "--first-call", "estimate")
+
+
+@pytest.fixture(scope="module")
+def daemon_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """One daemon for the tests that leave it serving (each start imports torch again)."""
+    with salusd(tmp_path_factory.mktemp("salusd"), *SERVE, memory="256M") as daemon:
+        yield daemon
+
+
 @pytest.fixture
-def daemon_proc(tmp_path: Path) -> Iterator[RunningDaemon]:
-    with salusd(tmp_path, "--policy", "pack", "--http", "127.0.0.1:0", "--first-call",
-                "estimate", memory="256M") as daemon:
+def own_daemon(tmp_path: Path) -> Iterator[RunningDaemon]:
+    """A daemon of the test's own, for a test that stops it."""
+    with salusd(tmp_path, *SERVE, memory="256M") as daemon:
         yield daemon
 
 
@@ -117,8 +127,8 @@ def test_socket_mode_garbage_and_disconnects_leave_the_daemon_serving(daemon_pro
     assert proc.poll() is None
 
 
-def test_sigterm_finishes_running_iterations_and_exits_cleanly(daemon_proc):
-    proc, address = daemon_proc
+def test_sigterm_finishes_running_iterations_and_exits_cleanly(own_daemon):
+    proc, address = own_daemon
     model, opt, loss_fn = mlp("adam")
     job = salus.connect(name="long", iterations=1000, address=address)
     step = job.train_step(model, opt, loss_fn)
@@ -126,7 +136,7 @@ def test_sigterm_finishes_running_iterations_and_exits_cleanly(daemon_proc):
     assert isinstance(step(x, y), float)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
-    out = daemon_proc.log_text()
+    out = own_daemon.log_text()
     assert "shutting down" in out and "stopped" in out
     assert not os.path.exists(address.removeprefix("unix://"))
     with pytest.raises((JobCancelled, ConnectionError)):
@@ -141,11 +151,11 @@ def _salusd(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=120)
 
 
-def test_control_commands_show_and_steer_a_running_job(daemon_proc, tmp_path):
+def test_control_commands_show_and_steer_a_running_job(daemon_proc):
     """`salusd status|suspend|resume|priority|cancel` through the REST API, finding the daemon
     and its admin token through its state dir."""
     proc, address = daemon_proc
-    state = ("--state-dir", str(tmp_path / "state"))
+    state = ("--state-dir", str(daemon_proc.state_dir))
     model, opt, loss_fn = mlp("sgd")
     x, y = batches("mlp", 1)[0]
     with salus.connect(name="steered", iterations=100, address=address) as job:
