@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_proc import salusd
+from daemon_proc import salusd, wait_until
 from fastapi import FastAPI
 
 from salus.daemon.rest.connections import ConnectionGuard
@@ -85,8 +85,8 @@ def test_a_connection_without_a_request_is_closed_and_heads_are_bounded() -> Non
         silent = socket.create_connection((server.host, server.port), timeout=5)
         partial = socket.create_connection((server.host, server.port), timeout=5)
         partial.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
-        time.sleep(2.5)  # the sweep runs every second
-        assert _closed_by_server(silent) and _closed_by_server(partial)
+        wait_until(lambda: _closed_by_server(silent) and _closed_by_server(partial), 10,
+                   "the sweep (every second) to close both")
         big = socket.create_connection((server.host, server.port), timeout=5)
         big.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * MAX_HEAD_BYTES)
         assert big.recv(64).startswith(b"HTTP/1.1 400")
