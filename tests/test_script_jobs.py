@@ -754,7 +754,7 @@ def test_suspend_resume_priority_and_status_act_at_boundaries(
 
 def _job_named(ctl: Control, name: str) -> str:
     """The id of the last job named `name`, once there is one."""
-    jobs = wait_until(lambda: [j for j in ctl.status()["jobs"] if j["name"] == name], 10,
+    jobs = wait_until(lambda: [j for j in ctl.status()["jobs"] if j["name"] == name], 60,
                       f"a job named {name!r}")
     return str(jobs[-1]["job_id"])
 
