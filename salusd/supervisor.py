@@ -205,8 +205,10 @@ class Supervisor:
         self.isolation = isolation
         self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
             lambda *_: None)
-        #: a job's executor is gone: why, and its exit code (-N: signal N; None: unknown)
-        self.on_died: Callable[[ExecutorHandle, str, int | None], None] = lambda *_: None
+        #: a job's executor is gone: why, its exit code (-N: signal N; None: unknown), and
+        #: whether a call poisoned its CUDA context (its batch jobs may go on elsewhere)
+        self.on_died: Callable[[ExecutorHandle, str, int | None, bool], None] = (
+            lambda *_: None)
         self._standby: deque[ExecutorProcess] = deque()
         self._by_token: dict[int, ExecutorProcess] = {}
         self._by_pid: dict[int, ExecutorProcess] = {}
@@ -318,7 +320,7 @@ class Supervisor:
             for handle in list(proc.jobs.values()):
                 script = is_script(handle.record)
                 self.on_died(handle, f"the {'script' if script else 'job'} could not start: "
-                                     f"{why}", None)
+                                     f"{why}", None, False)
             proc.jobs.clear()
 
     def _new_process(self, owner: Owner, python: str | None = None) -> ExecutorProcess:
@@ -617,13 +619,13 @@ class Supervisor:
         elif reader == "exit":
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: "
-                                 "it ended", None)
+                                 "it ended", None, False)
         elif not meta.get("ok"):  # host, adopt, replace
             for frame in frames:
                 frame.close_fd()
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) could not {reader} job "
-                                 f"{handle.job}: {meta.get('message')}", None)
+                                 f"{handle.job}: {meta.get('message')}", None, False)
 
     def _executor_closed(self, link: Link, reason: str) -> None:
         proc = self._by_link.get(id(link))
@@ -648,7 +650,8 @@ class Supervisor:
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
             self.on_died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
-                         else f"executor (pid {proc.pid}) died: {how}", proc.exit_code)
+                         else f"executor (pid {proc.pid}) died: {how}", proc.exit_code,
+                         proc.poisoned is not None)
         proc.jobs.clear()
 
     def stop(self) -> None:

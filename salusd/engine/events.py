@@ -31,6 +31,8 @@ class Event:
     - finish / cancelled / failed (reason, iterations_done): the job ended;
       executor_died (reason);
     - restart (reason, restarts): a script job's command runs again (`--restart on-failure`);
+      replaced (reason, resumed_from, replacements): a batch job whose executor ended with a
+      poisoned CUDA context goes on from its checkpoint in a fresh executor (`replace.py`);
       script_swap (what a script job's `suspend --swap` moved and left, or moved back);
       swapped_out (device_bytes_left): a contract job's state left its device, and what
       stayed allocated there (0 on a CPU device);

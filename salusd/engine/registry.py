@@ -110,6 +110,7 @@ class JobRecord:
     resumed_from: int | None = None  # restored after a restart at this iteration
     awaiting_client: bool = False  # restored interactive job: suspended until its client is back
     done_before: int = 0  # iterations done before the last restart
+    replacements: int = 0  # times placed again after its executor's context was poisoned
     last_loss: float | None = None  # batch jobs: what the last iteration returned
     last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters

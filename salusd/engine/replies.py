@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from salus.daemon.engine import admission, checkpoints, gang_failures, scripts
+from salus.daemon.engine import admission, checkpoints, gang_failures, replace, scripts
 from salus.daemon.engine.booking import booked_persistent
 from salus.daemon.engine.core import Core, LaneKey, error_frame
 from salus.daemon.engine.leases import Leases
@@ -257,9 +257,12 @@ class Replies:
         else:
             core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
 
-    def died(self, executor: object, reason: str, exit_code: int | None = None) -> None:
-        """The executor is gone (`exit_code`: -N for signal N, None when unknown): fail its job
-        with `reason` (unless it had already ended) and answer everything it still owed."""
+    def died(self, executor: object, reason: str, exit_code: int | None = None,
+             poisoned: bool = False) -> None:
+        """The executor is gone (`exit_code`: -N for signal N, None when unknown; `poisoned`:
+        it ended because a call poisoned its CUDA context): fail its job with `reason` (unless
+        it had already ended, or it goes on from its checkpoint: `replace.py`) and answer
+        everything it still owed."""
         core = self.core
         record, queue = core.outbox.forget(executor)
         if record is None:
@@ -279,7 +282,8 @@ class Replies:
         script_gang = record.gang > 1 and record.script is not None
         rank = _rank(record, executor)
         again = scripts.executor_gone(core, record, f"{reason} {where}")
-        if again:  # a script job run with --restart on-failure: its command runs again
+        replaced = not again and poisoned and replace.may_replace(core, record)
+        if again or replaced:  # a script job run with --restart on-failure: its command runs again
             error = JobFailed(f"{reason} {where}")
         elif record.live and core.stopping and record.script is not None:
             error = ShuttingDown("salusd is shutting down")  # killed by its SIGTERM: restored
@@ -309,6 +313,8 @@ class Replies:
         core.event("executor_died", record.job_id, reason=reason)
         if again:
             scripts.rerun(core, record)
+        elif replaced:
+            replace.again(core, record, f"{reason} {where}")
         elif was_live and not script_gang:  # a gang without one replica cannot go on; an
             core.outbox.kill_all(record)  # ended one's replicas may still write checkpoints
         if script_gang and not record.live:
