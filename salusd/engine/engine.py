@@ -488,11 +488,11 @@ class Engine:
         self._step()
 
     def on_executor_died(self, executor: object, reason: str,
-                         exit_code: int | None = None) -> None:
+                         exit_code: int | None = None, started: bool = True) -> None:
         """The executor is gone (`reason`; `exit_code` its status, -N for signal N, None when
-        unknown): fail its job with `reason` (unless it had already ended) and answer
-        everything it still owed."""
-        self.replies.died(executor, reason, exit_code)
+        unknown; `started` False: its process never ran): fail its job with `reason` (unless
+        it had already ended) and answer everything it still owed."""
+        self.replies.died(executor, reason, exit_code, started)
         self._step()
 
     def _after(self, fn: Callable[[], None]) -> None:

@@ -257,9 +257,11 @@ class Replies:
         else:
             core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
 
-    def died(self, executor: object, reason: str, exit_code: int | None = None) -> None:
+    def died(self, executor: object, reason: str, exit_code: int | None = None,
+             started: bool = True) -> None:
         """The executor is gone (`exit_code`: -N for signal N, None when unknown): fail its job
-        with `reason` (unless it had already ended) and answer everything it still owed."""
+        with `reason` (unless it had already ended) and answer everything it still owed.
+        `started`: False for one whose process never ran (`reason` is all there is to say)."""
         core = self.core
         record, queue = core.outbox.forget(executor)
         if record is None:
@@ -274,22 +276,23 @@ class Replies:
                      "between its calls there)")
         else:
             where = f"while job {record.job_id} was between calls"
+        said = f"{reason} {where}" if started else reason
         error: SalusError
         was_live = record.live
         script_gang = record.gang > 1 and record.script is not None
         rank = _rank(record, executor)
-        again = scripts.executor_gone(core, record, f"{reason} {where}")
+        again = scripts.executor_gone(core, record, said)
         if again:  # a script job run with --restart on-failure: its command runs again
-            error = JobFailed(f"{reason} {where}")
+            error = JobFailed(said)
         elif record.live and core.stopping and record.script is not None:
             error = ShuttingDown("salusd is shutting down")  # killed by its SIGTERM: restored
         elif script_gang and record.live:
             # Its peers may wait for it in a collective: SIGTERM and the grace (`Core.end`).
-            error = JobFailed(f"rank {rank}: {reason} {where}")
+            error = JobFailed(f"rank {rank}: {said}")
             log.warning("%s", error)
             core.end(record, "failed", str(error), grace=True)
         elif record.live:
-            error = JobFailed(f"{reason} {where}")
+            error = JobFailed(said)
             log.warning("%s", error)
             core.end(record, "failed", scripts.failed_reason(record, str(error)),
                      executor_gone=True)
