@@ -292,11 +292,12 @@ class OtherZygotes:
 
 def exited_why(python: str, ready: bool, last_line: str, status: int | None) -> str:
     """One line on why jobs of interpreter `python` cannot run: its zygote exited before it
-    was ready (`ready` False) or after, having printed `last_line` last, with exit `status`
-    (None: not reaped yet)."""
-    said = f": {last_line}" if last_line else ""
-    if status is not None and not said:
-        said = f" (exit status {status})"
+    was ready (`ready` False: `last_line`, the last it printed, says why) or after (what its
+    executors printed last is theirs, not its), with `status` its return code (-N: signal
+    N; None: not reaped yet)."""
+    status_said = ("" if status is None else f" (signal {-status})" if status < 0
+                   else f" (exit status {status})")
     if not ready:
+        said = f": {last_line}" if last_line else status_said
         return f"{python} exited before it could run the script{said}"
-    return f"{python} exited while salusd was running scripts with it{said}"
+    return f"{python} exited while salusd was running scripts with it{status_said}"

@@ -145,5 +145,7 @@ def test_an_interpreter_that_exits_says_its_last_line_or_its_status() -> None:
         "/v/bin/python exited before it could run the script: SyntaxError: invalid syntax")
     assert exited_why("/v/bin/python", False, "", 127) == (
         "/v/bin/python exited before it could run the script (exit status 127)")
-    assert exited_why("/v/bin/python", True, "", None) == (
+    assert exited_why("/v/bin/python", True, "a job's own line", None) == (
         "/v/bin/python exited while salusd was running scripts with it")
+    assert exited_why("/v/bin/python", True, "a job's own line", -9) == (
+        "/v/bin/python exited while salusd was running scripts with it (signal 9)")

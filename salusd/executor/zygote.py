@@ -197,7 +197,7 @@ def _cannot_serve(want: str) -> str:
         have = importlib.metadata.version("salusd")
     except importlib.metadata.PackageNotFoundError:
         have = None
-    if have != want:
+    if (have or "unknown") != want:  # "unknown": neither has metadata (a source tree)
         return (f"{python} finds salusd {have or 'without a version'} where this salusd runs "
                 f"{want}: uninstall salusd from that environment or install salusd=={want} "
                 "there (if salusd was upgraded since it started, restart it)")
