@@ -104,6 +104,8 @@ class Daemon:
         self.supervisor = Supervisor(self.loop, standby=config.standby_executors,
                                      threads=config.threads, estimate_first=estimate_first,
                                      gpu_uuids=[d.uuid for d in config.devices if d.uuid],
+                                     gpu_total_bytes=[d.total_bytes for d in config.devices
+                                                      if d.uuid],
                                      isolation=config.isolation)
         self.store: Store | None = None
         checkpoints = data_cache = None

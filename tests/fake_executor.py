@@ -201,7 +201,7 @@ class FakeExecutors:
         """The executor process is gone (its death reported, as the supervisor does;
         `poisoned`: a call poisoned its CUDA context)."""
         executor.unanswered.clear()
-        self._engine().on_executor_died(executor, reason, None, poisoned)
+        self._engine().on_executor_died(executor, reason, None, True, poisoned)
 
     def _engine(self) -> Engine:
         assert self.engine is not None, "set FakeExecutors.engine to the engine using it"

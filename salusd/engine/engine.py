@@ -488,12 +488,13 @@ class Engine:
         self._step()
 
     def on_executor_died(self, executor: object, reason: str,
-                         exit_code: int | None = None, poisoned: bool = False) -> None:
+                         exit_code: int | None = None, started: bool = True,
+                         poisoned: bool = False) -> None:
         """The executor is gone (`reason`; `exit_code` its status, -N for signal N, None when
-        unknown; `poisoned`: a call poisoned its CUDA context): fail its job with `reason`
-        (unless it had already ended, or goes on from its checkpoint) and answer everything it
-        still owed."""
-        self.replies.died(executor, reason, exit_code, poisoned)
+        unknown; `started` False: its process never ran; `poisoned`: a call poisoned its CUDA
+        context): fail its job with `reason` (unless it had already ended, or goes on from its
+        checkpoint) and answer everything it still owed."""
+        self.replies.died(executor, reason, exit_code, started, poisoned)
         self._step()
 
     def _after(self, fn: Callable[[], None]) -> None:

@@ -258,11 +258,12 @@ class Replies:
             core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
 
     def died(self, executor: object, reason: str, exit_code: int | None = None,
-             poisoned: bool = False) -> None:
+             started: bool = True, poisoned: bool = False) -> None:
         """The executor is gone (`exit_code`: -N for signal N, None when unknown; `poisoned`:
         it ended because a call poisoned its CUDA context): fail its job with `reason` (unless
         it had already ended, or it goes on from its checkpoint: `replace.py`) and answer
-        everything it still owed."""
+        everything it still owed. `started`: False for one whose process never ran (`reason`
+        is all there is to say)."""
         core = self.core
         record, queue = core.outbox.forget(executor)
         if record is None:
@@ -277,23 +278,24 @@ class Replies:
                      "between its calls there)")
         else:
             where = f"while job {record.job_id} was between calls"
+        said = f"{reason} {where}" if started else reason
         error: SalusError
         was_live = record.live
         script_gang = record.gang > 1 and record.script is not None
         rank = _rank(record, executor)
-        again = scripts.executor_gone(core, record, f"{reason} {where}")
+        again = scripts.executor_gone(core, record, said)
         replaced = not again and poisoned and replace.may_replace(core, record)
-        if again or replaced:  # a script job run with --restart on-failure: its command runs again
-            error = JobFailed(f"{reason} {where}")
+        if again or replaced:  # its command runs again (--restart on-failure), or it goes on
+            error = JobFailed(said)
         elif record.live and core.stopping and record.script is not None:
             error = ShuttingDown("salusd is shutting down")  # killed by its SIGTERM: restored
         elif script_gang and record.live:
             # Its peers may wait for it in a collective: SIGTERM and the grace (`Core.end`).
-            error = JobFailed(f"rank {rank}: {reason} {where}")
+            error = JobFailed(f"rank {rank}: {said}")
             log.warning("%s", error)
             core.end(record, "failed", str(error), grace=True)
         elif record.live:
-            error = JobFailed(f"{reason} {where}")
+            error = JobFailed(said)
             log.warning("%s", error)
             core.end(record, "failed", scripts.failed_reason(record, str(error)),
                      executor_gone=True)

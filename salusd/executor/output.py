@@ -15,10 +15,12 @@ import logging
 import os
 import sys
 import threading
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from salus.daemon.state.job_output import MAX_FILE_BYTES
-from salus.daemon.wire.channel import Channel
+
+if TYPE_CHECKING:  # a script's output goes through here too, in executors without torch
+    from salus.daemon.wire.channel import Channel
 
 MAX_LINE_CHARS = 64 << 10  # a longer line is cut here and marked
 CUT_MARK = " [salusd: line cut at 65536 characters]\n"
