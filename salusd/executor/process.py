@@ -21,6 +21,7 @@ import sys
 from types import ModuleType
 
 from salus.daemon.executor.on_import import imported, when_imported
+from salus.daemon.executor.privileges import drop_privileges
 from salus.daemon.executor.zygote import die_with_parent, reap_orphans
 from salus.daemon.wire.executor_ops import Become
 
@@ -39,18 +40,24 @@ def _set_threads(torch: ModuleType) -> None:
 
 
 def become(hello: Become) -> None:
-    """Drop to the owner's identity (when running as root) and set up the jobs' environment:
+    """Drop to the owner's identity (when running as root) and every privilege
+    (`privileges.py`), and set up the jobs' environment:
     home, user name, intra-op threads, no core dumps (each job's working directory is set
     when its code runs: `Executor._switch`)."""
     global _threads
     uid, gid, groups = hello.uid, hello.gid, list(hello.groups)
-    if os.geteuid() == 0 and uid != 0:
-        os.setgroups(groups)
-        os.setgid(gid)
-        os.setuid(uid)
-        # Changing uid makes the process undumpable, which hands its /proc files to root and
-        # would hide /proc/self/clear_refs (the peak meter) from the job; its owner may see it.
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+
+    def take_identity() -> None:
+        if os.geteuid() == 0 and uid != 0:
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            # Changing uid makes the process undumpable, which hands its /proc files to root
+            # and would hide /proc/self/clear_refs (the peak meter) from the job; its owner
+            # may see it.
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+
+    drop_privileges(take_identity)  # no capability, no_new_privs: `privileges.py`
     if os.getuid() != uid:
         raise PermissionError(f"executor runs as uid {os.getuid()} and cannot become {uid}")
     os.environ.update({"HOME": hello.home or "/", "USER": hello.user, "LOGNAME": hello.user})
