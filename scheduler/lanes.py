@@ -101,9 +101,10 @@ class LaneManager:
         self._jobs: dict[int, Job] = {}
         self._placements: dict[int, tuple[Placement, ...]] = {}
         self._next_lane = first_lane_id  # lane ids are never reused, even across a rebuild
-        self.context_bytes = list(context_bytes or [0] * len(capacities))
+        self.context_bytes = tuple(context_bytes or (0,) * len(capacities))
         if len(self.context_bytes) != len(capacities) or min(self.context_bytes) < 0:
-            raise ValueError(f"one context size >= 0 per device, got {self.context_bytes}")
+            raise ValueError(f"one context size >= 0 per device, got {list(self.context_bytes)}")
+        self._max_context = max(self.context_bytes)  # fixed; read at every submission
         self.one_owner = frozenset(one_owner)  # devices that serve one owner at a time
         self.held: dict[int, frozenset[RunsAs]] = {}  # device -> owners of its live processes
 
@@ -177,9 +178,13 @@ class LaneManager:
         self._check_can_fit(job.job_id, job.persistent_bytes, job.ephemeral_bytes, job.gang)
         self._jobs[job.job_id] = job
         job.state = JobState.PENDING
+        # Nothing else was freed, so only the new job can have become admissible: placed at
+        # once if it fits, else it waits (a pass over the pending list would try it alone).
+        slots = self._find_slots(job)
+        if slots is not None:
+            return self._place(job, slots)
         self._pending.insert(job)
-        # Nothing else was freed, so only the new job can have become admissible.
-        return self._admit((), job.job_id)
+        return []
 
     def release(self, job_id: int) -> list[Placement]:
         """Remove a job (finished, cancelled, or leaving); frees empty lanes and re-runs the
@@ -224,10 +229,6 @@ class LaneManager:
                 f"{[d.capacity for d in self._devices]})"
             )
 
-    @property
-    def _max_context(self) -> int:
-        return max(self.context_bytes)
-
     def _fits_empty(self, need: int, gang: int) -> bool:
         """Whether `gang` empty devices hold `need` bytes and an executor's context each."""
         if not self._max_context:
@@ -271,6 +272,8 @@ class LaneManager:
 
     def _limits(self, devs: list[Device]) -> tuple[int, int]:
         """Bounds a job must meet to fit on at least one of `devs` (see `Device.bounds`)."""
+        if not devs:
+            return -1, -1
         bounds = [d.bounds(self.mode) for d in devs]
         return max((b[0] for b in bounds), default=-1), max((b[1] for b in bounds), default=-1)
 

@@ -144,18 +144,29 @@ class Simulator:
     # ---- the event loop ------------------------------------------------------------------
     def run(self) -> SimResult:
         """Simulate until every job finished; RuntimeError if the schedule stalls."""
-        for spec in self.specs:
-            self._push(spec.submit_s, _ARRIVAL, (spec.submit_s, spec.job_id), spec, 0)
+        # Arrivals stay out of the heap: the specs are in (submit, id) order already, so the
+        # heap holds only the end events in flight and each instant merges the two.
+        specs, arrived, total = self.specs, 0, len(self.specs)
         heap = self._heap
         last_report = time.monotonic()
         steps = 0
-        while heap:
-            self.now = now = heap[0][0]
+        while heap or arrived < total:
+            now = heap[0][0] if heap else math.inf
+            if arrived < total and specs[arrived].submit_s < now:
+                now = specs[arrived].submit_s
+            self.now = now
             horizon = now + now * self._instant
-            while heap and heap[0][0] <= horizon:
+            while True:
                 batch = []
                 while heap and heap[0][0] <= horizon:
                     batch.append(heapq.heappop(heap))
+                while arrived < total and specs[arrived].submit_s <= horizon:
+                    spec = specs[arrived]
+                    batch.append((spec.submit_s, _ARRIVAL, (spec.submit_s, spec.job_id),
+                                  arrived, spec, 0))
+                    arrived += 1
+                if not batch:
+                    break
                 if len(batch) > 1:
                     batch.sort(key=lambda e: (e[1], e[2], e[3]))
                 self._events += len(batch)
