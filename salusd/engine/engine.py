@@ -176,7 +176,8 @@ class Engine:
             record.checkpoint_dir = os.path.join(core.config.checkpoints.root,
                                                  str(record.job_id))
             core.config.checkpoints.make_dir(record.checkpoint_dir, owner)
-        core.event("open", record.job_id, owner=owner.name, name=record.name,
+        core.event("open", record.job_id, owner=owner.name, allocation=owner.allocation,
+                   name=record.name,
                    job_kind="script" if is_script(record) else kind)
         log.info("job %d %r opened by %s (%s, %d iterations planned)", record.job_id,
                  record.name, owner.name, kind, record.planned_iterations)
@@ -388,11 +389,12 @@ class Engine:
                           reason or f"job {record.job_id} was closed by its client")
             self._step()
 
-    def cancel(self, record: JobRecord) -> None:
-        """End the job at its next boundary; a call that does not return within
-        `cancel_grace_s` seconds has its executor killed."""
+    def cancel(self, record: JobRecord, reason: str | None = None) -> None:
+        """End the job at its next boundary (`reason`: why, for people; by default that it
+        was cancelled); a call that does not return within `cancel_grace_s` seconds has its
+        executor killed."""
         _require_live(record)
-        self.core.end(record, "cancelled", f"job {record.job_id} was cancelled")
+        self.core.end(record, "cancelled", reason or f"job {record.job_id} was cancelled")
         self._step()
 
     def suspend(self, record: JobRecord, swap: bool) -> None:
