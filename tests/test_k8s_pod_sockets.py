@@ -150,9 +150,18 @@ def test_a_pods_contract_job_runs_as_the_pod_user_and_shows_its_pod(tmp_path: Pa
         assert proc.returncode == 0, err
 
 
-def test_a_script_job_through_a_pods_socket_is_refused_saying_why(tmp_path: Path) -> None:
+def test_a_script_job_or_a_gang_through_a_pods_socket_is_refused_saying_why(
+        tmp_path: Path) -> None:
     with node(tmp_path, gib=1) as n:
         directory = n.allocate(1)
+        gang = client(n, directory, """
+            try:
+                salus.connect(name="gang", iterations=1, devices=2)
+            except Exception as exc:
+                print(exc, flush=True)
+        """)
+        out, err = finish(gang, timeout_s=120)
+        assert "a pod's job runs on its allocation's one GPU: 'devices' must be 1" in out, err
         run = subprocess.run(
             [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
              str(directory / "salusd.sock"), "--", sys.executable, "-c", "print(1)"],

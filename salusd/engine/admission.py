@@ -52,7 +52,8 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
               name=record.name, priority=record.priority,
               done_iterations=record.done_before, gang=record.gang,
               exclusive=record.nodes > 1, inference=record.inference, uid=record.owner.runs_as,
-              shares=core.config.share_lanes and may_share_executor(record))
+              shares=core.config.share_lanes and may_share_executor(record),
+              device=core.pod_grants.device(record.owner.allocation))
     refused = over_grant(core, record, job.persistent_bytes + job.ephemeral_bytes)
     if refused is not None:
         core.event("reject", record.job_id, reason=refused)

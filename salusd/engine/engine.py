@@ -154,7 +154,8 @@ class Engine:
         if kind == "interactive" and job_id is None and "command" not in (spec or {}):
             gang = self.check_devices(devices)
             waiting = next((r for r in core.registry if r.awaiting_client
-                            and r.owner.uid == owner.uid and r.name == checked), None)
+                            and r.owner.uid == owner.uid and r.name == checked
+                            and r.owner.allocation == owner.allocation), None)
             if waiting is not None and waiting.gang != gang:
                 raise BadRequest(f"job {waiting.job_id} {checked!r} was restored on "
                                  f"{waiting.gang} device(s); connect with devices="

@@ -64,6 +64,11 @@ class PodGrants:
     def get(self, allocation: str | None) -> PodGrant | None:
         return None if allocation is None else self._grants.get(allocation)
 
+    def device(self, allocation: str | None) -> int | None:
+        """The device the allocation's jobs are placed on (None: not a live allocation's)."""
+        grant = self.get(allocation)
+        return None if grant is None else grant.device
+
     def refusal(self, record: JobRecord, need_bytes: int,
                 booked: Iterable[tuple[JobRecord, int]]) -> str | None:
         """Why `record` (a pod's job, needing `need_bytes` booked: persistent plus lane) may

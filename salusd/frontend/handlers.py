@@ -264,6 +264,8 @@ class Handlers:
                                        and len(python) <= 4096 and "\0" not in python):
             raise BadRequest("'python' must be the client's interpreter, an absolute path of "
                              "at most 4096 characters")
+        if client.allocation is not None and request.get("devices", 1) != 1:
+            raise BadRequest("a pod's job runs on its allocation's one GPU: 'devices' must be 1")
         other = other_interpreter(python, {}) if python is not None else None
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
                                   cwd, devices=request.get("devices", 1),

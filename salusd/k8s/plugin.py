@@ -114,6 +114,9 @@ class GpuMemPlugin:
         """Serve the plugin's socket, register if the kubelet is there (else as soon as it
         is), and start the watching thread."""
         self.config.alloc_root.mkdir(parents=True, exist_ok=True)
+        # not listable: an allocation's socket serves whoever reaches it, so only those who
+        # know its (random) id, the pod it is mounted in, may
+        os.chmod(self.config.alloc_root, 0o711)
         if self.config.state_dir is not None:
             self.config.state_dir.mkdir(parents=True, exist_ok=True)
         self._poll_health()
