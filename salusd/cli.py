@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--alloc-root", metavar="DIR", type=Path, default=None,
                        help="where the device plugin makes each allocation's directory, at the "
                        "same path on the host (default: alloc/ beside the socket)")
+    serve.add_argument("--pod-user", metavar="NAME", default="nobody",
+                       help="the unprivileged user that jobs arriving through a pod's "
+                       "allocation socket run as; never root (default nobody)")
+    serve.add_argument("--device-plugin-test-gpu", metavar="GPU-UUID=GIB", action="append",
+                       default=[], help=argparse.SUPPRESS)  # tests without a GPU: device 0
     serve.add_argument("--isolation", choices=("lane", "job"), default="lane",
                        help="lane: the jobs of one owner placed in one lane share one executor "
                        "process (one CUDA context and allocator, the lane's memory); job: every "
@@ -310,7 +315,9 @@ def serve(args: argparse.Namespace) -> int:
                           checkpoint_every_s=every_s, cluster=cluster,
                           cache_dir=args.cache_dir, cache_bytes=cache_bytes,
                           first_call=args.first_call, device_plugin=args.device_plugin,
-                          kubelet_dir=args.kubelet_dir, alloc_root=args.alloc_root)
+                          kubelet_dir=args.kubelet_dir, alloc_root=args.alloc_root,
+                          pod_user=args.pod_user,
+                          device_plugin_test_gpus=tuple(args.device_plugin_test_gpu))
     try:
         daemon = Daemon(config)
         daemon.start()

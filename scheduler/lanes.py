@@ -237,7 +237,10 @@ class LaneManager:
                    for d in self._devices) >= gang
 
     def _owner_ok(self, dev: Device, job: Job) -> bool:
-        """Whether `dev` may take `job` by the one-owner rule (`mps.py`)."""
+        """Whether `dev` may take `job`: the job's own device if it has one, and the
+        one-owner rule (`mps.py`)."""
+        if job.device is not None and dev.index != job.device:
+            return False
         return dev.index not in self.one_owner or admits(
             set(dev.owners) | self.held.get(dev.index, frozenset()), runs_as(job))
 

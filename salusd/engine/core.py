@@ -18,6 +18,7 @@ from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.events import Event, EventStream
 from salus.daemon.engine.ledger import DeviceLedger
 from salus.daemon.engine.outbox import Outbox
+from salus.daemon.engine.pod_grants import PodGrants
 from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy, JobStore, Timers
 from salus.daemon.engine.registry import Call, EndState, JobRecord, Registry
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
@@ -64,6 +65,7 @@ class Core:
     events: EventStream
     stopping: bool = False
     pending_policy: Policy | None = None  # switched to once no call runs
+    pod_grants: PodGrants = field(default_factory=PodGrants)  # Kubernetes pods' allocations
     placed: list[Placement] = field(default_factory=list)  # admissions the next step sends
 
     def event(self, kind: str, job_id: int, device: int = -1, lane_id: int = -1,

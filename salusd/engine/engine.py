@@ -154,7 +154,8 @@ class Engine:
         if kind == "interactive" and job_id is None and "command" not in (spec or {}):
             gang = self.check_devices(devices)
             waiting = next((r for r in core.registry if r.awaiting_client
-                            and r.owner.uid == owner.uid and r.name == checked), None)
+                            and r.owner.uid == owner.uid and r.name == checked
+                            and r.owner.allocation == owner.allocation), None)
             if waiting is not None and waiting.gang != gang:
                 raise BadRequest(f"job {waiting.job_id} {checked!r} was restored on "
                                  f"{waiting.gang} device(s); connect with devices="
@@ -176,7 +177,8 @@ class Engine:
             record.checkpoint_dir = os.path.join(core.config.checkpoints.root,
                                                  str(record.job_id))
             core.config.checkpoints.make_dir(record.checkpoint_dir, owner)
-        core.event("open", record.job_id, owner=owner.name, name=record.name,
+        core.event("open", record.job_id, owner=owner.name, allocation=owner.allocation,
+                   name=record.name,
                    job_kind="script" if is_script(record) else kind)
         log.info("job %d %r opened by %s (%s, %d iterations planned)", record.job_id,
                  record.name, owner.name, kind, record.planned_iterations)
@@ -388,11 +390,12 @@ class Engine:
                           reason or f"job {record.job_id} was closed by its client")
             self._step()
 
-    def cancel(self, record: JobRecord) -> None:
-        """End the job at its next boundary; a call that does not return within
-        `cancel_grace_s` seconds has its executor killed."""
+    def cancel(self, record: JobRecord, reason: str | None = None) -> None:
+        """End the job at its next boundary (`reason`: why, for people; by default that it
+        was cancelled); a call that does not return within `cancel_grace_s` seconds has its
+        executor killed."""
         _require_live(record)
-        self.core.end(record, "cancelled", f"job {record.job_id} was cancelled")
+        self.core.end(record, "cancelled", reason or f"job {record.job_id} was cancelled")
         self._step()
 
     def suspend(self, record: JobRecord, swap: bool) -> None:

@@ -37,11 +37,14 @@ MAX_NAME_CHARS = 200
 
 @dataclass(frozen=True)
 class Owner:
-    """Who a job belongs to: the user name, uid and gid the kernel reported for the client."""
+    """Who a job belongs to: the user name, uid and gid the kernel reported for the client;
+    for a pod's client (one that came through a Kubernetes allocation's socket), the
+    allocation's id, the uid and gid being salusd's unprivileged pod user's."""
 
     name: str
     uid: int
     gid: int
+    allocation: str | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -192,8 +195,9 @@ def may_share_executor(record: JobRecord) -> bool:
     """Whether the job's executor process may host its owner's other jobs of its lane: an
     interactive job of one replica whose state lives in objects it attached (not a gang's
     replica, a batch job, a script job, whose process runs the script, or a job whose client
-    runs another interpreter than the daemon's, whose executor runs that one)."""
-    return (record.kind == "interactive" and record.gang == 1
+    runs another interpreter than the daemon's, whose executor runs that one), and not a pod's
+    job: every pod runs as the one pod user, and a shared process would mix their states."""
+    return (record.kind == "interactive" and record.gang == 1 and record.owner.allocation is None
             and not is_script(record) and "python" not in record.spec)
 
 
@@ -225,7 +229,8 @@ class Registry:
         if record is None:
             raise UnknownJob(f"no job {jid} in this daemon (never opened, or ended more than "
                              f"{self.retention_s:.0f} s ago)")
-        if record.owner.uid != owner.uid and not owner.is_admin:
+        if (record.owner.uid != owner.uid or record.owner.allocation != owner.allocation
+                ) and not owner.is_admin:  # pods share the pod user's uid, not their jobs
             raise NotOwner(f"job {jid} belongs to {record.owner.name}, not {owner.name}")
         return record
 

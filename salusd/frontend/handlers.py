@@ -211,6 +211,12 @@ class Handlers:
         torchrun gang's ranks 1, 2... get the sockets of the `socket` requests before it."""
         ranks, client.sockets = [frame, *client.sockets], []
         try:
+            if client.allocation is not None:
+                raise BadRequest(
+                    "script jobs ('salusd run') cannot be run from inside a pod yet: the script "
+                    "lives in the pod's filesystem, and running it there, taking turns from "
+                    "salusd, is not built; use salus.connect (a contract job) in the pod, or "
+                    "submit the script on the node (docs/kubernetes.md)")
             if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'run' carries the client's end of a socket pair, on which "
                                  "it sends its stdin, stdout and stderr")
@@ -258,6 +264,8 @@ class Handlers:
                                        and len(python) <= 4096 and "\0" not in python):
             raise BadRequest("'python' must be the client's interpreter, an absolute path of "
                              "at most 4096 characters")
+        if client.allocation is not None and request.get("devices", 1) != 1:
+            raise BadRequest("a pod's job runs on its allocation's one GPU: 'devices' must be 1")
         other = other_interpreter(python, {}) if python is not None else None
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
                                   cwd, devices=request.get("devices", 1),
@@ -280,7 +288,8 @@ class Handlers:
         snap = snapshot(self.engine)
         uid = client.owner.uid
         if uid not in (0, os.geteuid()):
-            own = {r.job_id for r in self.engine.registry if r.owner.uid == uid}
+            own = {r.job_id for r in self.engine.registry if r.owner.uid == uid
+                   and r.owner.allocation == client.owner.allocation}
             snap["jobs"] = [j for j in snap["jobs"] if j["job_id"] in own]
         return snap
 

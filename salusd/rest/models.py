@@ -70,6 +70,10 @@ class JobOut(BaseModel):
     id: int
     name: str
     owner: str
+    allocation: str | None = Field(default=None, description="a Kubernetes pod's job: the "
+                                   "device plugin's allocation whose socket it came through")
+    pod: str | None = Field(default=None, description="a Kubernetes pod's job: its pod, "
+                            "\"namespace/name\", once the kubelet named it")
     kind: Literal["interactive", "batch", "script"]
     state: str
     reason: str

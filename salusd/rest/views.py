@@ -26,6 +26,7 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     evaluation = record.last_evaluation
     return JobOut(
         id=record.job_id, name=record.name, owner=record.owner.name,
+        allocation=info["allocation"], pod=info["pod"],
         kind="script" if is_script(record) else record.kind,
         state=state, reason=record.reason, exit_status=record.exit_status,
         signal=record.signal, limit=record.limit,
