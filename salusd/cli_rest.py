@@ -14,10 +14,10 @@ from rich.table import Table
 from rich.text import Text
 
 from salus.daemon.devices import format_size
+from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.rest.client import RestClient, RestError, find_token, find_url
 
 ENDED = ("finished", "cancelled", "failed")
-UNKNOWN_ITERATIONS = 2**53  # what a job that gave no planned count is planned for
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +70,7 @@ def _view(client: RestClient, everything: bool = False) -> dict[str, Any]:
 def _iterations(job: dict[str, Any]) -> str:
     """`done/planned`; a planned count the job never gave (2**53) is `-`."""
     total = job["iterations_total"]
-    return f"{job['iterations_done']}/{'-' if total >= UNKNOWN_ITERATIONS else total}"
+    return f"{job['iterations_done']}/{'-' if total >= MAX_ITERATIONS else total}"
 
 
 def _size(nbytes: Any) -> str:

@@ -42,6 +42,18 @@ from typing import Any
 
 from salus.daemon.devices import parse_size
 from salus.daemon.engine import torchrun
+from salus.daemon.limits import (
+    DEFAULT_PRIORITY,
+    MAX_ARRAY_INDEX,
+    MAX_ITERATIONS,
+    MAX_JOB_ID,
+    MAX_NAME_CHARS,
+    MAX_RESTARTS,
+    argument,
+    check_iterations,
+    check_name,
+    check_priority,
+)
 from salus.daemon.wire.address import connect_unix, default_socket_path
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError, ShuttingDown
 from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
@@ -51,14 +63,11 @@ INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py
 # The other signals forwarded to the script, each as one byte on the same socket.
 FORWARDED = {signal.SIGTERM: b"T", signal.SIGHUP: b"H", signal.SIGUSR1: b"1",
              signal.SIGUSR2: b"2"}
-MAX_ITERATIONS = 2**53
 ENDED = ("finished", "failed", "cancelled")
 ENDED_WAIT_S = 10.0
-MAX_RESTARTS = 3  # as salusd/engine/scripts.py (not imported: it would load the engine)
 TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
 SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default
 MAX_ARRAY_TASKS = 1000  # as Slurm's default MaxArraySize allows, about
-MAX_ARRAY_INDEX = 2**31 - 1
 ARRAY_OUTPUT = "salus-%A_%a.out"  # as sbatch's slurm-%A_%a.out
 
 
@@ -108,7 +117,7 @@ def job_ids(text: str) -> list[int]:
         ids = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give job ids, e.g. 12 or 12,13") from None
-    if not all(0 < job < 2**63 for job in ids):
+    if not all(0 < job <= MAX_JOB_ID for job in ids):
         raise argparse.ArgumentTypeError(f"{text!r}: a job id is a positive integer")
     return ids
 
@@ -146,11 +155,13 @@ def add_parser(sub: Any) -> None:
         "those). Output goes to this terminal; the exit status is the script's.",
         usage="salusd run [OPTIONS] -- python SCRIPT [ARGS...] | python -m MODULE [ARGS...] | "
         "python -c CODE [ARGS...] | torchrun --nproc-per-node N SCRIPT [ARGS...]")
-    cmd.add_argument("--name", help="the job's name (default: the script's file name)")
-    cmd.add_argument("--iterations", type=int, default=None,
+    cmd.add_argument("--name", type=argument(check_name),
+                     help="the job's name (default: the script's file name)")
+    cmd.add_argument("--iterations", type=argument(check_iterations, int), default=None,
                      help="planned iterations (optimizer steps), which SRTF uses (default: "
                      "unknown)")
-    cmd.add_argument("--priority", type=float, default=1.0,
+    cmd.add_argument("--priority", type=argument(check_priority, float),
+                     default=DEFAULT_PRIORITY,
                      help="the job's weight under the fair policy (default 1)")
     cmd.add_argument("--devices", type=int, default=None,
                      help="devices: 1, or a torchrun command's ranks, one per device (the "
@@ -339,10 +350,10 @@ def _name(command: list[str], launch: torchrun.Launch | None) -> str:
     while argv[:1] == ["-u"]:
         argv.pop(0)
     if argv[:1] == ["-c"]:
-        return f"{os.path.basename(command[0])} -c"[:200]
+        return f"{os.path.basename(command[0])} -c"[:MAX_NAME_CHARS]
     for arg in argv:
         if not arg.startswith("-"):
-            return os.path.basename(arg)[:200] or "script"
+            return os.path.basename(arg)[:MAX_NAME_CHARS] or "script"
     return "script"
 
 

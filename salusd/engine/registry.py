@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import unicodedata
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
+from salus.daemon.limits import check_iterations, check_name
+from salus.daemon.wire.errors import NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
 
 if TYPE_CHECKING:
@@ -31,8 +31,6 @@ EndState = Literal["finished", "cancelled", "failed"]
 JobKind = Literal["interactive", "batch"]
 Answer = Callable[[RawFrame], None]
 
-MAX_ITERATIONS = 2**53
-MAX_NAME_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -156,29 +154,6 @@ def requested_memory(record: JobRecord) -> int | None:
     admission and its cap; None: sized from its first call, as measured."""
     mem = record.spec.get("mem_bytes")
     return mem if type(mem) is int else None
-
-
-def check_name(name: object) -> str:
-    """A job name: a string of 1-200 printable characters (no control or format characters,
-    no lone surrogates). BadRequest says what is wrong."""
-    if not isinstance(name, str) or not name:
-        raise BadRequest("a job name must be a non-empty string")
-    if len(name) > MAX_NAME_CHARS:
-        raise BadRequest(f"a job name has at most {MAX_NAME_CHARS} characters, got {len(name)}")
-    for ch in name:
-        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
-            raise BadRequest(f"a job name may hold printable characters only; {ch!r} "
-                             f"(U+{ord(ch):04X}) is not")
-    return name
-
-
-def check_iterations(iterations: object) -> int:
-    """A planned iteration count: an int in [1, 2**53]."""
-    if type(iterations) is not int or not 1 <= iterations <= MAX_ITERATIONS:
-        raise BadRequest(f"iterations must be an integer from 1 to 2**53, got "
-                         f"{str(iterations)[:40]!r}")
-    return iterations
-
 
 
 def is_script(record: JobRecord) -> bool:

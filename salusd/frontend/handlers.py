@@ -57,6 +57,7 @@ from salus.daemon.engine import scripts
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord, parse_id
 from salus.daemon.engine.report import job_info, snapshot
+from salus.daemon.limits import MAX_PATH_CHARS, MAX_RESTARTS, check_priority
 from salus.daemon.owners import as_caller
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown, UnknownJob
@@ -216,7 +217,7 @@ class Handlers:
                                  "it sends its stdin, stdout and stderr")
             command = scripts.check(request.get("command"), request.get("cwd"),
                                     request.get("env"), request.get("restart", "never"),
-                                    request.get("max_restarts", scripts.MAX_RESTARTS))
+                                    request.get("max_restarts", MAX_RESTARTS))
             command = scripts.with_limits(command, request.get("time_limit_s"),
                                           request.get("signal"),
                                           request.get("signal_before_s"))
@@ -251,13 +252,14 @@ class Handlers:
 
     def _open(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
         cwd = request.get("cwd")
-        if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= 4096):
-            raise BadRequest("'cwd' must be a path of at most 4096 characters")
+        if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= MAX_PATH_CHARS):
+            raise BadRequest(f"'cwd' must be a path of at most {MAX_PATH_CHARS} characters")
         python = request.get("python")
         if python is not None and not (isinstance(python, str) and os.path.isabs(python)
-                                       and len(python) <= 4096 and "\0" not in python):
+                                       and len(python) <= MAX_PATH_CHARS
+                                       and "\0" not in python):
             raise BadRequest("'python' must be the client's interpreter, an absolute path of "
-                             "at most 4096 characters")
+                             f"at most {MAX_PATH_CHARS} characters")
         other = other_interpreter(python, {}) if python is not None else None
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
                                   cwd, devices=request.get("devices", 1),
@@ -331,10 +333,3 @@ class Handlers:
     def _priority(self, client: Client, request: dict[str, Any]) -> None:
         self.engine.set_priority(self._record(client, request), request.get("priority"))
 
-
-def check_priority(priority: object) -> float:
-    """A job's scheduling weight: a number in (0, 1e12)."""
-    if isinstance(priority, bool) or not isinstance(priority, int | float) or not (
-            0 < priority < 1e12):
-        raise BadRequest(f"priority must be a number in (0, 1e12), got {priority!r}")
-    return float(priority)

@@ -14,12 +14,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
 from salus.daemon.engine import scripts
+from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.owners import as_caller
 from salus.daemon.rest.auth import Principal, principal
 from salus.daemon.rest.context import Context, check_owner, context
 from salus.daemon.rest.models import (
     ERRORS,
-    MAX_ITERATIONS,
     Checkpoint,
     CheckpointDone,
     JobOut,
