@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -89,7 +90,8 @@ class JobRecord:
     grace: bool = False  # a cancelled script's command runs on after SIGTERM (`Core.end`)
     end_state: EndState | None = None
     reason: str = ""
-    ended_s: float | None = None
+    ended_s: float | None = None  # on the engine's clock
+    ended_at: float | None = None  # unix seconds, as the durable registry's `ended`
     calls_done: int = 0
     calls_failed: int = 0
     device_kind: str = "cpu"
@@ -175,8 +177,10 @@ class Registry:
     """Live jobs by id, and ended ones for `retention_s` seconds (at most `keep_ended`)."""
 
     def __init__(self, clock: Callable[[], float], *, retention_s: float = 3600.0,
-                 keep_ended: int = 10_000, first_id: int = 1) -> None:
+                 keep_ended: int = 10_000, first_id: int = 1,
+                 wall: Callable[[], float] = time.time) -> None:
         self.clock = clock
+        self.wall = wall
         self.retention_s = retention_s
         self.keep_ended = keep_ended
         self.live: dict[int, JobRecord] = {}
@@ -211,6 +215,7 @@ class Registry:
         record.end_state = state
         record.reason = reason
         record.ended_s = self.clock()
+        record.ended_at = self.wall()
         self.live.pop(record.job_id, None)
         self.ended[record.job_id] = record
         self.expire()

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from salus.daemon.engine import torchrun
-from salus.daemon.engine.core import Core
+from salus.daemon.engine.core import Core, exit_detail
 from salus.daemon.engine.outbox import OnDone, Sent
 from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.limits import (
@@ -331,6 +331,7 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any], rank: int = 0) -
     record.exit_status, record.signal = code, None
     if not record.live:  # cancelled: its command ended within its grace
         record.grace = False
+        core.event("exit", record.job_id, **exit_detail(record))
         core.finalize(record)
         return
     if core.stopping:  # on salusd's SIGTERM: the job stays, restored (or rerun) at the next start

@@ -105,6 +105,8 @@ class JobOut(BaseModel):
                                "job's command (15: SIGTERM, 9: SIGKILL), else null")
     limit: Literal["time", "memory"] | None = Field(default=None, description="the limit that "
                                                     "ended the job: its --time or its --mem")
+    ended_at: float | None = Field(default=None, description="when the job ended (unix "
+                                   "seconds); null while it is live")
     iterations_done: int
     iterations_total: int
     device: int | None
