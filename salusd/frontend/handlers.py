@@ -26,13 +26,13 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     suspend    job, swap?                              daemon        None
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
-    run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
-               priority?, devices?, restart?,          a script job; its executor
-               max_restarts?, time_limit_s?,           runs `command` as the
-               signal?, signal_before_s?, mem_bytes?,  caller, its stdio the
-               after? (job ids: start once they        client's (sent on the pair)
-               finished), array_index?, array_job?
-               (+ the client's end of a socket pair)
+    run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n,
+               priority?, devices?, restart?,          a script job; its  "output": each rank's
+               max_restarts?, time_limit_s?,           executor runs      output file (null:
+               signal?, signal_before_s?, mem_bytes?,  `command` as the   none), where the
+               after? (job ids: start once they        caller, its stdio  client copies what
+               finished), array_index?, array_job?     the client's (sent it relays}
+               (+ the client's end of a socket pair)   on the pair)
     socket     (+ the client's end of a socket pair)   daemon        None: the next `run`, of a
                                                                      torchrun gang, gives it to
                                                                      rank 1, the next to rank 2..
@@ -235,7 +235,12 @@ class Handlers:
                 rank.close_fd()
             raise
         client.jobs.add(record.job_id)
-        answer(ok_frame({"job": str(record.job_id), "threads": record.threads}))
+        # Where the client copies each rank's output (`salusd/cli_relay.py`), as the executor
+        # of a REST script job does: the job's owner may write its folder, the client is it.
+        folder = record.checkpoint_dir
+        answer(ok_frame({"job": str(record.job_id), "threads": record.threads,
+                         "output": None if folder is None else [
+                             output_path(folder, rank) for rank in range(record.gang)]}))
 
     # ---- answered by the daemon --------------------------------------------------------------
     def _check_allowed(self, client: Client, op: str) -> None:
