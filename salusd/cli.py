@@ -14,13 +14,7 @@ from typing import Any
 
 from salus.daemon import cli_logs, cli_run
 from salus.daemon.cli_run import duration
-from salus.daemon.limits import (
-    DEFAULT_PRIORITY,
-    argument,
-    check_iterations,
-    check_name,
-    check_priority,
-)
+from salus.daemon.limits import DEFAULT_PRIORITY
 from salus.scheduler.policies import POLICIES
 
 EPILOG = """\
@@ -195,12 +189,10 @@ def _control_commands(sub: Any) -> None:
                              help="stop after this many refreshes")
         elif name == "submit":
             cmd.add_argument("entrypoint", metavar="FILE.py:FUNCTION")
-            cmd.add_argument("--iterations", type=argument(check_iterations, int),
-                             required=True)
-            cmd.add_argument("--name", type=argument(check_name),
-                             help="the job's name (default: the function's)")
-            cmd.add_argument("--priority", type=argument(check_priority, float),
-                             default=DEFAULT_PRIORITY)
+            # Checked by the daemon's REST models, with the shared checks (salusd/limits.py).
+            cmd.add_argument("--iterations", type=int, required=True)
+            cmd.add_argument("--name", help="the job's name (default: the function's)")
+            cmd.add_argument("--priority", type=float, default=DEFAULT_PRIORITY)
             cmd.add_argument("--devices", type=int, default=1,
                              help="replicas, one per device: a data-parallel gang (default 1)")
             cmd.add_argument("--pipeline", action="store_true",
@@ -228,8 +220,7 @@ def _control_commands(sub: Any) -> None:
             cmd.add_argument("--swap", action="store_true", help="also move the job's state to "
                              "host memory so waiting jobs can use its device memory")
         if name == "priority":
-            cmd.add_argument("value", type=argument(check_priority, float),
-                             help="the new weight (> 0; default is 1)")
+            cmd.add_argument("value", type=float, help="the new weight (> 0; default is 1)")
 
 
 def since(text: str, now: float | None = None) -> float:

@@ -84,8 +84,8 @@ def _iterations(job: dict[str, Any]) -> str:
 
 
 def exit_text(job: dict[str, Any]) -> str:
-    """How a script job's command ended: `0`, `143 SIGTERM`, `137 SIGKILL memory limit`;
-    `-` while it runs, or for a job that runs no command."""
+    """How a script job's command ended, after its state: ` (0)`, ` (143 SIGTERM time
+    limit)`; empty while it runs, or for a job that runs no command."""
     status, signum, limit = job.get("exit_status"), job.get("signal"), job.get("limit")
     parts = [] if status is None else [str(status)]
     if isinstance(signum, int):
@@ -95,7 +95,7 @@ def exit_text(job: dict[str, Any]) -> str:
             parts.append(f"signal {signum}")
     if limit is not None:
         parts.append(f"{limit} limit")
-    return " ".join(parts) or "-"
+    return f" ({' '.join(parts)})" if parts else ""
 
 
 def _size(nbytes: Any) -> str:
@@ -149,8 +149,8 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
                       " ".join(map(str, ln["jobs"])), str(ln["busy_job"] or "-"))
     before = {j["id"]: j["iterations_done"] for j in (previous or {}).get("jobs", [])}
     jobs = Table(title=f"jobs ({len(view['jobs'])})")
-    for col in ("id", "owner", "name", "kind", "state", "exit", "iterations", "it/s",
-                "dev.lane", "persistent", "ephemeral", "lane", "checkpoint", "reason"):
+    for col in ("id", "owner", "name", "kind", "state", "iterations", "it/s", "dev.lane",
+                "persistent", "ephemeral", "lane", "checkpoint", "reason"):
         jobs.add_column(col, overflow="fold")
     for j in view["jobs"]:
         if j.get("waiting_for") and not j["reason"]:
@@ -161,8 +161,8 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
             rate = f"{(j['iterations_done'] - before[j['id']]) / seconds:.1f}"
         ckpt = j.get("checkpoint")
         jobs.add_row(
-            str(j["id"]), shown(j["owner"]), shown(j["name"]), j["kind"], shown(j["state"]),
-            exit_text(j), _iterations(j), rate,
+            str(j["id"]), shown(j["owner"]), shown(j["name"]), j["kind"],
+            shown(j["state"] + exit_text(j)), _iterations(j), rate,
             f"{j['device']}.{j['lane']}" if j["device"] is not None else "-",
             _size(j["persistent_bytes"]), _size(j["ephemeral_bytes"]), _size(j["lane_bytes"]),
             f"@{ckpt['iteration']}" if ckpt else "-", shown(j["reason"])[:80])

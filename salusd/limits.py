@@ -1,9 +1,10 @@
 """Every bound a job request must respect, and the checks of the fields every client sends.
 
 One module, so that the unix-socket front end (`frontend/handlers.py`), the engine, the REST
-models (`rest/models.py`: pydantic validators that call these same functions) and the CLI
-(`cli_run.py`, `cli_array.py`) accept the same values and refuse the others with the same
-words. It imports nothing of the engine and no torch: `salusd run` loads it at start.
+models (`rest/models.py`: pydantic validators that call these same functions) and `salusd run`'s
+options (`cli_run.py`) accept the same values and refuse the others with the same words; the
+commands that go through REST (`salusd submit`, `salusd priority`) print the REST models'
+answer. It imports nothing of the engine and no torch: `salusd run` loads it at start.
 
 The checks raise `BadRequest`, which the socket front end answers as it is; the REST models
 turn it into pydantic's ValueError (`as_value_error`), which FastAPI answers with 422 naming

@@ -103,3 +103,14 @@ def test_exit_statuses_survive_a_restart_and_status_since_picks_ended_jobs(
                              env=ENV, timeout=60, capture_output=True, text=True)
         assert bad.returncode == 2 and "neither a duration" in bad.stderr, bad.stderr
         assert client.delete(f"/v1/jobs/{live}").status_code == 200
+
+
+def test_the_status_table_shows_how_a_command_ended_after_its_state() -> None:
+    from salus.daemon.cli_rest import exit_text
+
+    assert exit_text({"exit_status": None, "signal": None, "limit": None}) == ""
+    assert exit_text({"exit_status": 0, "signal": None, "limit": None}) == " (0)"
+    assert exit_text({"exit_status": 143, "signal": 15, "limit": "time"}) == (
+        " (143 SIGTERM time limit)")
+    assert exit_text({"exit_status": 137, "signal": 9, "limit": "memory"}) == (
+        " (137 SIGKILL memory limit)")
