@@ -33,7 +33,6 @@ JobKind = Literal["interactive", "batch"]
 Answer = Callable[[RawFrame], None]
 
 
-
 @dataclass(frozen=True)
 class Owner:
     """Who a job belongs to: the user name, uid and gid the kernel reported for the client."""
@@ -91,7 +90,7 @@ class JobRecord:
     end_state: EndState | None = None
     reason: str = ""
     ended_s: float | None = None  # on the engine's clock
-    ended_at: float | None = None  # unix seconds, as the durable registry's `ended`
+    ended_at: float | None = None  # unix seconds, as the durable registry's `ended_at`
     calls_done: int = 0
     calls_failed: int = 0
     device_kind: str = "cpu"
