@@ -139,6 +139,7 @@ def test_a_resized_terminal_is_seen_by_the_script(daemon: tuple[str, Path],
     assert b"then os.terminal_size(columns=132, lines=40)" in out
 
 
+@pytest.mark.slow
 def test_the_copy_is_rotated_as_a_rest_jobs_log(daemon: tuple[str, Path],
                                                 tmp_path: Path) -> None:
     address, state = daemon
