@@ -23,7 +23,9 @@ from daemon_proc import salusd
 
 from salus.daemon.state.job_output import MAX_FILE_BYTES
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# Without COLUMNS and LINES, which shutil.get_terminal_size would take over the terminal's size.
+ENV = {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+       "OMP_NUM_THREADS": "1"}
 TIMEOUT_S = 120
 PRINTS = textwrap.dedent("""\
     import os, shutil, subprocess, sys
