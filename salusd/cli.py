@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from salus.daemon import cli_logs, cli_run
+from salus.daemon.cli_run import duration
+from salus.daemon.limits import DEFAULT_PRIORITY
 from salus.scheduler.policies import POLICIES
 
 EPILOG = """\
@@ -173,8 +177,15 @@ def _control_commands(sub: Any) -> None:
         cmd.add_argument("--state-dir", type=Path, default=None,
                          help="the daemon's state dir, to find its address and admin token")
         if name in ("status", "top"):
-            cmd.add_argument("--all", action="store_true", help="the ended jobs too (default: "
-                             "live jobs only)")
+            ended = cmd.add_mutually_exclusive_group()
+            ended.add_argument("--all", action="store_true", help="every ended job too, those "
+                               "that ended before salusd's last restart included (default: "
+                               "live jobs only)")
+            ended.add_argument("--since", type=since, default=None,
+                               metavar="DURATION|ISO-TIME",
+                               help="the jobs that ended since then too: a duration back from "
+                               "now (90s, 15m, 2h, 1d, [[D-]H:]M:S) or a date and time "
+                               "(2026-11-29T08:00, local time unless it gives an offset)")
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the raw JSON")
         elif name == "top":
@@ -183,9 +194,10 @@ def _control_commands(sub: Any) -> None:
                              help="stop after this many refreshes")
         elif name == "submit":
             cmd.add_argument("entrypoint", metavar="FILE.py:FUNCTION")
+            # Checked by the daemon's REST models, with the shared checks (salusd/limits.py).
             cmd.add_argument("--iterations", type=int, required=True)
             cmd.add_argument("--name", help="the job's name (default: the function's)")
-            cmd.add_argument("--priority", type=float, default=1.0)
+            cmd.add_argument("--priority", type=float, default=DEFAULT_PRIORITY)
             cmd.add_argument("--devices", type=int, default=1,
                              help="replicas, one per device: a data-parallel gang (default 1)")
             cmd.add_argument("--pipeline", action="store_true",
@@ -214,6 +226,24 @@ def _control_commands(sub: Any) -> None:
                              "host memory so waiting jobs can use its device memory")
         if name == "priority":
             cmd.add_argument("value", type=float, help="the new weight (> 0; default is 1)")
+
+
+def since(text: str, now: float | None = None) -> float:
+    """`--since`: the unix time a duration before `now` (default: the current time) or an
+    ISO 8601 date and time (naive: local time). A clock alone (`10:00`) is a duration, M:S, as
+    `salusd run --time` reads it."""
+    try:
+        seconds = duration(text)
+    except argparse.ArgumentTypeError:
+        pass
+    else:
+        return max(0.0, (time.time() if now is None else now) - seconds)
+    try:
+        return max(0.0, datetime.datetime.fromisoformat(text).timestamp())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a duration (90s, 15m, 2h, 1d, [[D-]H:]M:S) nor an ISO date "
+            "and time (2026-11-29T08:00)") from None
 
 
 def parse_every(text: str) -> tuple[int | None, float]:

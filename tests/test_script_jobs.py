@@ -543,6 +543,9 @@ def test_a_root_daemon_runs_the_script_as_its_caller(tmp_path: Path) -> None:
         assert (seen["uid"], seen["gid"], seen["cwd"]) == (entry.pw_uid, entry.pw_gid, str(home))
         assert gid in seen["groups"]
         assert (home / "made.txt").stat().st_uid == entry.pw_uid
+        # `salusd run` copied what it relayed to the job's log, as the user, in its folder.
+        log = root / "state" / "checkpoints" / "1" / "output.log"
+        assert log.stat().st_uid == entry.pw_uid and log.read_text() == out
     finally:
         subprocess.run(["userdel", user], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)

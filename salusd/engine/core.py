@@ -112,7 +112,7 @@ class Core:
                      and j not in self.registry.ended]:
             self.dispatch.apply(Forget(gone))  # expired from the registry: forget it here too
         self.event(state if state != "finished" else "finish", record.job_id, reason=reason,
-                   iterations_done=done)
+                   iterations_done=done, **exit_detail(record))
         log.info("job %d %s: %s", record.job_id, state, reason)
         if executor_gone:
             return
@@ -154,6 +154,12 @@ class Core:
         code = "job_failed" if record.end_state == "failed" else "job_cancelled"
         self.outbox.retire_all(record, code, f"job {record.job_id} has {record.end_state}: "
                                f"{record.reason}")
+
+
+def exit_detail(record: JobRecord) -> dict[str, Any]:
+    """How a script job's command ended, for the events that say so (`end`'s kinds and
+    `exit`): its exit status, the signal that ended it and the limit that ended the job."""
+    return {"exit_status": record.exit_status, "signal": record.signal, "limit": record.limit}
 
 
 def refuse(call: Call, error: SalusError) -> None:

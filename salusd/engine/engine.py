@@ -40,13 +40,12 @@ from salus.daemon.engine.registry import (
     JobRecord,
     Owner,
     Registry,
-    check_iterations,
-    check_name,
     is_script,
 )
 from salus.daemon.engine.replies import Replies
 from salus.daemon.engine.setup import batch_spec, load
 from salus.daemon.engine.step import Stepper
+from salus.daemon.limits import check_iterations, check_name, check_priority
 from salus.daemon.wire.errors import (
     BadRequest,
     Busy,
@@ -422,13 +421,11 @@ class Engine:
 
     def set_priority(self, record: JobRecord, priority: object) -> None:
         _require_live(record)
-        if isinstance(priority, bool) or not isinstance(priority, int | float) or not (
-                0 < priority < 1e12):
-            raise BadRequest(f"priority must be a number in (0, 1e12), got {priority!r}")
-        record.priority = float(priority)
+        weight = check_priority(priority)
+        record.priority = weight
         if record.phase == "submitted":
-            self.core.dispatch.set_priority(record.job_id, float(priority))
-        self.core.event("priority", record.job_id, priority=float(priority))
+            self.core.dispatch.set_priority(record.job_id, weight)
+        self.core.event("priority", record.job_id, priority=weight)
         self._step()
 
     def begin_shutdown(self) -> None:

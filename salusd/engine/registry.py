@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import unicodedata
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
+from salus.daemon.limits import check_iterations, check_name
+from salus.daemon.wire.errors import NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
 
 if TYPE_CHECKING:
@@ -30,9 +31,6 @@ Phase = Literal["open", "attached", "estimating", "submitted", "ended"]
 EndState = Literal["finished", "cancelled", "failed"]
 JobKind = Literal["interactive", "batch"]
 Answer = Callable[[RawFrame], None]
-
-MAX_ITERATIONS = 2**53
-MAX_NAME_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,8 @@ class JobRecord:
     grace: bool = False  # a cancelled script's command runs on after SIGTERM (`Core.end`)
     end_state: EndState | None = None
     reason: str = ""
-    ended_s: float | None = None
+    ended_s: float | None = None  # on the engine's clock
+    ended_at: float | None = None  # unix seconds, as the durable registry's `ended_at`
     calls_done: int = 0
     calls_failed: int = 0
     device_kind: str = "cpu"
@@ -162,29 +161,6 @@ def requested_memory(record: JobRecord) -> int | None:
     return mem if type(mem) is int else None
 
 
-def check_name(name: object) -> str:
-    """A job name: a string of 1-200 printable characters (no control or format characters,
-    no lone surrogates). BadRequest says what is wrong."""
-    if not isinstance(name, str) or not name:
-        raise BadRequest("a job name must be a non-empty string")
-    if len(name) > MAX_NAME_CHARS:
-        raise BadRequest(f"a job name has at most {MAX_NAME_CHARS} characters, got {len(name)}")
-    for ch in name:
-        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
-            raise BadRequest(f"a job name may hold printable characters only; {ch!r} "
-                             f"(U+{ord(ch):04X}) is not")
-    return name
-
-
-def check_iterations(iterations: object) -> int:
-    """A planned iteration count: an int in [1, 2**53]."""
-    if type(iterations) is not int or not 1 <= iterations <= MAX_ITERATIONS:
-        raise BadRequest(f"iterations must be an integer from 1 to 2**53, got "
-                         f"{str(iterations)[:40]!r}")
-    return iterations
-
-
-
 def is_script(record: JobRecord) -> bool:
     """Whether the job runs a whole command (`salusd run`, REST `command`): its process runs
     the script."""
@@ -205,8 +181,10 @@ class Registry:
     """Live jobs by id, and ended ones for `retention_s` seconds (at most `keep_ended`)."""
 
     def __init__(self, clock: Callable[[], float], *, retention_s: float = 3600.0,
-                 keep_ended: int = 10_000, first_id: int = 1) -> None:
+                 keep_ended: int = 10_000, first_id: int = 1,
+                 wall: Callable[[], float] = time.time) -> None:
         self.clock = clock
+        self.wall = wall
         self.retention_s = retention_s
         self.keep_ended = keep_ended
         self.live: dict[int, JobRecord] = {}
@@ -242,6 +220,7 @@ class Registry:
         record.end_state = state
         record.reason = reason
         record.ended_s = self.clock()
+        record.ended_at = self.wall()
         self.live.pop(record.job_id, None)
         self.ended[record.job_id] = record
         self.expire()

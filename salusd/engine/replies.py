@@ -10,7 +10,7 @@ from typing import Any
 
 from salus.daemon.engine import admission, checkpoints, gang_failures, replace, scripts
 from salus.daemon.engine.booking import booked_persistent
-from salus.daemon.engine.core import Core, LaneKey, error_frame
+from salus.daemon.engine.core import Core, LaneKey, error_frame, exit_detail
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
@@ -268,7 +268,10 @@ class Replies:
         record, queue = core.outbox.forget(executor)
         if record is None:
             return
+        before = exit_detail(record)
         scripts.died(record, exit_code)
+        if not record.live and exit_detail(record) != before:  # it died in its grace
+            core.event("exit", record.job_id, **exit_detail(record))
         running = next((s.lane for s in queue if s.kind == "run"), None)
         leased = self.leases.lane_of(record.job_id)
         if running:
