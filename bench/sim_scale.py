@@ -1,17 +1,20 @@
 """Simulator scale: wall seconds to replay a synthetic trace under each policy.
 
 Default: 100,000 jobs (short/long training mix, Poisson arrivals at 90% load) on 64 devices of
-16 GB. Prints progress on stderr and one JSON object on stdout: per policy the wall seconds,
-events handled and simulated makespan, and each policy's wall time relative to fifo's measured
-in the same run.
+16 GB; the scale goal is 1,000,000 jobs on 512 devices in under 60 s per policy. Prints progress
+on stderr and one JSON object on stdout: per policy the wall and CPU seconds (CPU time says
+more than wall time on a shared machine), the 1-minute load average before and after, events
+handled and simulated makespan, and each policy's wall time relative to fifo's in the same run.
 
-    .venv/bin/python bench/sim_scale.py [--jobs N] [--devices D] [--quick]
+    .venv/bin/python bench/sim_scale.py [--jobs N] [--devices D] [--policies P,...] [--quick]
+    .venv/bin/python bench/sim_scale.py --jobs 1000000 --devices 512 --policies srtf
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -46,18 +49,23 @@ def main() -> int:
             print(f"[sim_scale] {name}: {done}/{total} finished (virtual {now_s:,.0f} s)",
                   file=sys.stderr, flush=True)
 
-        t0 = time.perf_counter()
+        load_before = os.getloadavg()[0]
+        t0, c0 = time.perf_counter(), time.process_time()
         result = simulate(trace, name, devices=args.devices, progress=progress)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         s = summarize(result)
         per[name] = {
             "wall_s": round(wall, 2),
+            "cpu_s": round(cpu, 2),
+            "load_before": round(load_before, 1),
+            "load_after": round(os.getloadavg()[0], 1),
             "events": result.events,
             "events_per_s": round(result.events / wall),
             "avg_jct_s": round(s["avg_jct_s"], 1),
             "makespan_s": round(s["makespan_s"], 1),
         }
-        print(f"[sim_scale] {name}: {wall:.1f} s wall, {result.events} events", file=sys.stderr)
+        print(f"[sim_scale] {name}: {wall:.1f} s wall, {cpu:.1f} s CPU, {result.events} events",
+              file=sys.stderr)
     out["policies"] = per
     if "fifo" in per:
         out["wall_vs_fifo"] = {n: round(p["wall_s"] / per["fifo"]["wall_s"], 2)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from salus.daemon import cli_logs, cli_run
+from salus.daemon.cli_run import duration
+from salus.daemon.limits import DEFAULT_PRIORITY
 from salus.scheduler.policies import POLICIES
 
 EPILOG = """\
@@ -113,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--alloc-root", metavar="DIR", type=Path, default=None,
                        help="where the device plugin makes each allocation's directory, at the "
                        "same path on the host (default: alloc/ beside the socket)")
+    serve.add_argument("--pod-user", metavar="NAME", default="nobody",
+                       help="the unprivileged user that jobs arriving through a pod's "
+                       "allocation socket run as; never root (default nobody)")
+    serve.add_argument("--device-plugin-test-gpu", metavar="GPU-UUID=GIB", action="append",
+                       default=[], help=argparse.SUPPRESS)  # tests without a GPU: device 0
     serve.add_argument("--isolation", choices=("lane", "job"), default="lane",
                        help="lane: the jobs of one owner placed in one lane share one executor "
                        "process (one CUDA context and allocator, the lane's memory); job: every "
@@ -168,8 +177,15 @@ def _control_commands(sub: Any) -> None:
         cmd.add_argument("--state-dir", type=Path, default=None,
                          help="the daemon's state dir, to find its address and admin token")
         if name in ("status", "top"):
-            cmd.add_argument("--all", action="store_true", help="the ended jobs too (default: "
-                             "live jobs only)")
+            ended = cmd.add_mutually_exclusive_group()
+            ended.add_argument("--all", action="store_true", help="every ended job too, those "
+                               "that ended before salusd's last restart included (default: "
+                               "live jobs only)")
+            ended.add_argument("--since", type=since, default=None,
+                               metavar="DURATION|ISO-TIME",
+                               help="the jobs that ended since then too: a duration back from "
+                               "now (90s, 15m, 2h, 1d, [[D-]H:]M:S) or a date and time "
+                               "(2026-11-29T08:00, local time unless it gives an offset)")
         if name == "status":
             cmd.add_argument("--json", action="store_true", help="print the raw JSON")
         elif name == "top":
@@ -178,9 +194,10 @@ def _control_commands(sub: Any) -> None:
                              help="stop after this many refreshes")
         elif name == "submit":
             cmd.add_argument("entrypoint", metavar="FILE.py:FUNCTION")
+            # Checked by the daemon's REST models, with the shared checks (salusd/limits.py).
             cmd.add_argument("--iterations", type=int, required=True)
             cmd.add_argument("--name", help="the job's name (default: the function's)")
-            cmd.add_argument("--priority", type=float, default=1.0)
+            cmd.add_argument("--priority", type=float, default=DEFAULT_PRIORITY)
             cmd.add_argument("--devices", type=int, default=1,
                              help="replicas, one per device: a data-parallel gang (default 1)")
             cmd.add_argument("--pipeline", action="store_true",
@@ -209,6 +226,24 @@ def _control_commands(sub: Any) -> None:
                              "host memory so waiting jobs can use its device memory")
         if name == "priority":
             cmd.add_argument("value", type=float, help="the new weight (> 0; default is 1)")
+
+
+def since(text: str, now: float | None = None) -> float:
+    """`--since`: the unix time a duration before `now` (default: the current time) or an
+    ISO 8601 date and time (naive: local time). A clock alone (`10:00`) is a duration, M:S, as
+    `salusd run --time` reads it."""
+    try:
+        seconds = duration(text)
+    except argparse.ArgumentTypeError:
+        pass
+    else:
+        return max(0.0, (time.time() if now is None else now) - seconds)
+    try:
+        return max(0.0, datetime.datetime.fromisoformat(text).timestamp())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a duration (90s, 15m, 2h, 1d, [[D-]H:]M:S) nor an ISO date "
+            "and time (2026-11-29T08:00)") from None
 
 
 def parse_every(text: str) -> tuple[int | None, float]:
@@ -310,7 +345,9 @@ def serve(args: argparse.Namespace) -> int:
                           checkpoint_every_s=every_s, cluster=cluster,
                           cache_dir=args.cache_dir, cache_bytes=cache_bytes,
                           first_call=args.first_call, device_plugin=args.device_plugin,
-                          kubelet_dir=args.kubelet_dir, alloc_root=args.alloc_root)
+                          kubelet_dir=args.kubelet_dir, alloc_root=args.alloc_root,
+                          pod_user=args.pod_user,
+                          device_plugin_test_gpus=tuple(args.device_plugin_test_gpu))
     try:
         daemon = Daemon(config)
         daemon.start()

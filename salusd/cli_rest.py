@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from typing import Any
 
@@ -14,10 +15,10 @@ from rich.table import Table
 from rich.text import Text
 
 from salus.daemon.devices import format_size
+from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.rest.client import RestClient, RestError, find_token, find_url
 
 ENDED = ("finished", "cancelled", "failed")
-UNKNOWN_ITERATIONS = 2**53  # what a job that gave no planned count is planned for
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _status(client: RestClient, args: argparse.Namespace, console: Console) -> int:
-    view = _view(client, args.all)
+    view = _view(client, _ended_since(args))
     if args.json:
         print(json.dumps(view, indent=2))
     else:
@@ -45,32 +46,56 @@ def _status(client: RestClient, args: argparse.Namespace, console: Console) -> i
 
 def _top(client: RestClient, args: argparse.Namespace, console: Console) -> int:
     """A live view, refreshed every `--interval` seconds until Ctrl-C (or `--count` frames)."""
-    previous = _view(client, args.all)
+    previous = _view(client, _ended_since(args))
     then = time.monotonic()
     with Live(render(previous), console=console, auto_refresh=False,
               screen=console.is_terminal) as live:
         shown = 1
         while args.count is None or shown < args.count:
             time.sleep(args.interval)
-            view = _view(client, args.all)
+            view = _view(client, _ended_since(args))
             now = time.monotonic()
             live.update(render(view, previous, now - then), refresh=True)
             previous, then, shown = view, now, shown + 1
     return 0
 
 
-def _view(client: RestClient, everything: bool = False) -> dict[str, Any]:
-    """Policy, devices, lanes and the live jobs (`everything`: the ended ones too)."""
-    jobs = client.get("/v1/jobs")
+def _ended_since(args: argparse.Namespace) -> float | None:
+    """The ended jobs `status` and `top` show: those that ended at this unix time or later
+    (`--since`; `--all`: 0, every one); None: none."""
+    return 0.0 if args.all else args.since
+
+
+def _view(client: RestClient, ended_since: float | None = None) -> dict[str, Any]:
+    """Policy, devices, lanes and the live jobs, with those that ended at `ended_since` (unix
+    seconds) or later (None: no ended job)."""
+    if ended_since is None:
+        jobs = [j for j in client.get("/v1/jobs") if j["state"] not in ENDED]
+    else:
+        jobs = client.get(f"/v1/jobs?ended_since={ended_since!r}")
     return {"policy": client.get("/v1/policy"), "devices": client.get("/v1/devices"),
-            "lanes": client.get("/v1/lanes"),
-            "jobs": [j for j in jobs if everything or j["state"] not in ENDED]}
+            "lanes": client.get("/v1/lanes"), "jobs": jobs}
 
 
 def _iterations(job: dict[str, Any]) -> str:
     """`done/planned`; a planned count the job never gave (2**53) is `-`."""
     total = job["iterations_total"]
-    return f"{job['iterations_done']}/{'-' if total >= UNKNOWN_ITERATIONS else total}"
+    return f"{job['iterations_done']}/{'-' if total >= MAX_ITERATIONS else total}"
+
+
+def exit_text(job: dict[str, Any]) -> str:
+    """How a script job's command ended, after its state: ` (0)`, ` (143 SIGTERM time
+    limit)`; empty while it runs, or for a job that runs no command."""
+    status, signum, limit = job.get("exit_status"), job.get("signal"), job.get("limit")
+    parts = [] if status is None else [str(status)]
+    if isinstance(signum, int):
+        try:
+            parts.append(signal.Signals(signum).name)
+        except ValueError:
+            parts.append(f"signal {signum}")
+    if limit is not None:
+        parts.append(f"{limit} limit")
+    return f" ({' '.join(parts)})" if parts else ""
 
 
 def _size(nbytes: Any) -> str:
@@ -136,8 +161,8 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None = None,
             rate = f"{(j['iterations_done'] - before[j['id']]) / seconds:.1f}"
         ckpt = j.get("checkpoint")
         jobs.add_row(
-            str(j["id"]), shown(j["owner"]), shown(j["name"]), j["kind"], shown(j["state"]),
-            _iterations(j), rate,
+            str(j["id"]), shown(j["owner"]), shown(j["name"]), j["kind"],
+            shown(j["state"] + exit_text(j)), _iterations(j), rate,
             f"{j['device']}.{j['lane']}" if j["device"] is not None else "-",
             _size(j["persistent_bytes"]), _size(j["ephemeral_bytes"]), _size(j["lane_bytes"]),
             f"@{ckpt['iteration']}" if ckpt else "-", shown(j["reason"])[:80])

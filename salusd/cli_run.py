@@ -2,19 +2,22 @@
 
 The script runs in a salusd executor as the caller (uid, groups, working directory,
 environment, `sys.argv`), its iterations scheduled at its optimizer steps
-(`salusd/executor/script.py`). This process hands the executor its own stdin, stdout and stderr
-(on a socket pair whose other end travels to the executor through the daemon), so the script
-reads and writes the terminal as a direct run does; it then waits for the script's exit status
-and exits with it. The first Ctrl-C is raised in the script (SIGINT, as in a direct run); a
-second cancels the job. SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to this process are raised
-in the script, as Slurm's `srun` forwards them: a script that saves a checkpoint on SIGTERM
-does so, and this process exits with the script's status (143 where the script dies of it).
-With `--restart on-failure` a failed run's command runs again, still
-attached to this terminal, and the status is the last run's. Exit statuses of its own, from
-the job's `limit`, `exit_status` and `signal` fields (never from its reason's text): 124 when
-it hit its `--time`, 125 when the job could not be run, 128 + N when the script died of
-signal N (also the SIGTERM of a cancel), 1 when the job ended otherwise (cancelled before its
-script ran, the daemon went away), with the reason on stderr.
+(`salusd/executor/script.py`). This process hands the executor its own stdin and, for stdout
+and stderr, stand-ins of the same kind: a pseudo-terminal where they are a terminal, else a
+pipe (on a socket pair whose other end travels to the executor through the daemon), so the
+script reads and writes as a direct run does; it relays what the script writes to its own
+stdout and stderr and a copy to the job's output file, which `salusd logs JOB` reads
+(`salusd/cli_relay.py`); it then waits for the script's exit status and exits with it. The
+first Ctrl-C is raised in the script (SIGINT, as in a direct run); a second cancels the job.
+SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to this process are raised in the script, as Slurm's
+`srun` forwards them: a script that saves a checkpoint on SIGTERM does so, and this process
+exits with the script's status (143 where the script dies of it). With `--restart on-failure` a
+failed run's command runs again, still attached to this terminal, and the status is the last
+run's. Exit statuses of its own, from the job's `limit`, `exit_status` and `signal` fields
+(never from its reason's text): 124 when it hit its `--time`, 125 when the job could not be
+run, 128 + N when the script died of signal N (also the SIGTERM of a cancel), 1 when the job
+ended otherwise (cancelled before its script ran, the daemon went away), with the reason on
+stderr.
 
 `salusd run --devices N -- torchrun --nproc-per-node N train.py` (or `python -m
 torch.distributed.run ...`) runs the ranks as one gang job (`salusd/engine/torchrun.py`): this
@@ -40,8 +43,21 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
+from salus.daemon.cli_relay import Relay
 from salus.daemon.devices import parse_size
 from salus.daemon.engine import torchrun
+from salus.daemon.limits import (
+    DEFAULT_PRIORITY,
+    MAX_ARRAY_INDEX,
+    MAX_ITERATIONS,
+    MAX_JOB_ID,
+    MAX_NAME_CHARS,
+    MAX_RESTARTS,
+    argument,
+    check_iterations,
+    check_name,
+    check_priority,
+)
 from salus.daemon.wire.address import connect_unix, default_socket_path
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError, ShuttingDown
 from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
@@ -51,14 +67,11 @@ INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py
 # The other signals forwarded to the script, each as one byte on the same socket.
 FORWARDED = {signal.SIGTERM: b"T", signal.SIGHUP: b"H", signal.SIGUSR1: b"1",
              signal.SIGUSR2: b"2"}
-MAX_ITERATIONS = 2**53
 ENDED = ("finished", "failed", "cancelled")
 ENDED_WAIT_S = 10.0
-MAX_RESTARTS = 3  # as salusd/engine/scripts.py (not imported: it would load the engine)
 TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
 SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default
 MAX_ARRAY_TASKS = 1000  # as Slurm's default MaxArraySize allows, about
-MAX_ARRAY_INDEX = 2**31 - 1
 ARRAY_OUTPUT = "salus-%A_%a.out"  # as sbatch's slurm-%A_%a.out
 
 
@@ -108,7 +121,7 @@ def job_ids(text: str) -> list[int]:
         ids = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give job ids, e.g. 12 or 12,13") from None
-    if not all(0 < job < 2**63 for job in ids):
+    if not all(0 < job <= MAX_JOB_ID for job in ids):
         raise argparse.ArgumentTypeError(f"{text!r}: a job id is a positive integer")
     return ids
 
@@ -146,11 +159,13 @@ def add_parser(sub: Any) -> None:
         "those). Output goes to this terminal; the exit status is the script's.",
         usage="salusd run [OPTIONS] -- python SCRIPT [ARGS...] | python -m MODULE [ARGS...] | "
         "python -c CODE [ARGS...] | torchrun --nproc-per-node N SCRIPT [ARGS...]")
-    cmd.add_argument("--name", help="the job's name (default: the script's file name)")
-    cmd.add_argument("--iterations", type=int, default=None,
+    cmd.add_argument("--name", type=argument(check_name),
+                     help="the job's name (default: the script's file name)")
+    cmd.add_argument("--iterations", type=argument(check_iterations, int), default=None,
                      help="planned iterations (optimizer steps), which SRTF uses (default: "
                      "unknown)")
-    cmd.add_argument("--priority", type=float, default=1.0,
+    cmd.add_argument("--priority", type=argument(check_priority, float),
+                     default=DEFAULT_PRIORITY,
                      help="the job's weight under the fair policy (default 1)")
     cmd.add_argument("--devices", type=int, default=None,
                      help="devices: 1, or a torchrun command's ranks, one per device (the "
@@ -285,18 +300,21 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
              for _ in range(launch.nproc if launch is not None else 1)]
     with contextlib.ExitStack() as stack:
-        for ours, theirs in pairs:
+        relay = Relay(len(pairs))
+        stack.callback(relay.close)
+        for rank, (ours, theirs) in enumerate(pairs):
             stack.enter_context(ours)
             stack.enter_context(theirs)
-            socket.send_fds(ours, [b"stdio"], _stdio())
+            socket.send_fds(ours, [b"stdio"], relay.stdio(rank))
         for _, theirs in pairs[1:]:  # ranks 1, 2...: the run's own is rank 0's
             channel.send({"op": "socket"}, theirs.fileno())
             theirs.close()
             channel.reply()
         channel.send(run_request(command, args), pairs[0][1].fileno())
         pairs[0][1].close()
-        job = str(channel.reply()["job"])
-        return _wait(channel, [ours for ours, _ in pairs], job)
+        reply = channel.reply()
+        relay.copy_to(reply.get("output"))
+        return _wait(channel, [ours for ours, _ in pairs], str(reply["job"]), relay)
 
 
 def run_request(command: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -321,34 +339,22 @@ def run_request(command: list[str], args: argparse.Namespace) -> dict[str, Any]:
     return request
 
 
-def _stdio() -> list[int]:
-    """This process's stdin, stdout and stderr (/dev/null for one that is closed)."""
-    fds = []
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-            fds.append(fd)
-        except OSError:
-            fds.append(os.open(os.devnull, os.O_RDWR))
-    return fds
-
-
 def _name(command: list[str], launch: torchrun.Launch | None) -> str:
     """The job's default name: the script's file name, the module's name, or `python -c`."""
     argv = list(launch.argv) if launch is not None else command[1:]
     while argv[:1] == ["-u"]:
         argv.pop(0)
     if argv[:1] == ["-c"]:
-        return f"{os.path.basename(command[0])} -c"[:200]
+        return f"{os.path.basename(command[0])} -c"[:MAX_NAME_CHARS]
     for arg in argv:
         if not arg.startswith("-"):
-            return os.path.basename(arg)[:200] or "script"
+            return os.path.basename(arg)[:MAX_NAME_CHARS] or "script"
     return "script"
 
 
-def _wait(channel: _Link, ranks: list[socket.socket], job: str) -> int:
-    """Forward Ctrl-C and `FORWARDED` signals to every rank until each rank's exit status
-    comes (or its socket closes); the status to exit with."""
+def _wait(channel: _Link, ranks: list[socket.socket], job: str, relay: Relay) -> int:
+    """Forward Ctrl-C and `FORWARDED` signals to every rank, and relay their output, until
+    each rank's exit status comes (or its socket closes); the status to exit with."""
     interrupts = 0
 
     def send(data: bytes) -> None:
@@ -369,11 +375,12 @@ def _wait(channel: _Link, ranks: list[socket.socket], job: str) -> int:
             with contextlib.suppress(OSError):
                 channel.send({"op": "cancel", "job": job})
 
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint)}
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint),
+                signal.SIGWINCH: signal.signal(signal.SIGWINCH, lambda *_: relay.resize())}
     for signum in FORWARDED:
         previous[signum] = signal.signal(signum, forward)
     try:
-        statuses = _statuses(ranks)
+        statuses = _statuses(ranks, relay)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -408,15 +415,18 @@ def final_status(channel: _Link, job: str, status: int | None) -> int:
     return code if type(code) is int else 1
 
 
-def _statuses(ranks: list[socket.socket]) -> list[int | None]:
+def _statuses(ranks: list[socket.socket], relay: Relay) -> list[int | None]:
     """Each rank's exit status, once its (last) run sends it; None for a rank whose socket
-    closed without one. A rerun (`--restart on-failure`) asks for the descriptors again
-    first."""
+    closed without one. Meanwhile the ranks' output is relayed, and what they wrote before
+    their statuses came is taken in after. A rerun (`--restart on-failure`) asks for the
+    descriptors again first."""
     statuses: list[int | None] = [None] * len(ranks)
     data = [b""] * len(ranks)
     open_ = set(range(len(ranks)))
     while open_:
-        ready = select.select([ranks[r] for r in open_], [], [])[0]
+        ready = select.select([*(ranks[r] for r in open_), *relay.fds()], [], [])[0]
+        for fd in [fd for fd in ready if isinstance(fd, int)]:
+            relay.pump(fd)
         for rank in [r for r in open_ if ranks[r] in ready]:
             try:
                 chunk = ranks[rank].recv(4096)
@@ -434,7 +444,8 @@ def _statuses(ranks: list[socket.socket]) -> list[int | None]:
                     open_.discard(rank)
                     break
                 if message.get("stdio"):
-                    socket.send_fds(ranks[rank], [b"stdio"], _stdio())
+                    socket.send_fds(ranks[rank], [b"stdio"], relay.stdio(rank))
+    relay.drain()
     return statuses
 
 

@@ -27,6 +27,7 @@ from salus.daemon.engine.persist import Persistence
 from salus.daemon.engine.registry import Owner
 from salus.daemon.frontend.handlers import Handlers
 from salus.daemon.frontend.server import SocketServer
+from salus.daemon.k8s.pod_sockets import PodSockets, resolve_pod_user
 from salus.daemon.loop import Loop
 from salus.daemon.metrics import Metrics
 from salus.daemon.mps import Mps
@@ -78,6 +79,9 @@ class DaemonConfig:
     device_plugin: bool = False  # serve salusd.io/gpu-mem to the kubelet (salusd/k8s/)
     kubelet_dir: Path = Path("/var/lib/kubelet")  # its device-plugins/ and pod-resources/
     alloc_root: Path | None = None  # the plugin's allocation dirs (default <socket dir>/alloc)
+    pod_user: str = "nobody"  # the unprivileged user pods' jobs run as (never root)
+    # tests on hosts without a GPU: "GPU-uuid=GiB" shares the plugin advertises, all on device 0
+    device_plugin_test_gpus: tuple[str, ...] = ()
 
 
 def first_call_estimated(first_call: str, devices: Sequence[DeviceSpec]) -> bool:
@@ -104,6 +108,8 @@ class Daemon:
         self.supervisor = Supervisor(self.loop, standby=config.standby_executors,
                                      threads=config.threads, estimate_first=estimate_first,
                                      gpu_uuids=[d.uuid for d in config.devices if d.uuid],
+                                     gpu_total_bytes=[d.total_bytes for d in config.devices
+                                                      if d.uuid],
                                      isolation=config.isolation)
         self.store: Store | None = None
         checkpoints = data_cache = None
@@ -151,6 +157,9 @@ class Daemon:
         self.mps = Mps(config.state_dir or Path(tempfile.gettempdir()) / f"salusd-{os.getpid()}",
                        config.devices)
         self.device_plugin: GpuMemPlugin | None = None
+        self.pod_sockets: PodSockets | None = None
+        # resolved before anything starts: a pod user that is root, or none, stops salusd here
+        self.pod_user = resolve_pod_user(config.pod_user) if config.device_plugin else None
 
     def _make_rest(self, address: tuple[str, int]) -> RestServer:
         assert self.store is not None and self.config.state_dir is not None, (
@@ -198,20 +207,31 @@ class Daemon:
     def _start_device_plugin(self) -> None:
         """Serve `salusd.io/gpu-mem` to the kubelet from every GPU's budget, in threads of its
         own; a host without GPUs has nothing to advertise, and says so."""
-        from salus.daemon.k8s.plugin import for_devices
+        from salus.daemon.k8s.plugin import for_devices, for_test_gpus
 
-        plugin = for_devices(
-            self.config.devices, self.config.kubelet_dir,
-            self.config.alloc_root or Path(self.config.socket_path).parent / "alloc",
-            self.config.state_dir,
-            {d.uuid: pipe for d in self.config.devices
-             if d.uuid and (pipe := self.mps.pipe_for(d.uuid)) is not None}
-            if self.config.mps else None)
+        alloc_root = self.config.alloc_root or Path(self.config.socket_path).parent / "alloc"
+        if self.config.device_plugin_test_gpus:
+            plugin = for_test_gpus(self.config.device_plugin_test_gpus,
+                                   self.config.kubelet_dir, alloc_root, self.config.state_dir)
+        else:
+            plugin = for_devices(
+                self.config.devices, self.config.kubelet_dir, alloc_root,
+                self.config.state_dir,
+                {d.uuid: pipe for d in self.config.devices
+                 if d.uuid and (pipe := self.mps.pipe_for(d.uuid)) is not None}
+                if self.config.mps else None)
         if plugin is None:
             log.warning("--device-plugin: this host has no GPU (salusd serves CPU devices), so "
                         "the device plugin is not started and pods cannot ask for "
                         "salusd.io/gpu-mem here")
             return
+        assert self.pod_user is not None
+        self.pod_sockets = PodSockets(
+            self.loop, self.server.handlers, self.engine, self.pod_user,
+            {d.uuid: d.index for d in self.config.devices if d.uuid},
+            max_connections=self.config.max_connections,
+            frame_timeout_s=self.config.frame_timeout_s)
+        plugin.listener = self.pod_sockets
         plugin.start()
         self.device_plugin = plugin
 
@@ -256,6 +276,8 @@ class Daemon:
         log.info("shutting down: running calls finish, queued calls are refused")
         if self.device_plugin is not None:  # the kubelet takes salusd.io/gpu-mem off the node
             self.device_plugin.stop()
+        if self.pod_sockets is not None:
+            self.pod_sockets.stop()
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         while not self.engine.idle and time.monotonic() < deadline:
             self.loop.run_once(0.1)

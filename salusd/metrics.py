@@ -11,6 +11,7 @@ Exposed (seconds and bytes; `job_id` series exist only while the job is live):
 |---|---|---|
 | salusd_build_info | version | the installed package |
 | salusd_job_info (1) | job_id, name, owner, kind (interactive, batch, script) | open |
+| salusd_job_pod (1) | job_id, allocation, pod ("" until the kubelet names it) | open, pod |
 | salusd_job_state (1 for the current state, else 0) | job_id, state | see `JOB_STATES` |
 | salusd_job_iterations_total | job_id | end, ran |
 | salusd_job_iteration_seconds (histogram) | job_id | end (1 iteration), ran (mean) |
@@ -103,6 +104,8 @@ class _Job:
     restarts: int = 0
     step: int | None = None  # a script's framework step and loss, as last reported
     loss: float | None = None
+    allocation: str | None = None  # a Kubernetes pod's job: its allocation, and its pod
+    pod: str = ""
 
 
 def _version() -> str:
@@ -149,8 +152,14 @@ class Metrics(Collector):
             job.state.observe(e.kind)
         match e.kind:
             case "open":
-                self._jobs[e.job_id] = _Job(str(d.get("name", "")), str(d.get("owner", "")),
-                                            str(d.get("job_kind", "interactive")))
+                owner = str(d.get("owner", ""))
+                self._jobs[e.job_id] = _Job(
+                    owner=owner, name=str(d.get("name", "")),
+                    kind=str(d.get("job_kind", "interactive")),
+                    allocation=None if d.get("allocation") is None else str(d["allocation"]),
+                    pod=owner.removeprefix("pod:") if owner.startswith("pod:") else "")
+            case "pod" if job is not None:
+                job.pod = str(d.get("pod", ""))
             case "submit" if job is not None:
                 job.persistent_bytes = int(d.get("persistent", 0))
                 job.ephemeral_bytes = int(d.get("ephemeral", 0))
@@ -237,6 +246,9 @@ class Metrics(Collector):
                                value={"version": self._version})
         info = GaugeMetricFamily("salusd_job_info", "A live job's name, owner and kind (always "
                                  "1).", labels=["job_id", "name", "owner", "kind"])
+        pods = GaugeMetricFamily("salusd_job_pod", "A live Kubernetes pod's job: its "
+                                 "allocation and pod (always 1).",
+                                 labels=["job_id", "allocation", "pod"])
         state = GaugeMetricFamily("salusd_job_state", "1 for a live job's current state.",
                                   labels=["job_id", "state"])
         iterations = CounterMetricFamily("salusd_job_iterations", "Iterations a live job ran.",
@@ -265,6 +277,8 @@ class Metrics(Collector):
             if job.loss is not None:
                 loss.add_metric([jid], job.loss)
             info.add_metric([jid, job.name, job.owner, job.kind], 1)
+            if job.allocation is not None:
+                pods.add_metric([jid, job.allocation, job.pod], 1)
             now = job.state.state
             for s in JOB_STATES:
                 state.add_metric([jid, s], 1 if s == now else 0)
@@ -272,7 +286,7 @@ class Metrics(Collector):
             seconds.add_metric([jid], job.seconds.cumulative(), job.seconds.sum)
             persistent.add_metric([jid], job.persistent_bytes)
             ephemeral.add_metric([jid], job.ephemeral_bytes)
-        yield from (info, state, iterations, seconds, persistent, ephemeral, restarts, step,
+        yield from (info, pods, state, iterations, seconds, persistent, ephemeral, restarts, step,
                     loss)
         yield from self._cache_families()
 

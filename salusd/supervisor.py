@@ -51,7 +51,7 @@ import sys
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from salus.daemon.context_cost import workspace_config
 from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
@@ -158,6 +158,14 @@ class _Pending:
 LaneOf = tuple[int, int]  # (owner uid, lane id): lane ids are never reused on a node
 
 
+class Died(Protocol):
+    """`Supervisor.on_died`: (the job's handle, why, its exit code, whether it ever ran,
+    whether a call poisoned its CUDA context)."""
+
+    def __call__(self, handle: ExecutorHandle, reason: str, exit_code: int | None,
+                 started: bool = True, poisoned: bool = False, /) -> None: ...
+
+
 def describe_status(status: int) -> str:
     """'signal 11 (SIGSEGV)' or 'exit status 3' for a wait status."""
     code = os.waitstatus_to_exitcode(status)
@@ -192,11 +200,12 @@ class Supervisor:
     def __init__(self, loop: Loop, *, standby: int = 2, lost_after_s: float = 2.0,
                  retire_after_s: float = 10.0, threads: int = 1,
                  estimate_first: bool = True, gpu_uuids: Sequence[str] = (),
-                 isolation: str = "lane") -> None:
+                 gpu_total_bytes: Sequence[int | None] = (), isolation: str = "lane") -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation is one of {', '.join(ISOLATIONS)}, not {isolation!r}")
         self.loop = loop
         self.gpu_uuids = tuple(gpu_uuids)  # the daemon's cuda:i is gpu_uuids[i]
+        self.gpu_total_bytes = tuple(gpu_total_bytes)  # and has this much memory (bytes)
         self.standby_size = standby
         self.lost_after_s = lost_after_s
         self.retire_after_s = retire_after_s
@@ -205,8 +214,10 @@ class Supervisor:
         self.isolation = isolation
         self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
             lambda *_: None)
-        #: a job's executor is gone: why, and its exit code (-N: signal N; None: unknown)
-        self.on_died: Callable[[ExecutorHandle, str, int | None], None] = lambda *_: None
+        #: a job's executor is gone: why, its exit code (-N: signal N; None: unknown), and
+        #: whether its process ever ran, and whether a call poisoned its CUDA context (its
+        #: batch jobs may go on elsewhere)
+        self.on_died: Died = lambda *_: None
         self._standby: deque[ExecutorProcess] = deque()
         self._by_token: dict[int, ExecutorProcess] = {}
         self._by_pid: dict[int, ExecutorProcess] = {}
@@ -231,7 +242,7 @@ class Supervisor:
     # ---- zygote -------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the zygote; it reports `ready` once torch is imported (see `wait_ready`)."""
-        self._zygote, ours = launch(self.loop, sys.executable, [],
+        self._zygote, ours, _ = launch(self.loop, sys.executable, [],
                                     executor_environment(os.environ, self.gpu_uuids))
         self.zygote_ready = False
         self._zygote_link = self.loop.add(Link(ours, self._zygote_frame, self._zygote_closed))
@@ -318,7 +329,7 @@ class Supervisor:
             for handle in list(proc.jobs.values()):
                 script = is_script(handle.record)
                 self.on_died(handle, f"the {'script' if script else 'job'} could not start: "
-                                     f"{why}", None)
+                                     f"{why}", None, False)
             proc.jobs.clear()
 
     def _new_process(self, owner: Owner, python: str | None = None) -> ExecutorProcess:
@@ -393,8 +404,8 @@ class Supervisor:
             self.loop.send(handle.process.link, frame)
 
     def _with_uuid(self, meta: dict[str, Any], handle: ExecutorHandle) -> dict[str, Any]:
-        """A `place` on a GPU with that GPU's UUID added (the engine names devices by index),
-        and its MPS server's pipe where the GPU has one (`_mps_client`)."""
+        """A `place` on a GPU with that GPU's UUID and memory added (the engine names devices
+        by index), and its MPS server's pipe where the GPU has one (`_mps_client`)."""
         device = meta.get("device")
         if meta.get("op") != "place" or not isinstance(device, str) or not (
                 device.startswith("cuda:") and device[5:].isdigit()):
@@ -402,6 +413,8 @@ class Supervisor:
         index = int(device[5:])
         if index < len(self.gpu_uuids):
             meta = {**meta, "uuid": self.gpu_uuids[index]}
+        if index < len(self.gpu_total_bytes) and self.gpu_total_bytes[index]:
+            meta = {**meta, "total_bytes": self.gpu_total_bytes[index]}
         if index in self.mps_clients:
             self._mps_client(index, handle.process)
             pipe, context = self.mps_clients[index]
@@ -648,7 +661,8 @@ class Supervisor:
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
             self.on_died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
-                         else f"executor (pid {proc.pid}) died: {how}", proc.exit_code)
+                         else f"executor (pid {proc.pid}) died: {how}", proc.exit_code,
+                         True, proc.poisoned is not None)
         proc.jobs.clear()
 
     def stop(self) -> None:

@@ -4,14 +4,18 @@ A user's packages live in the user's environment (a virtualenv, conda), not in t
 job whose interpreter is another environment than the daemon's (a script job's `python`, as
 the caller's shell resolved it) gets its executor from a zygote of that interpreter: started
 as the owner the first time one of the owner's jobs needs it (`python -m
-salus.daemon.executor.zygote FD VERSION`: it imports torch and the executor code once, then
-forks executors in milliseconds, exactly as the daemon's own zygote does), kept warm for the
-owner's next jobs, and stopped with the daemon (it also dies with it: `PR_SET_PDEATHSIG`).
-Because it runs as the owner, its imports run the owner's code with the owner's rights only.
+salus.daemon.executor.zygote FD VERSION`: it imports the executor code, and torch where that
+environment has it, once, then forks executors in milliseconds, exactly as the daemon's own
+zygote does), kept warm for the owner's next jobs, and stopped with the daemon (it also dies
+with it: `PR_SET_PDEATHSIG`). Because it runs as the owner, its imports run the owner's code
+with the owner's rights only.
 
-It must import the daemon's salusd version and torch: a zygote that cannot says so (`refused`)
-or exits before it is ready, and the jobs waiting for it fail with what to install. Where an
-interpreter's environment is the daemon's own (its `sys.prefix`), the daemon's zygote serves.
+The environment needs neither salusd nor torch: the zygote finds the daemon's own salusd
+packages, and nothing else of the daemon's, first on its `PYTHONPATH` (`python_path.py`). It
+must be Python 3.11 or later and find the daemon's salusd version there: a zygote that cannot
+says why (`refused`) or exits before it is ready, and the jobs waiting for it fail with one
+line naming the interpreter and what it lacks. Where an interpreter's environment is the
+daemon's own (its `sys.prefix`), the daemon's zygote serves.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 from salus.daemon.loop import Link, Loop
 from salus.daemon.owners import run_as
+from salus.daemon.python_path import PythonPath
 from salus.daemon.wire.frames import RawFrame
 
 log = logging.getLogger("salusd.supervisor")
@@ -52,11 +57,11 @@ def inherited(base: Mapping[str, str]) -> dict[str, str]:
 
 
 def launch(loop: Loop, python: str, args: list[str], env: Mapping[str, str],
-           **popen: Any) -> tuple[subprocess.Popen[bytes], socket.socket]:
+           **popen: Any) -> tuple[subprocess.Popen[bytes], socket.socket, OutputRelay]:
     """Start an executor zygote of `python` (`args` after its socket's descriptor) with
-    `env`: the process and the daemon's end of its socket. Its stdout and stderr (so its
-    executors') are a pipe whose lines the daemon logs (`OutputRelay`): no executor holds a
-    descriptor of the daemon's own log."""
+    `env`: the process, the daemon's end of its socket and the relay of its output. Its
+    stdout and stderr (so its executors') are a pipe whose lines the daemon logs
+    (`OutputRelay`): no executor holds a descriptor of the daemon's own log."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     read, write = os.pipe()
     try:
@@ -71,8 +76,7 @@ def launch(loop: Loop, python: str, args: list[str], env: Mapping[str, str],
     finally:
         theirs.close()
         os.close(write)
-    OutputRelay(loop, read, process.pid)
-    return process, ours
+    return process, ours, OutputRelay(loop, read, process.pid)
 
 
 class OutputRelay:
@@ -88,30 +92,42 @@ class OutputRelay:
     def __init__(self, loop: Loop, fd: int, zygote: int) -> None:
         self.loop, self.fd, self.zygote = loop, fd, zygote
         self.partial = b""
+        self.last = ""  # the last line, for why a zygote that exited at start failed
         self.second, self.lines, self.dropped = -1, 0, 0
         os.set_blocking(fd, False)
         loop.add_reader(fd, self._read)
 
-    def _read(self) -> None:
+    def _read(self) -> bool:
+        """Log what one read brings; False when nothing came (or the pipe is closed)."""
+        if self.fd < 0:
+            return False
         try:
             chunk = os.read(self.fd, 65536)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             chunk = b""
         if not chunk:
             self.loop.selector.unregister(self.fd)
             os.close(self.fd)
+            self.fd = -1
             if self.partial:
                 self._line(self.partial)
             self._count_dropped()
-            return
+            return False
         *lines, self.partial = (self.partial + chunk).split(b"\n")
         if len(self.partial) > self.MAX_LINE:
             lines.append(self.partial)
             self.partial = b""
         for line in lines:
             self._line(line)
+        return True
+
+    def drain(self) -> None:
+        """Log what the pipe holds now: a zygote wrote its last lines (why it exited) before
+        its exit closed its socket, which the loop may see first."""
+        while self._read():
+            pass
 
     def _line(self, raw: bytes) -> None:
         second = int(self.loop.clock())
@@ -123,6 +139,8 @@ class OutputRelay:
             self.dropped += 1
             return
         text = raw[:self.MAX_LINE].decode("utf-8", "replace").rstrip("\r")
+        if text.strip():
+            self.last = text.strip()
         log.warning("executor output (zygote %d): %s", self.zygote,
                     text.encode("unicode_escape").decode("ascii") if not text.isprintable()
                     else text)
@@ -182,6 +200,7 @@ class Zygote:
     uid: int
     popen: subprocess.Popen[bytes]
     link: Link
+    output: OutputRelay
     ready: bool = False
 
 
@@ -200,6 +219,7 @@ class OtherZygotes:
         self._zygotes: dict[tuple[str, int], Zygote] = {}
         self._by_link: dict[int, Zygote] = {}
         self._stopping = False
+        self.path = PythonPath()  # salusd's packages, for the other interpreters
 
     def __len__(self) -> int:
         return len(self._zygotes)
@@ -216,13 +236,14 @@ class OtherZygotes:
 
     def _start(self, python: str, who: dict[str, Any]) -> Zygote:
         env = {k: v for k, v in self.environment().items() if k not in NOT_INHERITED}
-        env.update({"HOME": who["home"] or "/", "USER": who["user"], "LOGNAME": who["user"]})
-        popen, ours = launch(self.loop, python, [salusd_version()], env, cwd="/",
-                             **run_as(who))
+        env.update({"HOME": who["home"] or "/", "USER": who["user"], "LOGNAME": who["user"],
+                    "PYTHONPATH": self.path.directory()})
+        popen, ours, output = launch(self.loop, python, [salusd_version()], env, cwd="/",
+                                     **run_as(who))
         log.info("starting an executor zygote of %s for uid %d (pid %d)", python, who["uid"],
                  popen.pid)
         return Zygote(python, int(who["uid"]), popen,
-                      self.loop.add(Link(ours, self._frame, self._closed)))
+                      self.loop.add(Link(ours, self._frame, self._closed)), output)
 
     def _frame(self, link: Link, frame: RawFrame) -> None:
         message = frame.json()
@@ -243,13 +264,9 @@ class OtherZygotes:
         zygote = self._by_link.get(id(link))
         if zygote is None or self._stopping:
             return
-        want = salusd_version()
-        why = (f"{zygote.python} cannot import salusd {want} and torch (its error is in "
-               f"salusd's log): install them in that environment ({zygote.python} -m pip "
-               f"install salusd=={want}), or run the script with the daemon's interpreter"
-               if not zygote.ready else
-               f"the executor zygote of {zygote.python} went away ({reason})")
-        self._forget(zygote, why)
+        zygote.output.drain()
+        self._forget(zygote, exited_why(zygote.python, zygote.ready, zygote.output.last,
+                                        zygote.popen.poll()))
 
     def _forget(self, zygote: Zygote, why: str) -> None:
         """`zygote` cannot serve: the next job of its key starts another one."""
@@ -270,3 +287,17 @@ class OtherZygotes:
             wait_or_kill(zygote.popen)
         self._zygotes.clear()
         self._by_link.clear()
+        self.path.remove()
+
+
+def exited_why(python: str, ready: bool, last_line: str, status: int | None) -> str:
+    """One line on why jobs of interpreter `python` cannot run: its zygote exited before it
+    was ready (`ready` False: `last_line`, the last it printed, says why) or after (what its
+    executors printed last is theirs, not its), with `status` its return code (-N: signal
+    N; None: not reaped yet)."""
+    status_said = ("" if status is None else f" (signal {-status})" if status < 0
+                   else f" (exit status {status})")
+    if not ready:
+        said = f": {last_line}" if last_line else status_said
+        return f"{python} exited before it could run the script{said}"
+    return f"{python} exited while salusd was running scripts with it{status_said}"

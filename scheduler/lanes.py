@@ -35,7 +35,7 @@ waits, and is admitted when the device's last admitted job and held process of t
 
 After every public call no pending job fits (`fits_now` is False for all of them). Only memory
 that was freed can change that, so a re-run after a release visits only the pending jobs whose
-sizes meet the bounds of a device that freed memory (`_Device.bounds`, searched with
+sizes meet the bounds of a device that freed memory (`Device.bounds`, searched with
 `PendingQueue.first_fitting`): the outcome is that of a full pass in submit order, at a cost that
 grows with the jobs that might fit rather than with the pending list.
 """
@@ -47,6 +47,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from salus.scheduler.devices import Device, LoadOrder
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.mps import RunsAs, admits, runs_as
 from salus.scheduler.pending import PendingQueue
@@ -77,33 +78,7 @@ class Placement:
     lane_bytes: int
 
 
-class _Device:
-    """Per-device book-keeping: persistent bytes, lanes and their total size (bytes)."""
-
-    def __init__(self, index: int, capacity: int) -> None:
-        self.index = index
-        self.capacity = capacity
-        self.persistent = 0
-        self.lanes: dict[int, Lane] = {}
-        self.lane_bytes = 0
-        self.jobs = 0
-        self.owners: dict[RunsAs, int] = {}  # who its admitted jobs run as -> how many
-
-    @property
-    def unreserved(self) -> int:
-        return self.capacity - self.persistent - self.lane_bytes
-
-    def bounds(self, mode: LaneMode) -> tuple[int, int]:
-        """Necessary conditions for one more job here: (max persistent bytes, max persistent +
-        ephemeral bytes). Exact in single mode; in pack mode a job also needs a lane."""
-        room = self.capacity - self.persistent
-        if mode == "single":
-            return room - self.lane_bytes, room
-        free = room - self.lane_bytes
-        return free, free + max((ln.size for ln in self.lanes.values()), default=0)
-
-
-_Slot = tuple[_Device, Lane | None]
+_Slot = tuple[Device, Lane | None]
 
 
 class LaneManager:
@@ -119,15 +94,17 @@ class LaneManager:
         if mode not in ("pack", "single"):
             raise ValueError(f"lane mode must be 'pack' or 'single', got {mode!r}")
         self.mode: LaneMode = mode
-        self._devices = [_Device(i, c) for i, c in enumerate(capacities)]
+        self._devices = [Device(i, c) for i, c in enumerate(capacities)]
+        self._order = LoadOrder(self._devices)  # by (jobs, index): admission's preference
         self._by_capacity = sorted(capacities)
         self._pending = PendingQueue()
         self._jobs: dict[int, Job] = {}
         self._placements: dict[int, tuple[Placement, ...]] = {}
         self._next_lane = first_lane_id  # lane ids are never reused, even across a rebuild
-        self.context_bytes = list(context_bytes or [0] * len(capacities))
+        self.context_bytes = tuple(context_bytes or (0,) * len(capacities))
         if len(self.context_bytes) != len(capacities) or min(self.context_bytes) < 0:
-            raise ValueError(f"one context size >= 0 per device, got {self.context_bytes}")
+            raise ValueError(f"one context size >= 0 per device, got {list(self.context_bytes)}")
+        self._max_context = max(self.context_bytes)  # fixed; read at every submission
         self.one_owner = frozenset(one_owner)  # devices that serve one owner at a time
         self.held: dict[int, frozenset[RunsAs]] = {}  # device -> owners of its live processes
 
@@ -201,9 +178,13 @@ class LaneManager:
         self._check_can_fit(job.job_id, job.persistent_bytes, job.ephemeral_bytes, job.gang)
         self._jobs[job.job_id] = job
         job.state = JobState.PENDING
+        # Nothing else was freed, so only the new job can have become admissible: placed at
+        # once if it fits, else it waits (a pass over the pending list would try it alone).
+        slots = self._find_slots(job)
+        if slots is not None:
+            return self._place(job, slots)
         self._pending.insert(job)
-        # Nothing else was freed, so only the new job can have become admissible.
-        return self._admit((), job.job_id)
+        return []
 
     def release(self, job_id: int) -> list[Placement]:
         """Remove a job (finished, cancelled, or leaving); frees empty lanes and re-runs the
@@ -248,10 +229,6 @@ class LaneManager:
                 f"{[d.capacity for d in self._devices]})"
             )
 
-    @property
-    def _max_context(self) -> int:
-        return max(self.context_bytes)
-
     def _fits_empty(self, need: int, gang: int) -> bool:
         """Whether `gang` empty devices hold `need` bytes and an executor's context each."""
         if not self._max_context:
@@ -259,12 +236,15 @@ class LaneManager:
         return sum(d.capacity >= need + self.context_bytes[d.index]
                    for d in self._devices) >= gang
 
-    def _owner_ok(self, dev: _Device, job: Job) -> bool:
-        """Whether `dev` may take `job` by the one-owner rule (`mps.py`)."""
+    def _owner_ok(self, dev: Device, job: Job) -> bool:
+        """Whether `dev` may take `job`: the job's own device if it has one, and the
+        one-owner rule (`mps.py`)."""
+        if job.device is not None and dev.index != job.device:
+            return False
         return dev.index not in self.one_owner or admits(
             set(dev.owners) | self.held.get(dev.index, frozenset()), runs_as(job))
 
-    def _context(self, dev: _Device, lane: Lane | None, job: Job) -> int:
+    def _context(self, dev: Device, lane: Lane | None, job: Job) -> int:
         """What placing `job` in `lane` of `dev` (None: a new lane) costs for its executor."""
         if lane is not None and job.shares and lane.groups.get(job.owner):
             return 0
@@ -293,8 +273,10 @@ class LaneManager:
                 p_limit, need_limit = self._limits(devs)
             pos = nxt + 1
 
-    def _limits(self, devs: list[_Device]) -> tuple[int, int]:
-        """Bounds a job must meet to fit on at least one of `devs` (see `_Device.bounds`)."""
+    def _limits(self, devs: list[Device]) -> tuple[int, int]:
+        """Bounds a job must meet to fit on at least one of `devs` (see `Device.bounds`)."""
+        if not devs:
+            return -1, -1
         bounds = [d.bounds(self.mode) for d in devs]
         return max((b[0] for b in bounds), default=-1), max((b[1] for b in bounds), default=-1)
 
@@ -312,7 +294,7 @@ class LaneManager:
             best = self._best_pack_slot(job) if self.mode == "pack" else self._best_single(job)
             return [best] if best is not None else None
         chosen: list[_Slot] = []
-        for dev in sorted(self._devices, key=lambda d: (d.jobs, d.index)):
+        for dev in self._order:
             slot = self._slot_on(dev, job)
             if slot is not False:
                 chosen.append((dev, slot))
@@ -330,17 +312,14 @@ class LaneManager:
     def _best_single(self, job: Job) -> _Slot | None:
         """Single mode, one device: the fitting device with fewest jobs, then lowest index."""
         p, e = job.persistent_bytes, job.ephemeral_bytes
-        best: _Device | None = None
-        for dev in filter(lambda d: self._owner_ok(d, job), self._devices):
+        for dev in self._order:
             # The one lane's size is the device's lane bytes; it grows to e if e is larger.
-            lane = dev.lane_bytes if dev.lane_bytes > e else e
-            c = self._context(dev, next(iter(dev.lanes.values()), None), job)
-            if dev.capacity - dev.persistent >= p + c + lane and (
-                    best is None or dev.jobs < best.jobs):
-                best = dev
-        if best is None:
-            return None
-        return best, next(iter(best.lanes.values()), None)
+            size = dev.lane_bytes if dev.lane_bytes > e else e
+            lane = next(iter(dev.lanes.values()), None)
+            if dev.capacity - dev.persistent >= p + self._context(dev, lane, job) + size and (
+                    self._owner_ok(dev, job)):
+                return dev, lane
+        return None
 
     def _best_pack_slot(self, job: Job) -> _Slot | None:
         """Pack rule over all devices: a new lane anywhere first, else the smallest lane."""
@@ -353,13 +332,10 @@ class LaneManager:
             if own:
                 lane = min(own, key=lambda ln: (ln.size, len(ln.residents), ln.lane_id))
                 return self._devices[lane.device], lane
-        best: _Device | None = None
-        for dev in self._devices:
+        for dev in self._order:
             if dev.unreserved >= p + e + self.context_bytes[dev.index] and self._owner_ok(
-                    dev, job) and (best is None or dev.jobs < best.jobs):
-                best = dev
-        if best is not None:
-            return best, None
+                    dev, job):
+                return dev, None
         if job.exclusive:
             return None
         lanes = [
@@ -375,7 +351,7 @@ class LaneManager:
         lane = min(lanes, key=lambda ln: (ln.size, len(ln.residents), ln.lane_id))
         return self._devices[lane.device], lane
 
-    def _slot_on(self, dev: _Device, job: Job) -> Lane | None | Literal[False]:
+    def _slot_on(self, dev: Device, job: Job) -> Lane | None | Literal[False]:
         """Where `job` could go on `dev`: a lane to join, None for a new lane, False if nowhere."""
         p, e = job.persistent_bytes, job.ephemeral_bytes
         if not self._owner_ok(dev, job):
@@ -396,7 +372,7 @@ class LaneManager:
             return False
         return min(fits, key=lambda lane: (lane.size, len(lane.residents), lane.lane_id))
 
-    def _occupy(self, dev: _Device, lane: Lane | None, job: Job) -> Placement:
+    def _occupy(self, dev: Device, lane: Lane | None, job: Job) -> Placement:
         context = self._context(dev, lane, job)
         if lane is None:
             lane = Lane(self._next_lane, dev.index, job.ephemeral_bytes,
@@ -413,6 +389,7 @@ class LaneManager:
         lane.contexts += context
         dev.persistent += job.persistent_bytes + context
         dev.jobs += 1
+        self._order.moved(dev, dev.jobs - 1)
         dev.owners[runs_as(job)] = dev.owners.get(runs_as(job), 0) + 1
         return Placement(job.job_id, dev.index, lane.lane_id, lane.size)
 
@@ -430,6 +407,7 @@ class LaneManager:
         lane.contexts -= context
         dev.persistent -= job.persistent_bytes + context
         dev.jobs -= 1
+        self._order.moved(dev, dev.jobs + 1)
         dev.owners[runs_as(job)] -= 1
         if not dev.owners[runs_as(job)]:
             del dev.owners[runs_as(job)]
@@ -500,6 +478,8 @@ class LaneManager:
                 f"device {dev.index} over-committed: {dev.persistent} persistent + "
                 f"{dev.lane_bytes} lanes > {dev.capacity}"
             )
+        assert list(self._order) == sorted(self._devices, key=lambda d: (d.jobs, d.index)), (
+            "devices' load order drifted")
         assert set(placed) == set(self._placements), "placements out of sync with lanes"
         for jid, ps in placed.items():
             assert len(ps) == self._jobs[jid].gang, f"job {jid} on {len(ps)} devices"

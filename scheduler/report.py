@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from salus.scheduler.sim import SimResult
+from salus.scheduler.sim_model import SimResult
 
 BASELINE = "fifo"
 _RATIO_METRICS = ("avg_jct_s", "p50_jct_s", "p95_jct_s", "makespan_s", "avg_queue_s")

@@ -37,6 +37,9 @@ float64 (below 2**33 s), so at rate 1 (the single-lane modes) both engines compu
 times and attained service. Under interference (pack) rates 1/U are not exact; there events less
 than 1e-10 x now apart count as one instant.
 
+The job model the engine moves (trace jobs on the grid, batches in flight, per-job records) is
+in `sim_model.py`; this module is the event loop, the decisions and the command line.
+
 Run as ``python -m salus.scheduler.sim --trace FILE ...`` (see `main`).
 """
 
@@ -49,7 +52,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from salus.scheduler import fairshare
@@ -57,104 +59,22 @@ from salus.scheduler.dispatch import Dispatcher, Finished, Start
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.model_sizes import MIB
 from salus.scheduler.policies import POLICIES, make_policy, runnable
+from salus.scheduler.sim_model import (
+    GRID_S,
+    Interval,
+    JobRecord,
+    LaneKey,
+    Run,
+    Segment,
+    SimResult,
+    prepare,
+)
 from salus.scheduler.traces import TraceError, TraceJob, load_trace
 
-LaneKey = tuple[int, int]
 Progress = Callable[[int, int, float], None]
 _END, _ARRIVAL = 0, 1
-GRID_S = 2.0**-20
 _PACK_INSTANT = 1e-10
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """Outcome of one job (seconds of virtual time)."""
-
-    job_id: int
-    submit_s: float
-    admitted_s: float
-    first_run_s: float
-    finish_s: float
-    solo_s: float
-    iterations: int
-    gang: int
-    util: float
-
-    @property
-    def jct_s(self) -> float:
-        """Job completion time: finish - submit."""
-        return self.finish_s - self.submit_s
-
-    @property
-    def queue_s(self) -> float:
-        """Wait before the first iteration: first run - submit."""
-        return self.first_run_s - self.submit_s
-
-
-@dataclass(frozen=True)
-class Interval:
-    """`iterations` back-to-back iterations of a job in one lane (recorded with record=True)."""
-
-    device: int
-    lane_id: int
-    job_id: int
-    start_s: float
-    end_s: float
-    iterations: int
-
-
-@dataclass
-class SimResult:
-    policy: str
-    devices: int
-    device_memory_bytes: int
-    records: list[JobRecord]
-    events: int
-    shrunk_gangs: int
-    timeline: list[Interval] = field(default_factory=list)
-
-
-class _Run:
-    """One job's batch of back-to-back iterations on all its lanes; `left` is solo seconds of
-    work still to do as of `since`, done at `rate`."""
-
-    __slots__ = ("count", "devices", "job", "lanes", "left", "rate", "since", "start", "version")
-
-    def __init__(self, job: Job, lanes: tuple[LaneKey, ...], count: int, now: float) -> None:
-        self.job = job
-        self.lanes = lanes
-        self.devices = tuple(d for d, _ in lanes)
-        self.count = count
-        self.left = count * job.iteration_time
-        self.rate = 0.0
-        self.since = now
-        self.start = now
-        self.version = 0
-
-    @property
-    def end(self) -> float:
-        return self.since + self.left / self.rate
-
-
-class _Segment:
-    """`fair` on a lane of one-device jobs: their merged iterations up to a planned point."""
-
-    __slots__ = ("counts", "end", "finisher", "jobs", "lane", "shares", "start", "version")
-
-    def __init__(self, lane: LaneKey, jobs: list[Job], now: float) -> None:
-        self.lane = lane
-        self.jobs = jobs
-        self.shares = [
-            fairshare.Share(j.attained_s, j.priority, j.iteration_time, j.remaining_iterations,
-                            j.order_key)
-            for j in jobs
-        ]
-        planned = fairshare.plan(self.shares)
-        self.counts = planned.counts
-        self.finisher = jobs[planned.finisher]
-        self.start = now
-        self.end = now + planned.duration_s
-        self.version = 0
+__all__ = ["GRID_S", "Interval", "JobRecord", "SimResult", "Simulator", "main", "simulate"]
 
 
 class Simulator:
@@ -192,7 +112,7 @@ class Simulator:
         self.record = record
         self.check = check
         self.progress = progress
-        self.specs, self.shrunk = _prepare(jobs, devices)
+        self.specs, self.shrunk = prepare(jobs, devices)
         for spec in self.specs:
             need = spec.persistent_bytes + spec.ephemeral_bytes
             if need > self.capacity:
@@ -209,9 +129,9 @@ class Simulator:
         self._instant = _PACK_INSTANT if self._shared else 0.0
         self._heap: list[tuple[Any, ...]] = []
         self._seq = itertools.count()
-        self._running: dict[LaneKey, _Run | _Segment] = {}
+        self._running: dict[LaneKey, Run | Segment] = {}
         self._dirty: set[LaneKey] = set()
-        self._dev_runs: list[set[_Run]] = [set() for _ in range(devices)]
+        self._dev_runs: list[set[Run]] = [set() for _ in range(devices)]
         self._util = [0.0] * devices
         self._rate_dirty: set[int] = set()
         self._finished = 0
@@ -224,18 +144,29 @@ class Simulator:
     # ---- the event loop ------------------------------------------------------------------
     def run(self) -> SimResult:
         """Simulate until every job finished; RuntimeError if the schedule stalls."""
-        for spec in self.specs:
-            self._push(spec.submit_s, _ARRIVAL, (spec.submit_s, spec.job_id), spec, 0)
+        # Arrivals stay out of the heap: the specs are in (submit, id) order already, so the
+        # heap holds only the end events in flight and each instant merges the two.
+        specs, arrived, total = self.specs, 0, len(self.specs)
         heap = self._heap
         last_report = time.monotonic()
         steps = 0
-        while heap:
-            self.now = now = heap[0][0]
+        while heap or arrived < total:
+            now = heap[0][0] if heap else math.inf
+            if arrived < total and specs[arrived].submit_s < now:
+                now = specs[arrived].submit_s
+            self.now = now
             horizon = now + now * self._instant
-            while heap and heap[0][0] <= horizon:
+            while True:
                 batch = []
                 while heap and heap[0][0] <= horizon:
                     batch.append(heapq.heappop(heap))
+                while arrived < total and specs[arrived].submit_s <= horizon:
+                    spec = specs[arrived]
+                    batch.append((spec.submit_s, _ARRIVAL, (spec.submit_s, spec.job_id),
+                                  arrived, spec, 0))
+                    arrived += 1
+                if not batch:
+                    break
                 if len(batch) > 1:
                     batch.sort(key=lambda e: (e[1], e[2], e[3]))
                 self._events += len(batch)
@@ -286,8 +217,8 @@ class Simulator:
             if busy is not None and self.policy.preemptive:
                 self._cut(busy)  # ends at the iteration's end, decided with that instant
 
-    def _end(self, obj: _Run | _Segment) -> None:
-        if isinstance(obj, _Segment):
+    def _end(self, obj: Run | Segment) -> None:
+        if isinstance(obj, Segment):
             self._end_segment(obj)
             return
         run, job = obj, obj.job
@@ -308,7 +239,7 @@ class Simulator:
         self._count_finish(job)
         self._placed(update.placed)
 
-    def _end_segment(self, seg: _Segment) -> None:
+    def _end_segment(self, seg: Segment) -> None:
         del self._running[seg.lane]
         self._dirty.add(seg.lane)
         if self.record:
@@ -329,13 +260,13 @@ class Simulator:
         if job.done:
             self._finished += 1
 
-    def _cut(self, busy: _Run | _Segment, *, decided_first: bool = False) -> bool:
+    def _cut(self, busy: Run | Segment, *, decided_first: bool = False) -> bool:
         """End the batch at the end of the iteration in flight (now, if one just ended; unless
         `decided_first`: a stepping engine decides lanes in order at one instant, and would
         have started this lane's next iteration before the decision that cuts it). True when
         the batch now ends at this instant."""
         now = self.now
-        if isinstance(busy, _Segment):
+        if isinstance(busy, Segment):
             elapsed = now - busy.start
             counts = fairshare.cut(busy.shares, busy.counts, elapsed)
             if counts == busy.counts:
@@ -391,7 +322,7 @@ class Simulator:
         if self._batching == "fair" and not self.exact and job.gang == 1:
             mates = runnable(self.sched.lane_jobs(*lanes[0]))
             if len(mates) > 1 and all(m.gang == 1 for m in mates):
-                seg = _Segment(lanes[0], mates, self.now)
+                seg = Segment(lanes[0], mates, self.now)
                 self._running[lanes[0]] = seg
                 self._push(seg.end, _END, seg.finisher.order_key, seg, 0)
                 return
@@ -401,7 +332,7 @@ class Simulator:
             count = self._fair_lead(job, lanes)
         else:
             count = job.remaining_iterations
-        run = _Run(job, lanes, count, self.now)
+        run = Run(job, lanes, count, self.now)
         for lane in lanes:
             self._running[lane] = run
         if self._shared:
@@ -429,7 +360,7 @@ class Simulator:
         """Devices whose set of running jobs changed: new rates and end times for their runs."""
         if not self._rate_dirty:
             return
-        touched: set[_Run] = set()
+        touched: set[Run] = set()
         for d in self._rate_dirty:
             runs = self._dev_runs[d]
             self._util[d] = math.fsum(r.job.util for r in runs)
@@ -461,7 +392,7 @@ class Simulator:
                     f"lane {key} idles at {self.now} s while job {pick.job_id} is ready"
                 )
 
-    def _record_segment(self, seg: _Segment) -> None:
+    def _record_segment(self, seg: Segment) -> None:
         t = seg.start
         for i, length in fairshare.sequence(seg.shares, seg.counts):
             end = t + length * seg.shares[i].iter_s
@@ -469,31 +400,6 @@ class Simulator:
                 Interval(seg.lane[0], seg.lane[1], seg.jobs[i].job_id, t, end, length)
             )
             t = end
-
-
-def _prepare(jobs: Sequence[TraceJob], devices: int) -> tuple[list[TraceJob], int]:
-    """Jobs in submit order with times on the grid; gangs wider than the node shrink to it
-    (iteration time scaled by asked/devices). Returns the jobs and how many shrank."""
-    out, shrunk = [], 0
-    for j in jobs:
-        iter_s = j.iter_s
-        if j.gang > devices:
-            iter_s *= j.gang / devices
-            shrunk += 1
-        out.append(TraceJob(
-            j.job_id,
-            round(j.submit_s / GRID_S) * GRID_S,
-            j.iterations,
-            max(1, math.ceil(iter_s / GRID_S)) * GRID_S,
-            j.persistent_bytes,
-            j.ephemeral_bytes,
-            j.util,
-            j.priority,
-            min(j.gang, devices),
-            j.model,
-        ))
-    out.sort(key=lambda j: (j.submit_s, j.job_id))
-    return out, shrunk
 
 
 def simulate(

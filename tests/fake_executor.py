@@ -197,10 +197,11 @@ class FakeExecutors:
     def unsolicited(self, executor: FakeExecutor, message: Ready | Ran) -> None:
         self._engine().on_executor_reply(executor, encode(message), None)
 
-    def die(self, executor: FakeExecutor, reason: str) -> None:
-        """The executor process is gone (its death reported, as the supervisor does)."""
+    def die(self, executor: FakeExecutor, reason: str, poisoned: bool = False) -> None:
+        """The executor process is gone (its death reported, as the supervisor does;
+        `poisoned`: a call poisoned its CUDA context)."""
         executor.unanswered.clear()
-        self._engine().on_executor_died(executor, reason)
+        self._engine().on_executor_died(executor, reason, None, True, poisoned)
 
     def _engine(self) -> Engine:
         assert self.engine is not None, "set FakeExecutors.engine to the engine using it"

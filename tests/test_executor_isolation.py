@@ -41,7 +41,12 @@ PROBE = textwrap.dedent(f"""
                     os.write(int(name), {(FORGED + chr(10))!r}.encode())
                 except OSError:
                     pass
-        return {{"initial": initial, "environ": dict(os.environ), "fds": fds}}
+        with open("/proc/self/status") as f:
+            status = dict(line.rstrip("\\n").split(":\\t", 1) for line in f if ":\\t" in line)
+        privileges = {{k: status[k].strip() for k in
+                      ("NoNewPrivs", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}}
+        return {{"initial": initial, "environ": dict(os.environ), "fds": fds,
+                 "privileges": privileges}}
 """)
 
 CLIENT = PROBE + textwrap.dedent("""
@@ -62,6 +67,14 @@ def _check(seen: dict[str, Any], log: Path) -> None:
     assert SECRET not in seen["initial"] and SECRET_NAME not in seen["environ"], seen["initial"]
     held = {os.path.realpath(t) for t in seen["fds"].values() if t.startswith("/")}
     assert os.path.realpath(log) not in held, seen["fds"]
+    # No capability, none to gain (the bounding set is emptied where salusd had one to empty:
+    # as root), and setuid programs run without their privilege.
+    privileges = seen["privileges"]
+    assert privileges["NoNewPrivs"] == "1", privileges
+    held_caps = {k: int(v, 16) for k, v in privileges.items() if k.startswith("Cap")}
+    assert {k: v for k, v in held_caps.items() if k != "CapBnd" and v} == {}, privileges
+    if os.geteuid() == 0:
+        assert held_caps["CapBnd"] == 0, privileges
 
 
 def _forged_lines(log: Path) -> list[str]:
@@ -69,7 +82,7 @@ def _forged_lines(log: Path) -> list[str]:
             if line.startswith("[00:00:00] CRITICAL")]
 
 
-def test_job_code_gets_no_variable_and_no_descriptor_of_the_daemon(
+def test_job_code_gets_no_variable_descriptor_or_privilege_of_the_daemon(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_NAME, SECRET)  # the daemon's environment only
     log = tmp_path / "salusd.log"

@@ -90,6 +90,16 @@ def test_a_place_on_a_gpu_carries_that_gpus_uuid() -> None:
     assert decode_request(got) == Place("cuda:0", 5 << 20, 1.0, A)  # no MPS there
 
 
+def test_a_place_on_a_gpu_carries_its_memory_where_the_daemon_knows_it() -> None:
+    """For the script's JAX and TensorFlow settings (`executor/framework_memory.py`)."""
+    loop = Loop(time.monotonic)
+    supervisor = Supervisor(loop, gpu_uuids=[A, B], gpu_total_bytes=[80 << 30, None])
+    got = _sent(supervisor, loop, encode(Place("cuda:0", 5 << 20, 1.0)))
+    assert decode_request(got) == Place("cuda:0", 5 << 20, 1.0, A, total_bytes=80 << 30)
+    got = _sent(supervisor, loop, encode(Place("cuda:1", 5 << 20, 1.0)))
+    assert decode_request(got) == Place("cuda:1", 5 << 20, 1.0, B)
+
+
 def test_an_mps_gpu_tells_the_engine_whose_processes_are_its_clients(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Legacy MPS runs one server per uid: every process placed on an MPS GPU joins its server,

@@ -5,6 +5,8 @@ makes no socket in the kubelet's directory."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,3 +24,15 @@ def test_serve_with_the_device_plugin_on_a_host_without_gpus_says_so(tmp_path: P
     assert ("--device-plugin: this host has no GPU (salusd serves CPU devices), so the device "
             "plugin is not started") in log
     assert list((kubelet / "device-plugins").iterdir()) == []
+
+
+def test_serve_with_the_device_plugin_refuses_a_pod_user_that_is_root(tmp_path: Path) -> None:
+    """Pods' jobs would run as root on the node: salusd does not start, and says why."""
+    run = subprocess.run(
+        [sys.executable, "-m", "salus.daemon.cli", "serve", "--socket",
+         str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "state"), "--http", "none",
+         "--cpu-devices", "1", "--cpu-memory", "64M", "--device-plugin", "--pod-user", "root"],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "--pod-user 'root' is uid 0: pods' jobs would run as root" in run.stderr
+    assert not (tmp_path / "s.sock").exists()

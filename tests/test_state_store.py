@@ -302,3 +302,51 @@ def test_ids_strictly_increase_whatever_happens_between(ops: list[str]) -> None:
             store.close()
     assert all(a < b for a, b in zip(issued, issued[1:], strict=False))
     assert issued == list(range(1, len(issued) + 1))  # none skipped either: one per insert
+
+
+def test_a_registry_of_schema_3_gains_exit_fields_and_end_times(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from salus.daemon.state import store as store_module
+
+    monkeypatch.setattr(store_module, "SCHEMA_VERSION", 3)
+    Store.open(tmp_path / DB_NAME).close()  # the schema as version 3 left it
+    monkeypatch.undo()
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    for job_id, state, updated in ((1, "failed", 50.0), (2, "running", 60.0)):
+        conn.execute("INSERT INTO jobs (id, name, owner, uid, gid, kind, spec, state, created, "
+                     "updated) VALUES (?, 'old', 'alice', 1000, 1000, 'interactive', '{}', ?, "
+                     "1.0, ?)", (job_id, state, updated))
+    conn.commit()
+    conn.close()
+    store = Store.open(tmp_path / DB_NAME, clock=lambda: 100.0)
+    ended, live = store.jobs()
+    # An ended row was last written when it ended; a live one has not ended.
+    assert (ended.ended_at, ended.exit_status, ended.exit_signal, ended.end_limit) == (
+        50.0, None, None, None)
+    assert live.ended_at is None
+    assert [r.id for r in store.ended_since(50.0)] == [1]
+    assert store.ended_since(50.5) == []
+    store.close()
+
+
+def test_exit_fields_and_the_first_end_time_are_kept(tmp_path: Path) -> None:
+    now = [1000.0]
+    store = Store.open(tmp_path / DB_NAME, clock=lambda: now[0])
+    killed, running = _job(store), _job(store)
+    store.update_job(killed, state="failed", reason="hit its time limit", end_limit="time")
+    now[0] = 1005.0  # its command dies of the SIGTERM 5 s later, in its grace
+    store.update_job(killed, exit_status=143, exit_signal=15, end_limit="time")
+    row = store.get_job(killed)
+    assert row is not None
+    assert (row.state, row.exit_status, row.exit_signal, row.end_limit, row.ended_at) == (
+        "failed", 143, 15, "time", 1000.0)
+    store.update_job(killed, state="failed")  # a later end keeps the first end's time
+    assert store.get_job(killed).ended_at == 1000.0  # type: ignore[union-attr]
+    assert store.get_job(running).ended_at is None  # type: ignore[union-attr]
+    assert [r.id for r in store.ended_since(999.0)] == [killed]
+    assert store.ended_since(1000.5) == []
+    with pytest.raises(ValueError, match="end limit"):
+        store.update_job(running, end_limit="patience")
+    with pytest.raises(ValueError, match="cannot update"):
+        store.update_job(running, ended_at=5.0)
+    store.close()

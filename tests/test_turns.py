@@ -175,9 +175,38 @@ def test_a_script_placed_on_a_gpu_sees_only_that_gpu_and_its_cap_waits_for_cuda(
     assert _recv_reply(theirs) == Ack()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb"
     assert isinstance(boundaries.meter, DeviceMeter)
-    assert boundaries.meter.device == torch.device("cuda", 0)
+    assert boundaries.meter.device == "cuda:0"
     assert boundaries.cap.bytes_on("cuda:0") == (96 + 34) << 20  # the workspace beside it
     assert len(queued) == 1  # set when the script starts CUDA
+    ours.close()
+    theirs.close()
+
+
+def test_a_script_placed_on_a_gpu_finds_jax_and_tensorflow_held_to_its_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its first line, in the script's environment: 96 MiB of a 1 GiB GPU is 0.09375,
+    written rounded down to 4 digits; what the caller set stays."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
+                 "TF_FORCE_GPU_ALLOW_GROWTH"):
+        monkeypatch.delenv(name, raising=False)  # and removed again after the test
+    monkeypatch.setattr(torch.cuda, "_lazy_call", lambda fn: None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(5)
+    boundaries = Boundaries(Channel(ours), 5, estimate=False)
+    place = Place("cuda:0", 96 << 20, 1.0, "GPU-aaaa", lane=2, lane_bytes=64 << 20,
+                  total_bytes=1 << 30)
+    Channel(theirs).send(addressed(encode(place), 5))
+    boundaries._handle(boundaries.daemon.recv())
+    assert _recv_reply(theirs) == Ack()
+    assert {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE",
+                                           "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                           "XLA_CLIENT_MEM_FRACTION",
+                                           "TF_FORCE_GPU_ALLOW_GROWTH")} == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "true", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.0937",
+        "XLA_CLIENT_MEM_FRACTION": "0.0937", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
     ours.close()
     theirs.close()
 

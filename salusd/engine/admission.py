@@ -52,7 +52,13 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
               name=record.name, priority=record.priority,
               done_iterations=record.done_before, gang=record.gang,
               exclusive=record.nodes > 1, inference=record.inference, uid=record.owner.runs_as,
-              shares=core.config.share_lanes and may_share_executor(record))
+              shares=core.config.share_lanes and may_share_executor(record),
+              device=core.pod_grants.device(record.owner.allocation))
+    refused = over_grant(core, record, job.persistent_bytes + job.ephemeral_bytes)
+    if refused is not None:
+        core.event("reject", record.job_id, reason=refused)
+        core.end(record, "failed", str(DoesNotFit(refused)))
+        return
     try:
         update = core.dispatch.submit(job, driven=record.kind == "batch",
                                       open_ended=record.kind == "interactive")
@@ -70,6 +76,16 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
     core.event("submit", record.job_id, persistent=job.persistent_bytes,
                ephemeral=job.ephemeral_bytes, method=record.estimate_method)
     core.take(update)
+
+
+def over_grant(core: Core, record: JobRecord, need_bytes: int) -> str | None:
+    """Why a pod's job needing `need_bytes` (persistent plus lane, aligned) would take its
+    pod's jobs past the pod's grant (`pod_grants.py`), or None."""
+    if record.owner.allocation is None:
+        return None
+    booked = [(r, j.persistent_bytes + j.ephemeral_bytes) for r in core.registry.live.values()
+              if (j := core.dispatch.job(r.job_id)) is not None]
+    return core.pod_grants.refusal(record, need_bytes, booked)
 
 
 def _needs(core: Core, persistent: int, ephemeral: int) -> str:
@@ -129,6 +145,11 @@ def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
     elif guessed and lane.residents == (record.job_id,) and aligned(peak) + slack < lane.size:
         pass  # the lane was the first call's guess, more than the call needs: made its size
     elif peak <= lane.size + slack:
+        return
+    refused = over_grant(core, record, job.persistent_bytes + aligned(peak))
+    if refused is not None:
+        core.event("reject", record.job_id, reason=refused)
+        core.end(record, "failed", str(DoesNotFit(refused)))
         return
     log.info("job %d measured %d B ephemeral in its %d B lane: re-admitting",
              record.job_id, peak, lane.size)

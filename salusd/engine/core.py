@@ -18,6 +18,7 @@ from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.events import Event, EventStream
 from salus.daemon.engine.ledger import DeviceLedger
 from salus.daemon.engine.outbox import Outbox
+from salus.daemon.engine.pod_grants import PodGrants
 from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy, JobStore, Timers
 from salus.daemon.engine.registry import Call, EndState, JobRecord, Registry
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
@@ -64,6 +65,7 @@ class Core:
     events: EventStream
     stopping: bool = False
     pending_policy: Policy | None = None  # switched to once no call runs
+    pod_grants: PodGrants = field(default_factory=PodGrants)  # Kubernetes pods' allocations
     placed: list[Placement] = field(default_factory=list)  # admissions the next step sends
 
     def event(self, kind: str, job_id: int, device: int = -1, lane_id: int = -1,
@@ -110,7 +112,7 @@ class Core:
                      and j not in self.registry.ended]:
             self.dispatch.apply(Forget(gone))  # expired from the registry: forget it here too
         self.event(state if state != "finished" else "finish", record.job_id, reason=reason,
-                   iterations_done=done)
+                   iterations_done=done, **exit_detail(record))
         log.info("job %d %s: %s", record.job_id, state, reason)
         if executor_gone:
             return
@@ -152,6 +154,12 @@ class Core:
         code = "job_failed" if record.end_state == "failed" else "job_cancelled"
         self.outbox.retire_all(record, code, f"job {record.job_id} has {record.end_state}: "
                                f"{record.reason}")
+
+
+def exit_detail(record: JobRecord) -> dict[str, Any]:
+    """How a script job's command ended, for the events that say so (`end`'s kinds and
+    `exit`): its exit status, the signal that ended it and the limit that ended the job."""
+    return {"exit_status": record.exit_status, "signal": record.signal, "limit": record.limit}
 
 
 def refuse(call: Call, error: SalusError) -> None:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.registry import JobRecord, Owner, parse_id
 from salus.daemon.engine.scripts import ScriptCommand
+from salus.daemon.limits import MAX_AFTER
 from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
 
-MAX_AFTER = 64
 Outcome = tuple[str, str]  # how a job ended: (finished, cancelled or failed; the reason)
 
 

@@ -40,13 +40,12 @@ from salus.daemon.engine.registry import (
     JobRecord,
     Owner,
     Registry,
-    check_iterations,
-    check_name,
     is_script,
 )
 from salus.daemon.engine.replies import Replies
 from salus.daemon.engine.setup import batch_spec, load
 from salus.daemon.engine.step import Stepper
+from salus.daemon.limits import check_iterations, check_name, check_priority
 from salus.daemon.wire.errors import (
     BadRequest,
     Busy,
@@ -154,7 +153,8 @@ class Engine:
         if kind == "interactive" and job_id is None and "command" not in (spec or {}):
             gang = self.check_devices(devices)
             waiting = next((r for r in core.registry if r.awaiting_client
-                            and r.owner.uid == owner.uid and r.name == checked), None)
+                            and r.owner.uid == owner.uid and r.name == checked
+                            and r.owner.allocation == owner.allocation), None)
             if waiting is not None and waiting.gang != gang:
                 raise BadRequest(f"job {waiting.job_id} {checked!r} was restored on "
                                  f"{waiting.gang} device(s); connect with devices="
@@ -176,7 +176,8 @@ class Engine:
             record.checkpoint_dir = os.path.join(core.config.checkpoints.root,
                                                  str(record.job_id))
             core.config.checkpoints.make_dir(record.checkpoint_dir, owner)
-        core.event("open", record.job_id, owner=owner.name, name=record.name,
+        core.event("open", record.job_id, owner=owner.name, allocation=owner.allocation,
+                   name=record.name,
                    job_kind="script" if is_script(record) else kind)
         log.info("job %d %r opened by %s (%s, %d iterations planned)", record.job_id,
                  record.name, owner.name, kind, record.planned_iterations)
@@ -388,11 +389,12 @@ class Engine:
                           reason or f"job {record.job_id} was closed by its client")
             self._step()
 
-    def cancel(self, record: JobRecord) -> None:
-        """End the job at its next boundary; a call that does not return within
-        `cancel_grace_s` seconds has its executor killed."""
+    def cancel(self, record: JobRecord, reason: str | None = None) -> None:
+        """End the job at its next boundary (`reason`: why, for people; by default that it
+        was cancelled); a call that does not return within `cancel_grace_s` seconds has its
+        executor killed."""
         _require_live(record)
-        self.core.end(record, "cancelled", f"job {record.job_id} was cancelled")
+        self.core.end(record, "cancelled", reason or f"job {record.job_id} was cancelled")
         self._step()
 
     def suspend(self, record: JobRecord, swap: bool) -> None:
@@ -419,13 +421,11 @@ class Engine:
 
     def set_priority(self, record: JobRecord, priority: object) -> None:
         _require_live(record)
-        if isinstance(priority, bool) or not isinstance(priority, int | float) or not (
-                0 < priority < 1e12):
-            raise BadRequest(f"priority must be a number in (0, 1e12), got {priority!r}")
-        record.priority = float(priority)
+        weight = check_priority(priority)
+        record.priority = weight
         if record.phase == "submitted":
-            self.core.dispatch.set_priority(record.job_id, float(priority))
-        self.core.event("priority", record.job_id, priority=float(priority))
+            self.core.dispatch.set_priority(record.job_id, weight)
+        self.core.event("priority", record.job_id, priority=weight)
         self._step()
 
     def begin_shutdown(self) -> None:
@@ -488,11 +488,13 @@ class Engine:
         self._step()
 
     def on_executor_died(self, executor: object, reason: str,
-                         exit_code: int | None = None) -> None:
+                         exit_code: int | None = None, started: bool = True,
+                         poisoned: bool = False) -> None:
         """The executor is gone (`reason`; `exit_code` its status, -N for signal N, None when
-        unknown): fail its job with `reason` (unless it had already ended) and answer
-        everything it still owed."""
-        self.replies.died(executor, reason, exit_code)
+        unknown; `started` False: its process never ran; `poisoned`: a call poisoned its CUDA
+        context): fail its job with `reason` (unless it had already ended, or goes on from its
+        checkpoint) and answer everything it still owed."""
+        self.replies.died(executor, reason, exit_code, started, poisoned)
         self._step()
 
     def _after(self, fn: Callable[[], None]) -> None:

@@ -28,9 +28,14 @@ class Event:
       executor's monotonic clock; cache, the data cache's counters, when the job uses one);
     - ran: calls a leased job ran on its own (calls, iterations, seconds; with the lane, began
       and ended while the job is live);
-    - finish / cancelled / failed (reason, iterations_done): the job ended;
+    - finish / cancelled / failed (reason, iterations_done; exit_status, signal, limit: how a
+      script job's command ended, else None): the job ended;
+      exit (exit_status, signal, limit): a script job's command ended after its job did (a
+      cancelled job's, or one that hit its time limit, in its grace);
       executor_died (reason);
     - restart (reason, restarts): a script job's command runs again (`--restart on-failure`);
+      replaced (reason, resumed_from, replacements): a batch job whose executor ended with a
+      poisoned CUDA context goes on from its checkpoint in a fresh executor (`replace.py`);
       script_swap (what a script job's `suspend --swap` moved and left, or moved back);
       swapped_out (device_bytes_left): a contract job's state left its device, and what
       stayed allocated there (0 on a CPU device);

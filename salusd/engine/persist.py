@@ -1,12 +1,13 @@
 """Writes the engine's events into the durable registry (`salusd.state.store.Store`).
 
-Runs on the engine's thread as an event subscriber: each state change, checkpoint and end is
-one small SQLite transaction (WAL, `synchronous=FULL`), so after `kill -9` the registry says
-which jobs were live, where their last checkpoint is and what each ended with. Progress is not
-written per iteration (that would be an fsync per iteration): it is written at every checkpoint
-and at the job's end, and the live jobs' counts (the `done` of `end` and `ran` events) at most
-once per `progress_every_s` of engine time, all in one transaction, so a job that a restart
-fails, or reruns, keeps about the iterations it had done.
+Runs on the engine's thread as an event subscriber: each state change, checkpoint and end (with
+a script job's exit status, signal and limit, and those again when its command ends after the
+job, in its grace) is one small SQLite transaction (WAL, `synchronous=FULL`), so after
+`kill -9` the registry says which jobs were live, where their last checkpoint is and what each
+ended with. Progress is not written per iteration (that would be an fsync per iteration): it is
+written at every checkpoint and at the job's end, and the live jobs' counts (the `done` of `end`
+and `ran` events) at most once per `progress_every_s` of engine time, all in one transaction,
+so a job that a restart fails, or reruns, keeps about the iterations it had done.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class Persistence:
             self.states.pop(event.job_id, None)
             self.unwritten.pop(event.job_id, None)
             return {"state": ENDED[kind], "reason": str(detail.get("reason", ""))[:4000],
-                    "iterations_done": int(detail.get("iterations_done", 0))}
+                    "iterations_done": int(detail.get("iterations_done", 0)),
+                    **_exit_columns(detail)}
+        if kind == "exit":  # a script's command ended after its job (in its grace)
+            return _exit_columns(detail)
         if kind == "checkpoint":
             return {"checkpoint_iteration": int(detail["iteration"]),
                     "checkpoint_time": float(detail["time"]),
@@ -76,3 +80,9 @@ class Persistence:
             return {"priority": float(detail["priority"])}
         state = self.states.setdefault(event.job_id, EventState())
         return {"state": state.state} if state.observe(kind) else {}
+
+
+def _exit_columns(detail: dict[str, Any]) -> dict[str, Any]:
+    """The registry's columns of how a script job's command ended (`core.exit_detail`)."""
+    return {"exit_status": detail.get("exit_status"), "exit_signal": detail.get("signal"),
+            "end_limit": detail.get("limit")}

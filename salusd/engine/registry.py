@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import unicodedata
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
+from salus.daemon.limits import check_iterations, check_name
+from salus.daemon.wire.errors import NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
 
 if TYPE_CHECKING:
@@ -31,17 +32,17 @@ EndState = Literal["finished", "cancelled", "failed"]
 JobKind = Literal["interactive", "batch"]
 Answer = Callable[[RawFrame], None]
 
-MAX_ITERATIONS = 2**53
-MAX_NAME_CHARS = 200
-
 
 @dataclass(frozen=True)
 class Owner:
-    """Who a job belongs to: the user name, uid and gid the kernel reported for the client."""
+    """Who a job belongs to: the user name, uid and gid the kernel reported for the client;
+    for a pod's client (one that came through a Kubernetes allocation's socket), the
+    allocation's id, the uid and gid being salusd's unprivileged pod user's."""
 
     name: str
     uid: int
     gid: int
+    allocation: str | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -91,7 +92,8 @@ class JobRecord:
     grace: bool = False  # a cancelled script's command runs on after SIGTERM (`Core.end`)
     end_state: EndState | None = None
     reason: str = ""
-    ended_s: float | None = None
+    ended_s: float | None = None  # on the engine's clock
+    ended_at: float | None = None  # unix seconds, as the durable registry's `ended_at`
     calls_done: int = 0
     calls_failed: int = 0
     device_kind: str = "cpu"
@@ -110,6 +112,7 @@ class JobRecord:
     resumed_from: int | None = None  # restored after a restart at this iteration
     awaiting_client: bool = False  # restored interactive job: suspended until its client is back
     done_before: int = 0  # iterations done before the last restart
+    replacements: int = 0  # times placed again after its executor's context was poisoned
     last_loss: float | None = None  # batch jobs: what the last iteration returned
     last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
@@ -158,29 +161,6 @@ def requested_memory(record: JobRecord) -> int | None:
     return mem if type(mem) is int else None
 
 
-def check_name(name: object) -> str:
-    """A job name: a string of 1-200 printable characters (no control or format characters,
-    no lone surrogates). BadRequest says what is wrong."""
-    if not isinstance(name, str) or not name:
-        raise BadRequest("a job name must be a non-empty string")
-    if len(name) > MAX_NAME_CHARS:
-        raise BadRequest(f"a job name has at most {MAX_NAME_CHARS} characters, got {len(name)}")
-    for ch in name:
-        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
-            raise BadRequest(f"a job name may hold printable characters only; {ch!r} "
-                             f"(U+{ord(ch):04X}) is not")
-    return name
-
-
-def check_iterations(iterations: object) -> int:
-    """A planned iteration count: an int in [1, 2**53]."""
-    if type(iterations) is not int or not 1 <= iterations <= MAX_ITERATIONS:
-        raise BadRequest(f"iterations must be an integer from 1 to 2**53, got "
-                         f"{str(iterations)[:40]!r}")
-    return iterations
-
-
-
 def is_script(record: JobRecord) -> bool:
     """Whether the job runs a whole command (`salusd run`, REST `command`): its process runs
     the script."""
@@ -191,8 +171,9 @@ def may_share_executor(record: JobRecord) -> bool:
     """Whether the job's executor process may host its owner's other jobs of its lane: an
     interactive job of one replica whose state lives in objects it attached (not a gang's
     replica, a batch job, a script job, whose process runs the script, or a job whose client
-    runs another interpreter than the daemon's, whose executor runs that one)."""
-    return (record.kind == "interactive" and record.gang == 1
+    runs another interpreter than the daemon's, whose executor runs that one), and not a pod's
+    job: every pod runs as the one pod user, and a shared process would mix their states."""
+    return (record.kind == "interactive" and record.gang == 1 and record.owner.allocation is None
             and not is_script(record) and "python" not in record.spec)
 
 
@@ -200,8 +181,10 @@ class Registry:
     """Live jobs by id, and ended ones for `retention_s` seconds (at most `keep_ended`)."""
 
     def __init__(self, clock: Callable[[], float], *, retention_s: float = 3600.0,
-                 keep_ended: int = 10_000, first_id: int = 1) -> None:
+                 keep_ended: int = 10_000, first_id: int = 1,
+                 wall: Callable[[], float] = time.time) -> None:
         self.clock = clock
+        self.wall = wall
         self.retention_s = retention_s
         self.keep_ended = keep_ended
         self.live: dict[int, JobRecord] = {}
@@ -224,7 +207,8 @@ class Registry:
         if record is None:
             raise UnknownJob(f"no job {jid} in this daemon (never opened, or ended more than "
                              f"{self.retention_s:.0f} s ago)")
-        if record.owner.uid != owner.uid and not owner.is_admin:
+        if (record.owner.uid != owner.uid or record.owner.allocation != owner.allocation
+                ) and not owner.is_admin:  # pods share the pod user's uid, not their jobs
             raise NotOwner(f"job {jid} belongs to {record.owner.name}, not {owner.name}")
         return record
 
@@ -236,6 +220,7 @@ class Registry:
         record.end_state = state
         record.reason = reason
         record.ended_s = self.clock()
+        record.ended_at = self.wall()
         self.live.pop(record.job_id, None)
         self.ended[record.job_id] = record
         self.expire()

@@ -8,9 +8,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from salus.daemon.engine import admission, checkpoints, gang_failures, scripts
+from salus.daemon.engine import admission, checkpoints, gang_failures, replace, scripts
 from salus.daemon.engine.booking import booked_persistent
-from salus.daemon.engine.core import Core, LaneKey, error_frame
+from salus.daemon.engine.core import Core, LaneKey, error_frame, exit_detail
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
@@ -257,14 +257,21 @@ class Replies:
         else:
             core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
 
-    def died(self, executor: object, reason: str, exit_code: int | None = None) -> None:
-        """The executor is gone (`exit_code`: -N for signal N, None when unknown): fail its job
-        with `reason` (unless it had already ended) and answer everything it still owed."""
+    def died(self, executor: object, reason: str, exit_code: int | None = None,
+             started: bool = True, poisoned: bool = False) -> None:
+        """The executor is gone (`exit_code`: -N for signal N, None when unknown; `poisoned`:
+        it ended because a call poisoned its CUDA context): fail its job with `reason` (unless
+        it had already ended, or it goes on from its checkpoint: `replace.py`) and answer
+        everything it still owed. `started`: False for one whose process never ran (`reason`
+        is all there is to say)."""
         core = self.core
         record, queue = core.outbox.forget(executor)
         if record is None:
             return
+        before = exit_detail(record)
         scripts.died(record, exit_code)
+        if not record.live and exit_detail(record) != before:  # it died in its grace
+            core.event("exit", record.job_id, **exit_detail(record))
         running = next((s.lane for s in queue if s.kind == "run"), None)
         leased = self.leases.lane_of(record.job_id)
         if running:
@@ -274,22 +281,24 @@ class Replies:
                      "between its calls there)")
         else:
             where = f"while job {record.job_id} was between calls"
+        said = f"{reason} {where}" if started else reason
         error: SalusError
         was_live = record.live
         script_gang = record.gang > 1 and record.script is not None
         rank = _rank(record, executor)
-        again = scripts.executor_gone(core, record, f"{reason} {where}")
-        if again:  # a script job run with --restart on-failure: its command runs again
-            error = JobFailed(f"{reason} {where}")
+        again = scripts.executor_gone(core, record, said)
+        replaced = not again and poisoned and replace.may_replace(core, record)
+        if again or replaced:  # its command runs again (--restart on-failure), or it goes on
+            error = JobFailed(said)
         elif record.live and core.stopping and record.script is not None:
             error = ShuttingDown("salusd is shutting down")  # killed by its SIGTERM: restored
         elif script_gang and record.live:
             # Its peers may wait for it in a collective: SIGTERM and the grace (`Core.end`).
-            error = JobFailed(f"rank {rank}: {reason} {where}")
+            error = JobFailed(f"rank {rank}: {said}")
             log.warning("%s", error)
             core.end(record, "failed", str(error), grace=True)
         elif record.live:
-            error = JobFailed(f"{reason} {where}")
+            error = JobFailed(said)
             log.warning("%s", error)
             core.end(record, "failed", scripts.failed_reason(record, str(error)),
                      executor_gone=True)
@@ -309,6 +318,8 @@ class Replies:
         core.event("executor_died", record.job_id, reason=reason)
         if again:
             scripts.rerun(core, record)
+        elif replaced:
+            replace.again(core, record, f"{reason} {where}")
         elif was_live and not script_gang:  # a gang without one replica cannot go on; an
             core.outbox.kill_all(record)  # ended one's replicas may still write checkpoints
         if script_gang and not record.live:

@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from salus.daemon.engine.engine import Engine
 
 
+def _pod(engine: Engine, record: JobRecord) -> str | None:
+    grant = engine.core.pod_grants.get(record.owner.allocation)
+    if grant is not None and grant.pod is not None:
+        return grant.pod
+    name = record.owner.name  # a freed allocation's ended job: the pod it was shown as
+    return name.removeprefix("pod:") if name.startswith("pod:") else None
+
+
 def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
     """One job: identity, state, progress, placement and memory (bytes, seconds)."""
     job = engine.dispatch.job(record.job_id)
@@ -35,6 +43,10 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
     return {
         "job_id": record.job_id,
         "owner": record.owner.name,
+        # a Kubernetes pod's job: the allocation whose socket it came through, and its pod
+        # ("namespace/name") once the kubelet named it; None for other jobs
+        "allocation": record.owner.allocation,
+        "pod": _pod(engine, record),
         "name": record.name,
         "state": live_state(record, job),
         "reason": record.reason,

@@ -40,25 +40,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from salus.daemon.engine import torchrun
-from salus.daemon.engine.core import Core
+from salus.daemon.engine.core import Core, exit_detail
 from salus.daemon.engine.outbox import OnDone, Sent
-from salus.daemon.engine.registry import MAX_ITERATIONS, JobRecord, requested_memory
+from salus.daemon.engine.registry import JobRecord, requested_memory
+from salus.daemon.limits import (
+    MAX_ARGS,
+    MAX_ARRAY_INDEX,
+    MAX_ENV_BYTES,
+    MAX_GRACE_S,
+    MAX_ITERATIONS,
+    MAX_MEM_BYTES,
+    MAX_PATH_CHARS,
+    MAX_RESTARTS,
+    MAX_RESTARTS_LIMIT,
+    MAX_TIME_LIMIT_S,
+)
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import RESTARTING, Script
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
 
 log = logging.getLogger("salusd.engine")
 RESTART_POLICIES = ("never", "on-failure")
-MAX_RESTARTS = 3  # as many as a Kubernetes Job's default backoffLimit would allow, about
-MAX_RESTARTS_LIMIT = 1000
-MAX_ARGS = 4096
-MAX_ENV_BYTES = 1 << 20
 JOB_ID_ENV, JOB_NAME_ENV = "SALUS_JOB_ID", "SALUS_JOB_NAME"  # as Slurm's SLURM_JOB_ID, _NAME
-MAX_TIME_LIMIT_S = 366 * 86400.0
-MAX_GRACE_S = 3600.0  # a job's own grace; a stopping salusd waits at most its --script-grace
-MAX_MEM_BYTES = 2**50
 CANNOT_START = 125  # a command that could not start, as env(1) and container runners say
-MAX_ARRAY_INDEX = 2**31 - 1
 # A job array's task: its index and the array's job id, as Slurm's SLURM_ARRAY_TASK_ID and
 # SLURM_ARRAY_JOB_ID.
 ARRAY_INDEX_ENV, ARRAY_JOB_ENV = "SALUS_ARRAY_INDEX", "SALUS_ARRAY_JOB_ID"
@@ -129,10 +133,10 @@ def check(command: object, cwd: object, env: object, restart: object,
         raise BadRequest(f"'command' must be a list of 2 to {MAX_ARGS} strings (without NUL, "
                          "encodable as UTF-8): the interpreter and its arguments, e.g. "
                          "[\"python\", \"train.py\"]")
-    if (not isinstance(cwd, str) or not os.path.isabs(cwd) or len(cwd) > 4096
+    if (not isinstance(cwd, str) or not os.path.isabs(cwd) or len(cwd) > MAX_PATH_CHARS
             or "\0" in cwd or not _encodable(cwd)):
-        raise BadRequest("'cwd' must be an absolute path of at most 4096 characters, without "
-                         "NUL, encodable as UTF-8")
+        raise BadRequest(f"'cwd' must be an absolute path of at most {MAX_PATH_CHARS} "
+                         "characters, without NUL, encodable as UTF-8")
     if env is None:
         env = {}
     if not isinstance(env, dict) or not all(
@@ -327,6 +331,7 @@ def exited(core: Core, record: JobRecord, meta: dict[str, Any], rank: int = 0) -
     record.exit_status, record.signal = code, None
     if not record.live:  # cancelled: its command ended within its grace
         record.grace = False
+        core.event("exit", record.job_id, **exit_detail(record))
         core.finalize(record)
         return
     if core.stopping:  # on salusd's SIGTERM: the job stays, restored (or rerun) at the next start

@@ -77,6 +77,8 @@ def _cache_for(core: Core, owner: Owner) -> CachePlace | None:
     policy = core.config.data_cache
     if policy is None:
         return None
-    path = os.path.join(policy.root, owner.name)
+    # A pod's owner name (`pod:namespace/name`) holds a slash: its cache is its allocation's.
+    folder = owner.name if owner.allocation is None else f"alloc-{owner.allocation}"
+    path = os.path.join(policy.root, folder)
     policy.make_dir(path, owner)
     return CachePlace(path, policy.bytes_per_replica)

@@ -28,16 +28,14 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from salus.daemon.executor import turns
-from salus.daemon.executor.cap import ProcessCap
+from salus.daemon.executor.cap import ProcessCap, started_cuda
+from salus.daemon.executor.framework_memory import framework_memory_env
+from salus.daemon.executor.on_import import imported
 from salus.daemon.executor.peak import PeakMeter
-from salus.daemon.executor.script_swap import ScriptSwap
 from salus.daemon.executor.turns import Turn
-from salus.daemon.wire.channel import Channel, ConnectionClosed
 from salus.daemon.wire.executor_ops import (
     Ack,
     CallDone,
@@ -58,44 +56,51 @@ from salus.daemon.wire.executor_ops import (
     decode_request,
     encode,
 )
+from salus.daemon.wire.frames import ConnectionClosed
+from salus.daemon.wire.json_channel import JsonChannel
+
+if TYPE_CHECKING:
+    from salus.daemon.executor.script_swap import ScriptSwap
+    from salus.daemon.wire.channel import Channel
 
 log = logging.getLogger("salusd.executor")
 NO_ESTIMATE = ("a script job's iterations run in its own process and are measured as they run, "
                "not estimated on fake tensors")
+NOT_REACHED = "the script has not imported torch: there is no optimizer state to move"
 
 
 class DeviceMeter:
     """A script's peaks on its placed GPU: the allocator's reserved high-water mark, read and
     reset at boundaries once the script has started CUDA (nothing before: no context is made
-    for a script that never uses the GPU)."""
+    for a script that never uses the GPU, and none is read through torch before the script
+    imports it)."""
 
     def __init__(self, device: str) -> None:
-        self.device = torch.device(device)
+        self.device = device
 
     def set_baseline(self) -> None:
         """Nothing was reserved before the script: its peaks are whole."""
 
     def settle(self) -> None:
         """Wait for the iteration's kernels, so that its end is the GPU's."""
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize(self.device)
+        if (cuda := started_cuda()) is not None:
+            cuda.synchronize(self.device)
 
     def start(self) -> None:
-        if torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if (cuda := started_cuda()) is not None:
+            cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
         """Bytes reserved at most since `start` (0 before CUDA started)."""
-        if not torch.cuda.is_initialized():
-            return 0
-        return int(torch.cuda.max_memory_reserved(self.device))
+        cuda = started_cuda()
+        return 0 if cuda is None else int(cuda.max_memory_reserved(self.device))
 
 
 class Boundaries:
     """The daemon's side of a running script: its turn in the lane at each boundary (the
     script's `turns.JobKind`)."""
 
-    def __init__(self, daemon: Channel, job: int, estimate: bool) -> None:
+    def __init__(self, daemon: Channel | JsonChannel, job: int, estimate: bool) -> None:
         self.daemon = daemon
         self.job = job  # every message names it (`wire/executor_ops/envelope.py`)
         self.pid = os.getpid()  # a process the script forked has no turn to ask for
@@ -113,7 +118,7 @@ class Boundaries:
         self.inside = False  # the main thread is in a boundary: a Ctrl-C waits
         self.interrupted = False
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()  # stepped so far
-        self.swap = ScriptSwap()
+        self.swap: ScriptSwap | None = None  # made at the first swap (it needs torch)
 
     def start(self) -> None:
         """Before the script's first line: wait for the job's first turn."""
@@ -272,12 +277,22 @@ class Boundaries:
             return Failed(refused)
         if device.startswith("cuda") and not isinstance(self.meter, DeviceMeter):
             self.meter = DeviceMeter(device)
-        if self.swap.home:
+            os.environ.update(framework_memory_env(device, message.budget_bytes,
+                                                   message.total_bytes, os.environ))
+        if self.swap is not None and self.swap.home:
             return Swapped(self.swap.back())
         return Ack()
 
     def swap_out(self) -> Reply:
-        """`suspend --swap`: what the stepped optimizers reach, to host memory."""
+        """`suspend --swap`: what the stepped optimizers reach, to host memory (nothing
+        before the script imports torch)."""
+        if imported("torch") is None:
+            return Swapped({"optimizers": 0, "tensors": 0, "bytes": 0, "moved_bytes": 0,
+                            "note": NOT_REACHED})
+        if self.swap is None:
+            from salus.daemon.executor.script_swap import ScriptSwap
+
+            self.swap = ScriptSwap()
         return Swapped(self.swap.out(list(self.optimizers)))
 
     def other(self, message: Request, request: Any) -> tuple[Reply | None, Any]:

@@ -15,8 +15,22 @@ the cap is queued to be set as CUDA starts: `torch.cuda._lazy_call`, the hook to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
-import torch
+from salus.daemon.executor.on_import import imported, when_imported
+
+
+def started_cuda() -> Any | None:
+    """`torch.cuda` once torch started CUDA in this process, else None (always None before
+    the script imports torch: this never imports it)."""
+    torch = imported("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
+
+
+def cuda_started() -> bool:
+    """Whether torch started CUDA in this process."""
+    return started_cuda() is not None
 
 
 @dataclass(frozen=True)
@@ -67,16 +81,24 @@ class ProcessCap:
         return self.capped | {b.device for b in self.jobs.values() if b.device.startswith("cuda")}
 
     def apply(self) -> None:
-        """Set the caps now where CUDA has started, else when it starts."""
-        if not self.devices():
+        """Set the caps now where CUDA has started, else when it starts (in a script that
+        has not imported torch yet: once it does)."""
+        if not self.devices() or self._queued:
             return
-        if torch.cuda.is_initialized():
-            self._set()
-        elif not self._queued:
-            self._queued = True
-            torch.cuda._lazy_call(self._set)
+        torch = imported("torch")
+        self._queued = True
+        if torch is None:
+            when_imported("torch", self._queue)
+        else:
+            self._queue(torch)
 
-    def _set(self) -> None:
+    def _queue(self, torch: ModuleType) -> None:
+        if cuda_started():
+            self._set(torch)
+        else:
+            torch.cuda._lazy_call(lambda: self._set(torch))
+
+    def _set(self, torch: ModuleType) -> None:
         self._queued = False
         for device in self.devices():
             self.capped.add(device)

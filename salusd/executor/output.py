@@ -15,10 +15,12 @@ import logging
 import os
 import sys
 import threading
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from salus.daemon.state.job_output import MAX_FILE_BYTES
-from salus.daemon.wire.channel import Channel
+from salus.daemon.state.job_output import OutputFile
+
+if TYPE_CHECKING:  # a script's output goes through here too, in executors without torch
+    from salus.daemon.wire.channel import Channel
 
 MAX_LINE_CHARS = 64 << 10  # a longer line is cut here and marked
 CUT_MARK = " [salusd: line cut at 65536 characters]\n"
@@ -39,8 +41,7 @@ class OutputSink:
         self.path = path
         self.channel: Channel | None = None
         self._fallback = fallback
-        self._fd: int | None = None
-        self._size = 0
+        self._file = OutputFile(path) if path is not None else None
         self._held: list[object] = []
         self._held_since = 0.0
 
@@ -118,19 +119,11 @@ class OutputSink:
                 self._fallback[stream].flush()
 
     def _to_file(self, data: bytes) -> None:
-        assert self.path is not None
+        assert self._file is not None
         try:
-            if self._fd is not None and self._size and self._size + len(data) > MAX_FILE_BYTES:
-                os.close(self._fd)
-                self._fd = None
-                os.replace(self.path, self.path + ".1")
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                                   0o600)
-                self._size = os.fstat(self._fd).st_size
-            self._size += os.write(self._fd, data)
+            self._file.write(data)
         except OSError as exc:  # a full or gone disk costs the job its log, not its run
-            self.path = None
+            self.path, self._file = None, None
             self._fallback["stderr"].write(f"salusd: job output file unusable: {exc}\n")
 
 

@@ -14,6 +14,13 @@ Its iteration boundaries are `boundaries.py`'s: every optimizer step and `salus.
 code before the first boundary is the first iteration, what follows the last one is not an
 iteration (a script without a boundary is one iteration).
 
+This module and what it imports need only the standard library, so that it runs in an
+interpreter whose environment has neither torch nor salusd (`salusd/zygotes.py` puts salusd
+on its path): what it does to torch (the optimizer-step hook, the intra-op thread count, the
+device cap, a fresh seed) is done when torch is imported, by the zygote or by the script
+(`on_import.py`). A script that never imports torch has no optimizer-step boundaries; it may
+mark its own with `salus.adapters.script.step()`, and otherwise runs as one iteration.
+
 When the script ends the executor reports its exit status (`Exited`: 0, `sys.exit`'s code, 1
 for an uncaught exception, 130 for an uncaught KeyboardInterrupt) to the daemon, and to the
 client once the daemon lets the job go, unless the command runs again (`--restart
@@ -26,6 +33,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import importlib
 import io
 import json
 import logging
@@ -42,17 +50,20 @@ import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
-from salus.adapters.torch import script as api
-from salus.daemon.executor import interpreter
+from salus.adapters import script as api
+from salus.daemon.executor import interpreter, process
 from salus.daemon.executor.boundaries import Boundaries, flush
+from salus.daemon.executor.on_import import imported, when_imported
 from salus.daemon.executor.output import OutputSink
-from salus.daemon.wire.channel import Channel, passed_fd
 from salus.daemon.wire.executor_ops import RESTARTING, Ack, Failed, Script, addressed, encode
+from salus.daemon.wire.frames import passed_fd
+from salus.daemon.wire.json_channel import JsonChannel
+
+if TYPE_CHECKING:
+    from salus.daemon.wire.channel import Channel
 
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
@@ -107,7 +118,7 @@ def parse_command(argv: tuple[str, ...], env: dict[str, str]) -> Command:
 
 
 # ---- the process becomes the script's ---------------------------------------------------------
-def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool,
+def run(daemon: Channel | JsonChannel, message: Script, request: Any, job: int, estimate: bool,
         log_path: str | None, cwd: str | None) -> bool:
     """Run the script of job `job`'s `message` (the client's socket in `request`, when it has
     one) in directory `cwd` to its end; False when it could not start (the daemon was told
@@ -125,7 +136,7 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
             if daemon.buffered():  # the daemon spoke before the script started: it ended it
                 raise ValueError("the job ended before its script started")
             state = {"daemon": daemon.sock.fileno(), "client": fd, "script": encode(message),
-                     "job": job, "threads": torch.get_num_threads(), "estimate": estimate,
+                     "job": job, "threads": process.threads(), "estimate": estimate,
                      "log": log_path, "cwd": cwd}
             interpreter.become(python, state, [daemon.sock.fileno(),
                                                *([] if fd is None else [fd])], env)
@@ -147,7 +158,13 @@ def run(daemon: Channel, message: Script, request: Any, job: int, estimate: bool
     boundaries.pin = (message.env.get("CUDA_VISIBLE_DEVICES"), daemon_gpus)
     signal.signal(signal.SIGINT, boundaries.on_sigint)
     automatic = message.env.get(api.BOUNDARY_ENV) != "explicit"
-    register_optimizer_step_post_hook(lambda opt, *_: boundaries.stepped(opt, automatic))
+
+    def hook_optimizers(torch: ModuleType) -> None:
+        optimizer = importlib.import_module("torch.optim.optimizer")  # torch imported it
+        optimizer.register_optimizer_step_post_hook(
+            lambda opt, *_: boundaries.stepped(opt, automatic))
+
+    when_imported("torch", hook_optimizers)  # now, or as the script imports torch
     api.install(boundaries.boundary, boundaries.progress)
     stop_interrupts = (_forward_signals(client, boundaries.lock) if client is not None
                        else None)
@@ -286,7 +303,9 @@ def _become_the_script(message: Script, command: Command, cwd: str | None) -> No
     sys.argv = [command.argv0, *command.args]
     signal.set_wakeup_fd(-1)  # the zygote's, closed in this process: a signal would write there
     random.seed()
-    torch.seed()
+    torch = imported("torch")  # imported by the zygote: a fresh seed (imported later: fresh)
+    if torch is not None:
+        torch.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()

@@ -22,9 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
-
-from salus.daemon.executor.cap import ProcessCap
+from salus.daemon.executor.cap import ProcessCap, cuda_started
 from salus.daemon.executor.visible import device_for
 from salus.daemon.mps import client_environment
 from salus.daemon.wire.executor_ops import (
@@ -181,7 +179,7 @@ def on_place(kind: JobKind, message: Place, request: Any, cap: ProcessCap) -> Re
     """Place the job: the GPU this process sees (narrowed to the placed one while its CUDA has
     not started), an MPS client's limits, the process's cap with this job booked (before its
     state moves in, so the move itself is within the cap), then the kind's own move."""
-    started = torch.cuda.is_initialized()
+    started = cuda_started()
     seen = device_for(message.device, message.uuid, cuda_started=started, environ=os.environ)
     lane = message.lane_bytes or 0
     cap.book(kind.job, seen, max(0, message.budget_bytes - lane), lane,

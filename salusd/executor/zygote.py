@@ -9,8 +9,12 @@ and the torch pages the children share copy-on-write keep many executors cheap i
 
 The zygote runs as the daemon's user and never runs job code; its children drop privileges
 before they receive any (`process.become`). It starts no threads before forking. A zygote of
-another interpreter (`salusd/zygotes.py`) runs as the owner whose jobs it forks, and first
-checks that it has the daemon's salusd version and torch.
+another interpreter (`salusd/zygotes.py`) runs as the owner whose jobs it forks, with the
+daemon's salusd on its path, and first checks that the interpreter is Python 3.11 or later
+and that the salusd it finds is the daemon's version; it refuses to serve otherwise, saying
+so in one line. It imports torch where that environment has it (its executors then run any
+job, as the daemon's do); where it has none, its executors run script jobs only
+(`script_only.py`) and never import torch themselves.
 
 Nothing outlives the daemon or a job: the zygote gets SIGTERM when the daemon dies (Linux
 `PR_SET_PDEATHSIG`) and then kills every executor's process group; each executor leads its own
@@ -40,6 +44,7 @@ from salus.daemon.wire.frames import FrameReader, RawFrame, json_frame
 log = logging.getLogger("salusd.zygote")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+MIN_PYTHON = (3, 11)  # pyproject.toml's requires-python
 _executors: set[int] = set()  # pids of the executors forked and not yet reaped
 
 
@@ -139,19 +144,21 @@ def _reap(sock: socket.socket) -> None:
 def serve(fd: int, daemon: int, want: str | None = None) -> int:
     """Serve fork requests on socket `fd` until the daemon (pid `daemon`) closes it or dies.
     `want`: the daemon's salusd version, for a zygote of another interpreter
-    (`salusd/zygotes.py`), which refuses to serve without that version and torch."""
+    (`salusd/zygotes.py`), which refuses to serve without Python 3.11 and that version, and
+    imports torch only where its environment has it."""
     signal.signal(signal.SIGTERM, _daemon_died)
     die_with_parent(signal.SIGTERM, daemon)
     reap_orphans()
     if want is not None and (why := _cannot_serve(want)):
         _send_blocking(socket.socket(fileno=fd), {"op": "refused", "message": why})
         return 1
-    import torch  # noqa: F401 - imported here once, shared by every executor
+    if want is None or _has_torch():
+        from salus.daemon.executor import main  # noqa: F401 - the executors' code, preloaded
+        from salus.daemon.executor.measure import warm_up
 
-    from salus.daemon.executor import main  # noqa: F401 - the executors' code, preloaded
-    from salus.daemon.executor.measure import warm_up
-
-    warm_up()
+        warm_up()
+    else:
+        from salus.daemon.executor import script_only  # noqa: F401 - preloaded
     _trim()  # every executor starts from these pages: leave none the warm-up freed
     sock = socket.socket(fileno=fd)
     sock.setblocking(False)
@@ -179,21 +186,49 @@ def serve(fd: int, daemon: int, want: str | None = None) -> int:
 
 
 def _cannot_serve(want: str) -> str:
-    """Why this interpreter cannot run the daemon's executors ('' when it can)."""
+    """Why this interpreter cannot run the daemon's executors ('' when it can), in one line
+    that names it and what it lacks."""
     import importlib.metadata
-    import importlib.util
 
     python = sys.executable
+    if old := too_old(python, tuple(sys.version_info[:3])):
+        return old
     try:
         have = importlib.metadata.version("salusd")
     except importlib.metadata.PackageNotFoundError:
-        have = "unknown"
-    if have != want:
-        return (f"{python} has salusd {have} and this salusd runs {want}: install the same "
-                f"version there ({python} -m pip install salusd=={want})")
-    if importlib.util.find_spec("torch") is None:
-        return f"{python} cannot import torch: install it in that environment"
+        have = None
+    if (have or "unknown") != want:  # "unknown": neither has metadata (a source tree)
+        return (f"{python} finds salusd {have or 'without a version'} where this salusd runs "
+                f"{want}: uninstall salusd from that environment or install salusd=={want} "
+                "there (if salusd was upgraded since it started, restart it)")
     return ""
+
+
+def too_old(python: str, version: tuple[int, ...]) -> str:
+    """Why interpreter `python` of `version` (major, minor, micro) cannot run salusd's
+    executor code ('' when it can: Python `MIN_PYTHON` or later)."""
+    if version[:2] >= MIN_PYTHON:
+        return ""
+    found = ".".join(map(str, version))
+    wanted = ".".join(map(str, MIN_PYTHON))
+    return f"{python} is Python {found}; salusd runs scripts with Python {wanted} or later"
+
+
+def _has_torch() -> bool:
+    """Import torch where this interpreter's environment has it, once for every executor;
+    False where it has none, or where it cannot be imported (said in the daemon's log: a
+    script that imports it fails there as in a direct run)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:
+        import torch  # noqa: F401 - imported here once, shared by every executor
+    except Exception as exc:  # a broken install: the executors run script jobs only
+        print(f"{sys.executable} cannot import torch ({type(exc).__name__}: {exc}): its "
+              "executors run script jobs only", file=sys.stderr)
+        return False
+    return True
 
 
 def _trim() -> None:

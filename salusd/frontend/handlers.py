@@ -26,13 +26,13 @@ functions and arguments it carries stay pickled and go to the job's executor unt
     suspend    job, swap?                              daemon        None
     resume / cancel   job                              daemon        None
     priority   job, priority                           daemon        None
-    run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n}:
-               priority?, devices?, restart?,          a script job; its executor
-               max_restarts?, time_limit_s?,           runs `command` as the
-               signal?, signal_before_s?, mem_bytes?,  caller, its stdio the
-               after? (job ids: start once they        client's (sent on the pair)
-               finished), array_index?, array_job?
-               (+ the client's end of a socket pair)
+    run        command, cwd, env, name, iterations,    daemon        {"job": id, "threads": n,
+               priority?, devices?, restart?,          a script job; its  "output": each rank's
+               max_restarts?, time_limit_s?,           executor runs      output file (null:
+               signal?, signal_before_s?, mem_bytes?,  `command` as the   none), where the
+               after? (job ids: start once they        caller, its stdio  client copies what
+               finished), array_index?, array_job?     the client's (sent it relays}
+               (+ the client's end of a socket pair)   on the pair)
     socket     (+ the client's end of a socket pair)   daemon        None: the next `run`, of a
                                                                      torchrun gang, gives it to
                                                                      rank 1, the next to rank 2..
@@ -57,6 +57,7 @@ from salus.daemon.engine import scripts
 from salus.daemon.engine.engine import Engine, ok_frame
 from salus.daemon.engine.registry import JobRecord, parse_id
 from salus.daemon.engine.report import job_info, snapshot
+from salus.daemon.limits import MAX_PATH_CHARS, MAX_RESTARTS, check_priority
 from salus.daemon.owners import as_caller
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown, UnknownJob
@@ -211,12 +212,18 @@ class Handlers:
         torchrun gang's ranks 1, 2... get the sockets of the `socket` requests before it."""
         ranks, client.sockets = [frame, *client.sockets], []
         try:
+            if client.allocation is not None:
+                raise BadRequest(
+                    "script jobs ('salusd run') cannot be run from inside a pod yet: the script "
+                    "lives in the pod's filesystem, and running it there, taking turns from "
+                    "salusd, is not built; use salus.connect (a contract job) in the pod, or "
+                    "submit the script on the node (docs/kubernetes.md)")
             if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'run' carries the client's end of a socket pair, on which "
                                  "it sends its stdin, stdout and stderr")
             command = scripts.check(request.get("command"), request.get("cwd"),
                                     request.get("env"), request.get("restart", "never"),
-                                    request.get("max_restarts", scripts.MAX_RESTARTS))
+                                    request.get("max_restarts", MAX_RESTARTS))
             command = scripts.with_limits(command, request.get("time_limit_s"),
                                           request.get("signal"),
                                           request.get("signal_before_s"))
@@ -234,7 +241,12 @@ class Handlers:
                 rank.close_fd()
             raise
         client.jobs.add(record.job_id)
-        answer(ok_frame({"job": str(record.job_id), "threads": record.threads}))
+        # Where the client copies each rank's output (`salusd/cli_relay.py`), as the executor
+        # of a REST script job does: the job's owner may write its folder, the client is it.
+        folder = record.checkpoint_dir
+        answer(ok_frame({"job": str(record.job_id), "threads": record.threads,
+                         "output": None if folder is None else [
+                             output_path(folder, rank) for rank in range(record.gang)]}))
 
     # ---- answered by the daemon --------------------------------------------------------------
     def _check_allowed(self, client: Client, op: str) -> None:
@@ -251,13 +263,16 @@ class Handlers:
 
     def _open(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
         cwd = request.get("cwd")
-        if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= 4096):
-            raise BadRequest("'cwd' must be a path of at most 4096 characters")
+        if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= MAX_PATH_CHARS):
+            raise BadRequest(f"'cwd' must be a path of at most {MAX_PATH_CHARS} characters")
         python = request.get("python")
         if python is not None and not (isinstance(python, str) and os.path.isabs(python)
-                                       and len(python) <= 4096 and "\0" not in python):
+                                       and len(python) <= MAX_PATH_CHARS
+                                       and "\0" not in python):
             raise BadRequest("'python' must be the client's interpreter, an absolute path of "
-                             "at most 4096 characters")
+                             f"at most {MAX_PATH_CHARS} characters")
+        if client.allocation is not None and request.get("devices", 1) != 1:
+            raise BadRequest("a pod's job runs on its allocation's one GPU: 'devices' must be 1")
         other = other_interpreter(python, {}) if python is not None else None
         record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
                                   cwd, devices=request.get("devices", 1),
@@ -280,7 +295,8 @@ class Handlers:
         snap = snapshot(self.engine)
         uid = client.owner.uid
         if uid not in (0, os.geteuid()):
-            own = {r.job_id for r in self.engine.registry if r.owner.uid == uid}
+            own = {r.job_id for r in self.engine.registry if r.owner.uid == uid
+                   and r.owner.allocation == client.owner.allocation}
             snap["jobs"] = [j for j in snap["jobs"] if j["job_id"] in own]
         return snap
 
@@ -331,10 +347,3 @@ class Handlers:
     def _priority(self, client: Client, request: dict[str, Any]) -> None:
         self.engine.set_priority(self._record(client, request), request.get("priority"))
 
-
-def check_priority(priority: object) -> float:
-    """A job's scheduling weight: a number in (0, 1e12)."""
-    if isinstance(priority, bool) or not isinstance(priority, int | float) or not (
-            0 < priority < 1e12):
-        raise BadRequest(f"priority must be a number in (0, 1e12), got {priority!r}")
-    return float(priority)

@@ -59,6 +59,7 @@ class Client:
     owner: Owner
     pid: int
     refused: str = ""
+    allocation: str | None = None  # the Kubernetes allocation whose socket it came through
     jobs: set[int] = field(default_factory=set)
     slots: deque[list[RawFrame | None]] = field(default_factory=deque)
     sockets: list[RawFrame] = field(default_factory=list)  # the next `run`'s ranks 1, 2, ...
@@ -157,10 +158,8 @@ class SocketServer:
             self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
-        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                      _UCRED.size))
         link = Link(conn, self._frame, self._closed, self.max_frame_bytes, explain_errors=True)
-        client = Client(link, Owner(user_name(uid), uid, gid), pid)
+        client = self.identify(conn, link)
         self.loop.add(link)
         if len(self.clients) >= self.max_connections:
             self.refused_connections += 1
@@ -169,12 +168,20 @@ class SocketServer:
                 "try again later or ask the operator to raise --max-connections")))
             link.close_after_flush = True
             return
+        self.clients[id(link)] = client
+
+    def identify(self, conn: socket.socket, link: Link) -> Client:
+        """Who a new connection is: the peer's uid and gid from SO_PEERCRED (a server whose
+        connections belong to something else, a pod's allocation, says so instead)."""
+        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      _UCRED.size))
+        client = Client(link, Owner(user_name(uid), uid, gid), pid)
         euid = os.geteuid()
         if euid != 0 and uid not in (euid, 0):
             client.refused = (f"salusd runs as {user_name(euid)} and accepts jobs only from "
                               f"{user_name(euid)} and root, not {client.owner.name}; ask the "
                               "operator to run it as root (it then runs each job as its owner)")
-        self.clients[id(link)] = client
+        return client
 
     def _closed(self, link: Link, reason: str) -> None:
         client = self.clients.pop(id(link), None)

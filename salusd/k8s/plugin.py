@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -34,7 +34,14 @@ from salus.daemon.k8s.allocations import FILE_NAME, Allocation, AllocationTable
 from salus.daemon.k8s.gpus import PROC_GPUS, node_present, shares
 from salus.daemon.k8s.grants import Grant, grant
 from salus.daemon.k8s.podresources import DEFAULT_SOCKET, PodResourcesClient
-from salus.daemon.k8s.units import RESOURCE, GpuShare, by_gpu, preferred, unit_ids
+from salus.daemon.k8s.units import (
+    RESOURCE,
+    UNIT_BYTES,
+    GpuShare,
+    by_gpu,
+    preferred,
+    unit_ids,
+)
 
 log = logging.getLogger("salusd.k8s")
 
@@ -43,6 +50,17 @@ KUBELET_SOCKET = "kubelet.sock"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 
 Health = Callable[[str], bool]  # GPU uuid -> healthy
+
+
+class AllocationListener(Protocol):
+    """Told of every allocation's life, from the plugin's threads (`pod_sockets.PodSockets`
+    listens on each one's socket)."""
+
+    def opened(self, allocation: Allocation) -> None: ...
+
+    def named(self, allocation_id: str, pod: str) -> None: ...
+
+    def freed(self, allocation: Allocation, why: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,7 @@ class GpuMemPlugin:
         self._thread: threading.Thread | None = None
         self._pods: PodResourcesClient | None = None
         self._pods_failing = False
+        self.listener: AllocationListener | None = None  # set before start()
 
     @property
     def socket(self) -> Path:
@@ -95,9 +114,15 @@ class GpuMemPlugin:
         """Serve the plugin's socket, register if the kubelet is there (else as soon as it
         is), and start the watching thread."""
         self.config.alloc_root.mkdir(parents=True, exist_ok=True)
+        # not listable: an allocation's socket serves whoever reaches it, so only those who
+        # know its (random) id, the pod it is mounted in, may
+        os.chmod(self.config.alloc_root, 0o711)
         if self.config.state_dir is not None:
             self.config.state_dir.mkdir(parents=True, exist_ok=True)
         self._poll_health()
+        if self.listener is not None:  # allocations restored from the table
+            for allocation in self.table.all():
+                self.listener.opened(allocation)
         self._serve()
         self._pods = PodResourcesClient(self.config.pod_resources_socket)
         self._watch_kubelet()
@@ -230,6 +255,8 @@ class GpuMemPlugin:
             refs = [holders[d] for d in allocation.device_ids if d in holders]
             if refs:
                 self.table.name_pod(allocation.id, refs[0].pod, refs[0].container)
+                if self.listener is not None and allocation.pod != refs[0].pod:
+                    self.listener.named(allocation.id, refs[0].pod)
             elif allocation.pod is not None:
                 self._free(allocation, f"its pod {allocation.pod} is gone")
             elif now - allocation.created >= self.config.unlisted_grace_s:
@@ -241,6 +268,8 @@ class GpuMemPlugin:
         # is left on the node.
         self._remove_directory(allocation)
         self.table.remove(allocation.id)
+        if self.listener is not None:
+            self.listener.freed(allocation, why)
         log.info("allocation %s (%d GiB of %s) freed: %s", allocation.id, allocation.units,
                  allocation.uuid, why)
 
@@ -287,8 +316,12 @@ class GpuMemPlugin:
             raise
         for old in superseded:
             self._remove_directory(old)
+            if self.listener is not None:
+                self.listener.freed(old, "the kubelet gave its units again")
             log.info("allocation %s superseded (the kubelet gave its units again)", old.id)
         for allocation, _ in made:
+            if self.listener is not None:
+                self.listener.opened(allocation)
             log.info("allocated %s: %d GiB of %s, directory %s", allocation.id,
                      allocation.units, allocation.uuid, allocation.directory)
         return made
@@ -335,6 +368,23 @@ def for_devices(devices: Sequence[DeviceSpec], kubelet_dir: Path, alloc_root: Pa
                           alloc_root=alloc_root, state_dir=state_dir, mps_pipes=mps_pipes,
                           dev=dev)
     return GpuMemPlugin(gpus, node_present(gpus, dev), config)
+
+
+def for_test_gpus(gpus: Sequence[str], kubelet_dir: Path, alloc_root: Path,
+                  state_dir: Path | None) -> GpuMemPlugin:
+    """The plugin over made-up GPUs ("GPU-uuid=GiB" each, always healthy, no device node),
+    for tests of the daemon's pod sockets on a host without a GPU: their allocations are
+    served on device 0 (`pod_sockets.PodSockets`). ValueError for a malformed entry."""
+    shares_ = []
+    for text in gpus:
+        uuid, sep, gib = text.partition("=")
+        if not sep or not uuid.startswith("GPU-") or not gib.isdigit() or int(gib) < 1:
+            raise ValueError(f"a test GPU is 'GPU-<uuid>=<GiB>', not {text!r}")
+        shares_.append(GpuShare(uuid, int(gib) * UNIT_BYTES))
+    config = PluginConfig(device_plugins_dir=kubelet_dir / "device-plugins",
+                          pod_resources_socket=kubelet_dir / "pod-resources" / "kubelet.sock",
+                          alloc_root=alloc_root, state_dir=state_dir)
+    return GpuMemPlugin(shares_, lambda uuid: True, config)
 
 
 def options() -> pb.DevicePluginOptions:

@@ -6,9 +6,33 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from salus.daemon.limits import (
+    DEFAULT_PRIORITY,
+    MAX_AFTER,
+    MAX_ARGS,
+    MAX_DEVICES,
+    MAX_GRACE_S,
+    MAX_ITERATIONS,
+    MAX_JOB_ID,
+    MAX_MEM_BYTES,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_PRIORITY,
+    MAX_RESTARTS,
+    MAX_RESTARTS_LIMIT,
+    MAX_TIME_LIMIT_S,
+    as_value_error,
+    check_iterations,
+    check_name,
+    check_priority,
+)
 from salus.scheduler.policies import POLICIES
 
-MAX_ITERATIONS = 2**53
+# What /openapi.json says of the fields the shared checks (`salus.daemon.limits`) validate: the
+# checks themselves run in the models' validators, so REST and the socket refuse alike.
+_PRIORITY_SCHEMA = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MAX_PRIORITY}
+_NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
+_ITERATIONS_SCHEMA = {"minimum": 1, "maximum": MAX_ITERATIONS}
 
 
 class Strict(BaseModel):
@@ -70,6 +94,10 @@ class JobOut(BaseModel):
     id: int
     name: str
     owner: str
+    allocation: str | None = Field(default=None, description="a Kubernetes pod's job: the "
+                                   "device plugin's allocation whose socket it came through")
+    pod: str | None = Field(default=None, description="a Kubernetes pod's job: its pod, "
+                            "\"namespace/name\", once the kubelet named it")
     kind: Literal["interactive", "batch", "script"]
     state: str
     reason: str
@@ -81,6 +109,8 @@ class JobOut(BaseModel):
                                "job's command (15: SIGTERM, 9: SIGKILL), else null")
     limit: Literal["time", "memory"] | None = Field(default=None, description="the limit that "
                                                     "ended the job: its --time or its --mem")
+    ended_at: float | None = Field(default=None, description="when the job ended (unix "
+                                   "seconds); null while it is live")
     iterations_done: int
     iterations_total: int
     device: int | None
@@ -120,51 +150,51 @@ class JobOut(BaseModel):
 
 
 class JobSubmit(Strict):
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(json_schema_extra=_NAME_SCHEMA)
     entrypoint: str | None = Field(
         default=None, min_length=4, max_length=1024,
         pattern=r"^[^:\x00-\x1f\x7f]+\.py:[A-Za-z_]\w*$",
         description="a batch job: file.py:function, the file under the daemon's --job-root (no "
         "control characters)")
     command: list[str] | None = Field(
-        default=None, min_length=2, max_length=4096,
+        default=None, min_length=2, max_length=MAX_ARGS,
         description="a script job instead: the interpreter and its arguments, [\"python\", "
         "\"train.py\", ...], run unchanged as the token's owner; its output is the job's log")
-    cwd: str | None = Field(default=None, min_length=1, max_length=4096,
+    cwd: str | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS,
                             description="a script job's working directory (absolute)")
     env: dict[str, str] | None = Field(default=None, description="a script job's environment "
                                        "(default: HOME, USER, LOGNAME and the daemon's PATH)")
     restart: Literal["never", "on-failure"] = Field(
         default="never", description="a script job's policy when its command exits non-zero, "
         "its process dies or salusd restarts while it runs: fail it, or run its command again")
-    max_restarts: int = Field(default=3, ge=0, le=1000, description="with restart "
-                              "on-failure, at most this many reruns")
+    max_restarts: int = Field(default=MAX_RESTARTS, ge=0, le=MAX_RESTARTS_LIMIT,
+                              description="with restart on-failure, at most this many reruns")
     time_limit_s: float | None = Field(
-        default=None, ge=0, le=366 * 86400, description="a script job's time limit (seconds "
+        default=None, ge=0, le=MAX_TIME_LIMIT_S, description="a script job's time limit (seconds "
         "from its start, as Slurm's --time): then SIGTERM, SIGKILL after its grace, and the "
         "job fails saying it hit its time limit")
     signal: Literal[1, 2, 10, 12, 15] | None = Field(
         default=None, description="with time_limit_s: the signal number (HUP, INT, USR1, USR2, "
         "TERM) sent signal_before_s before the limit, as Slurm's --signal")
-    signal_before_s: float | None = Field(default=None, ge=0, le=366 * 86400)
+    signal_before_s: float | None = Field(default=None, ge=0, le=MAX_TIME_LIMIT_S)
     grace_s: float | None = Field(
-        default=None, ge=0, le=3600, description="a script job's seconds between SIGTERM and "
-        "SIGKILL when it is cancelled or hits its limit (default: the daemon's --script-grace)")
-    mem_bytes: int | None = Field(default=None, ge=1, le=2**50, description="a script job's "
-                                  "device-memory request (bytes), as Slurm's --mem: its lane "
-                                  "at admission and its cap")
-    after: list[Annotated[int, Field(ge=1, le=2**63 - 1)]] | None = Field(
-        default=None, min_length=1, max_length=64, description="a script job starts once these "
-        "jobs have finished, and fails when one of them fails or is cancelled (Slurm's "
+        default=None, ge=0, le=MAX_GRACE_S, description="a script job's seconds between SIGTERM "
+        "and SIGKILL when it is cancelled or hits its limit (default: the daemon's --script-grace)")
+    mem_bytes: int | None = Field(default=None, ge=1, le=MAX_MEM_BYTES,
+                                  description="a script job's device-memory request "
+                                  "(bytes), as Slurm's --mem: its lane at admission and its cap")
+    after: list[Annotated[int, Field(ge=1, le=MAX_JOB_ID)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_AFTER, description="a script job starts once "
+        "these jobs have finished, and fails when one of them fails or is cancelled (Slurm's "
         "--dependency=afterok)")
-    iterations: int | None = Field(default=None, ge=1, le=MAX_ITERATIONS,
+    iterations: int | None = Field(default=None, json_schema_extra=_ITERATIONS_SCHEMA,
                                    description="required for a batch job; a script job's "
                                    "planned iterations (optimizer steps), for SRTF")
-    priority: float = Field(default=1.0, gt=0, lt=1e12)
-    devices: int = Field(default=1, ge=1, le=1024, description="replicas on this node, one "
+    priority: float = Field(default=DEFAULT_PRIORITY, json_schema_extra=_PRIORITY_SCHEMA)
+    devices: int = Field(default=1, ge=1, le=MAX_DEVICES, description="replicas on this node, one "
                          "per device (a data-parallel gang when above 1); a torchrun "
                          "command's: its ranks (the default)")
-    nodes: int = Field(default=1, ge=1, le=1024, description="nodes of the cluster the gang "
+    nodes: int = Field(default=1, ge=1, le=MAX_DEVICES, description="nodes of the cluster the gang "
                        "spans (submit it to each of them alike); needs salusd --cluster")
     rendezvous: str | None = Field(default=None, min_length=1, max_length=128,
                                    pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -177,6 +207,21 @@ class JobSubmit(Strict):
         "Computing heuristic, or the MILP optimum, over a profile made by the replicas")
     microbatches: int | None = Field(default=None, ge=1, le=1024,
                                      description="micro-batches per pipeline step (default 1)")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return as_value_error(check_name, value)
+
+    @field_validator("iterations")
+    @classmethod
+    def _iterations(cls, value: int | None) -> int | None:
+        return None if value is None else as_value_error(check_iterations, value)
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, value: float) -> float:
+        return as_value_error(check_priority, value)
 
     @model_validator(mode="after")
     def _pipeline_options(self) -> JobSubmit:
@@ -215,7 +260,12 @@ class Suspend(Strict):
 
 
 class Priority(Strict):
-    priority: float = Field(gt=0, lt=1e12)
+    priority: float = Field(json_schema_extra=_PRIORITY_SCHEMA)
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, value: float) -> float:
+        return as_value_error(check_priority, value)
 
 
 class PolicyIn(Strict):

@@ -14,12 +14,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
 from salus.daemon.engine import scripts
+from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.owners import as_caller
 from salus.daemon.rest.auth import Principal, principal
 from salus.daemon.rest.context import Context, check_owner, context
 from salus.daemon.rest.models import (
     ERRORS,
-    MAX_ITERATIONS,
     Checkpoint,
     CheckpointDone,
     JobOut,
@@ -29,24 +29,38 @@ from salus.daemon.rest.models import (
 )
 from salus.daemon.rest.views import job_out, row_out
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
+from salus.daemon.state.store import JobRow
 from salus.daemon.wire.errors import BadRequest, Conflict, UnknownJob
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
 JobId = Path(ge=1, le=2**63 - 1, description="the job id")
 
 
-@router.get("", response_model=list[JobOut], summary="Live and recently ended jobs")
-async def list_jobs(who: Principal = Depends(principal),
+@router.get("", response_model=list[JobOut], summary="Live and ended jobs")
+async def list_jobs(ended_since: float | None = Query(
+                        None, ge=0, allow_inf_nan=False, description="with it: the live jobs "
+                        "and every job that ended at this time (unix seconds) or later, those "
+                        "that ended before salusd's last restart too (the durable registry "
+                        "keeps them); 0: every job. Without it: the live jobs and those that "
+                        "ended in the last hour"),
+                    who: Principal = Depends(principal),
                     ctx: Context = Depends(context)) -> list[JobOut]:
-    def read() -> list[JobOut]:
+    def read() -> tuple[list[JobOut], set[int]]:
         engine = ctx.engine
         records = [*engine.registry.live.values(), *engine.registry.ended.values()]
         return [job_out(engine, r) for r in records
-                if who.admin or r.owner.uid == who.owner.uid]
-    jobs = await ctx.bridge.run(read)
-    rows = [row for row in await run_in_threadpool(lambda: [
-        ctx.store.get_job(job_id) for job_id in ctx.not_restored])
-        if row is not None and (who.admin or row.uid == who.owner.uid)]
+                if (who.admin or r.owner.uid == who.owner.uid)
+                and (ended_since is None or r.ended_at is None or r.ended_at >= ended_since)
+                ], {r.job_id for r in records}
+    jobs, held = await ctx.bridge.run(read)  # the engine's view of a job it holds stands
+
+    def stored() -> list[JobRow]:
+        if ended_since is None:
+            return [row for job_id in ctx.not_restored
+                    if (row := ctx.store.get_job(job_id)) is not None]
+        return ctx.store.ended_since(ended_since)
+    rows = [row for row in await run_in_threadpool(stored)
+            if row.id not in held and (who.admin or row.uid == who.owner.uid)]
     return sorted([*jobs, *map(row_out, rows)], key=lambda j: j.id)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from salus.daemon.engine.registry import JobRecord, is_script, spec_devices, spec_nodes
 from salus.daemon.engine.report import job_info
@@ -26,9 +26,10 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     evaluation = record.last_evaluation
     return JobOut(
         id=record.job_id, name=record.name, owner=record.owner.name,
+        allocation=info["allocation"], pod=info["pod"],
         kind="script" if is_script(record) else record.kind,
         state=state, reason=record.reason, exit_status=record.exit_status,
-        signal=record.signal, limit=record.limit,
+        signal=record.signal, limit=record.limit, ended_at=record.ended_at,
         iterations_done=max(int(info["iterations_done"]), record.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
         devices=record.gang, nodes=record.nodes, priority=record.priority,
@@ -54,7 +55,8 @@ def row_out(row: JobRow) -> JobOut:
         id=row.id, name=row.name, owner=row.owner,
         kind="batch" if row.kind == "batch" else "script" if "command" in row.spec
         else "interactive", state=row.state,
-        reason=row.reason, iterations_done=row.iterations_done,
+        reason=row.reason, exit_status=row.exit_status, signal=row.exit_signal,
+        limit=_limit(row.end_limit), ended_at=row.ended_at, iterations_done=row.iterations_done,
         iterations_total=row.iterations_total or 0, device=None, lane=None,
         devices=spec_devices(row.spec), nodes=spec_nodes(row.spec),
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
@@ -64,3 +66,10 @@ def row_out(row: JobRow) -> JobOut:
                  "max_restarts": row.spec.get("max_restarts")}
                 if "command" in row.spec else None),
         pipeline=row.spec.get("pipeline"))
+
+
+def _limit(text: str | None) -> Literal["time", "memory"] | None:
+    """A stored end limit as the model's type (the store accepts no other value)."""
+    if text == "time":
+        return "time"
+    return "memory" if text == "memory" else None

@@ -1,8 +1,11 @@
 """A job's output file in its checkpoint directory: where each replica's goes, and reading a
 piece of it for `salusd logs` and `GET /v1/jobs/{id}/log`.
 
-The executor writes it (`salusd/executor/output.py`): what the job prints to stdout and
-stderr, line by line, rotated at `MAX_FILE_BYTES` into `<name>.1` (one previous file kept).
+The executor writes it (`salusd/executor/output.py`, through `OutputFile`): what the job prints
+to stdout and stderr, line by line, rotated at `MAX_FILE_BYTES` into `<name>.1` (one previous
+file kept). For a `salusd run` job the client, which relays the script's output to its own
+terminal, writes the same copy with the same `OutputFile` (`salusd/cli_relay.py`): it runs as
+the job's owner, as the executor does.
 """
 
 from __future__ import annotations
@@ -58,6 +61,44 @@ def read_output(path: str, offset: int | None, writer_uid: int,
     if len(data) == limit and b"\n" in data:
         data = data[:data.rindex(b"\n") + 1]  # whole lines: no character split
     return data, start + len(data)
+
+
+class OutputFile:
+    """Appends to a job's output file, rotating it into `<name>.1` (one previous file kept)
+    once a write would take it past `MAX_FILE_BYTES`. Opened lazily, never through a link; a
+    process running as root that makes the file gives it to the owner of its folder (the job's
+    owner, whose uid `read_output` asks for). OSError for a full or gone disk: the caller
+    stops copying, the job runs on."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._size = 0
+
+    def write(self, data: bytes) -> None:
+        if self._fd is not None and self._size and self._size + len(data) > MAX_FILE_BYTES:
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self.path, self.path + ".1")
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                               | os.O_NOFOLLOW, 0o600)
+            st = os.fstat(self._fd)
+            if os.geteuid() == 0:
+                folder = os.stat(os.path.dirname(self.path) or ".")
+                if st.st_uid != folder.st_uid:
+                    os.fchown(self._fd, folder.st_uid, folder.st_gid)
+            self._size = st.st_size
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            self._size += written
+            view = view[written:]
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def writer_uid(owner_uid: int) -> int:

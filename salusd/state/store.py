@@ -83,16 +83,27 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (  # the daemon's own settings made live (the policy), kept across restarts
         "CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     ),
+    (  # how a script job's command ended, and when each job ended, kept across restarts
+        "ALTER TABLE jobs ADD COLUMN exit_status INTEGER",
+        "ALTER TABLE jobs ADD COLUMN exit_signal INTEGER",
+        "ALTER TABLE jobs ADD COLUMN end_limit TEXT",
+        "ALTER TABLE jobs ADD COLUMN ended_at REAL",
+        # Before this version an ended row was last written when it ended.
+        "UPDATE jobs SET ended_at = updated WHERE state IN ('finished', 'cancelled', 'failed')",
+        "CREATE INDEX jobs_ended_at ON jobs (ended_at)",
+    ),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 _JOB_COLUMNS = ("id", "name", "owner", "uid", "gid", "kind", "spec", "state", "reason",
                 "iterations_done", "iterations_total", "priority", "checkpoint_iteration",
                 "checkpoint_time", "checkpoint_bytes", "checkpoint_path", "created", "updated",
-                "restarts")
-# Who a job is and when it was made never change; `updated` is set by every update.
+                "restarts", "exit_status", "exit_signal", "end_limit", "ended_at")
+# Who a job is and when it was made never change; `updated` is set by every update, `ended_at`
+# by the first that ends the job.
 _JOB_MUTABLE = frozenset(_JOB_COLUMNS) - {"id", "owner", "uid", "gid", "kind", "created",
-                                          "updated"}
+                                          "updated", "ended_at"}
+END_LIMITS = ("time", "memory")
 _TOKEN_COLUMNS = ("name", "owner", "uid", "gid", "created", "revoked_at")
 
 
@@ -119,6 +130,13 @@ class JobRow:
     created: float
     updated: float
     restarts: int = 0  # a script job's reruns (`--restart on-failure`)
+    # A script job's command's end, as a shell reports it: its exit status (128 + N for signal
+    # N, 125 when it could not start), the signal that ended it, and the limit that ended the
+    # job ("time": its --time, "memory": its --mem); None where none applies.
+    exit_status: int | None = None
+    exit_signal: int | None = None
+    end_limit: str | None = None
+    ended_at: float | None = None  # when the job ended (unix seconds); None while it is live
 
     @property
     def ended(self) -> bool:
@@ -243,10 +261,16 @@ class Store:
                              f"{sorted(_JOB_MUTABLE)}")
         if "state" in fields and fields["state"] not in JOB_STATES:
             raise ValueError(f"a job's state is one of {JOB_STATES}, got {fields['state']!r}")
+        if fields.get("end_limit") not in (None, *END_LIMITS):
+            raise ValueError(f"a job's end limit is one of {END_LIMITS} or None, got "
+                             f"{fields['end_limit']!r}")
         if "spec" in fields:
             fields["spec"] = json.dumps(fields["spec"])
         fields["updated"] = self._clock()
         assignments = ", ".join(f"{column} = ?" for column in fields)
+        if fields.get("state") in ENDED_STATES:  # the first end counts
+            assignments += ", ended_at = COALESCE(ended_at, ?)"
+            fields["ended_at"] = fields["updated"]
         with self._transaction() as cur:
             cur.execute(f"UPDATE jobs SET {assignments} WHERE id = ?",
                         (*fields.values(), job_id))
@@ -276,6 +300,12 @@ class Store:
         wanted = tuple(states)
         marks = ", ".join("?" * len(wanted))
         return self._jobs(f"WHERE state IN ({marks})", wanted)
+
+    def ended_since(self, since: float) -> list[JobRow]:
+        """The jobs that ended at `since` (unix seconds) or later, by id."""
+        marks = ", ".join("?" * len(ENDED_STATES))
+        return self._jobs(f"WHERE state IN ({marks}) AND ended_at >= ?",
+                          (*ENDED_STATES, since))
 
     def unfinished_jobs(self) -> list[JobRow]:
         """The jobs a restarted daemon must bring back: every one not finished, cancelled or

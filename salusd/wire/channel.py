@@ -43,10 +43,12 @@ from salus.daemon.wire.frames import (
     MAX_QUEUED_FDS,
     RECV_FLAGS,
     VERSION,
+    ConnectionClosed,
     FrameError,
     FrameTooLarge,
     VersionMismatch,
     error_from_reply,
+    passed_fd,
     queue_descriptors,
     reply_result,
     unpack_fixed,
@@ -104,17 +106,6 @@ def involuntary_switches() -> int:
     """This thread's involuntary context switches so far (a yield that ran another task
     counts as one)."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
-
-
-def passed_fd(message: Any) -> int | None:
-    """The descriptor a socket frame brought (`Channel.recv` puts it under "socket_fd"; the
-    receiver owns it), or None."""
-    fd = message.get("socket_fd") if isinstance(message, dict) else None
-    return fd if isinstance(fd, int) else None
-
-
-class ConnectionClosed(ConnectionError):
-    """The peer closed the connection between two frames."""
 
 
 class Channel:

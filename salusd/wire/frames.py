@@ -32,6 +32,7 @@ import socket
 import struct
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from salus.daemon.wire.errors import ERRORS_BY_CODE, BadRequest, SalusError
 
@@ -71,6 +72,10 @@ class FrameError(BadRequest):
     def __init__(self, message: str, *, recoverable: bool = True) -> None:
         super().__init__(message)
         self.recoverable = recoverable
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection between two frames."""
 
 
 class FrameTooLarge(FrameError):
@@ -121,6 +126,13 @@ def reply_result(reply: object) -> object:
     if reply["ok"]:
         return reply.get("result")
     raise error_from_reply(reply.get("code"), reply.get("message"))
+
+
+def passed_fd(message: Any) -> int | None:
+    """The descriptor a socket frame brought (`Channel.recv` and `JsonChannel.recv`
+    put it under "socket_fd"; the receiver owns it), or None."""
+    fd = message.get("socket_fd") if isinstance(message, dict) else None
+    return fd if isinstance(fd, int) else None
 
 
 @dataclass(eq=False)

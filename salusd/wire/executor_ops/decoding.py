@@ -276,14 +276,15 @@ def _lease(d: Wire) -> Lease:
 def _place(d: Wire) -> Place:
     w = "'place'"
     _only(d, w, _keys("op", "device", "budget_bytes", "slowdown", "uuid", "lane", "lane_bytes",
-                      "shared", "mps", "mps_limit_bytes", "workspace_bytes", "mps_threads"))
+                      "shared", "mps", "mps_limit_bytes", "workspace_bytes", "mps_threads",
+                      "total_bytes"))
     if "shared" in d:
         _true(d, w, "shared")
     return Place(_str(d, w, "device"), _int(d, w, "budget_bytes"), _float(d, w, "slowdown"),
                  _maybe_str(d, w, "uuid"), _maybe_int(d, w, "lane"),
                  _maybe_int(d, w, "lane_bytes"), "shared" in d, _maybe_str(d, w, "mps"),
                  _maybe_int(d, w, "mps_limit_bytes"), _maybe_int(d, w, "workspace_bytes"),
-                 _maybe_int(d, w, "mps_threads"))
+                 _maybe_int(d, w, "mps_threads"), _maybe_int(d, w, "total_bytes"))
 
 
 def _load(d: Wire) -> Load:

@@ -163,7 +163,7 @@ def _place(m: Place) -> Wire:
     out: Wire = {"op": "place", "device": m.device, "budget_bytes": m.budget_bytes,
                  "slowdown": m.slowdown}
     for key in ("uuid", "lane", "lane_bytes", "mps", "mps_limit_bytes", "workspace_bytes",
-                "mps_threads"):
+                "mps_threads", "total_bytes"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     if m.shared:

@@ -176,8 +176,10 @@ class Place:
     `workspace_bytes`: the cuBLAS workspaces the process reserves on a GPU, once however many
     jobs it hosts, outside `budget_bytes` (the cap adds them: `executor/cap.py`). With `mps`,
     `mps_limit_bytes` is what the process's CUDA context costs (its pinned limit is its cap
-    plus that) and `mps_threads` its `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`. A None or False field
-    is left out of the wire."""
+    plus that) and `mps_threads` its `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`. `total_bytes`: the
+    GPU's memory (filled in by the supervisor), of which a script's JAX or TensorFlow may take
+    the budget's fraction (`executor/framework_memory.py`). A None or False field is left out
+    of the wire."""
 
     op: ClassVar[str] = "place"
     device: str
@@ -191,6 +193,7 @@ class Place:
     mps_limit_bytes: int | None = None
     workspace_bytes: int | None = None
     mps_threads: int | None = None
+    total_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
