@@ -16,6 +16,9 @@ outcome never depends on the order in which the caller learnt of events.
 
 A lane may also be held outside a `Start` (`hold`): the daemon's leases, under which a job runs
 its calls on its own and reports them afterwards (`RanUnderLease`).
+
+On `movable` devices (the daemon's CPU devices, each only a budget) `rebalance` moves a job that
+waits for a turn in a busy lane to a device where nothing runs or waits (`placement.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from salus.scheduler.iteration import IterationScheduler
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.lanes import Placement
 from salus.scheduler.mps import RunsAs, describe, runs_as
+from salus.scheduler.placement import moves
 from salus.scheduler.policies import Policy
 
 LaneKey = tuple[int, int]
@@ -88,9 +92,11 @@ class Start:
 
 @dataclass(frozen=True)
 class Update:
-    """What an input or a command changed: the admissions it made."""
+    """What an input or a command changed: the admissions it made (`moved`: of those, the
+    jobs `rebalance` moved, each with the device it left)."""
 
     placed: tuple[Placement, ...] = ()
+    moved: tuple[tuple[Placement, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -148,8 +154,10 @@ class Dispatcher:
 
     def __init__(self, capacities: Sequence[int], policy: Policy,
                  clock: Callable[[], float], *, measure: bool = True,
-                 context_bytes: Sequence[int] | None = None) -> None:
+                 context_bytes: Sequence[int] | None = None,
+                 movable: Iterable[int] = ()) -> None:
         self._sched = IterationScheduler(capacities, policy, clock, context_bytes)
+        self._movable = frozenset(movable)  # devices a waiting job may move between
         self._measure = measure  # False: iteration times are declared (the simulator)
         self._busy: dict[LaneKey, int] = {}
         self._reserved: dict[LaneKey, int] = {}
@@ -288,6 +296,39 @@ class Dispatcher:
         """Lane `key` is no longer held by `job_id` (its lease ended, or its executor died)."""
         if self._busy.get(key) == job_id:
             del self._busy[key]
+
+    # ---- moves ------------------------------------------------------------------------------
+    def rebalance(self) -> Update:
+        """Move each job that waits for a turn in a lane another job holds, on a movable
+        device, to a movable device where nothing runs or waits and that fits it (one job per
+        such device; `placement.moves`). A waiting job is at a boundary, so it moves there.
+        Returns the placements made: the moved jobs', and those the freed memory admitted."""
+        held = {d for d, _ in self._busy} | {d for d, _ in self._reserved}
+        idle = [d for d in sorted(self._movable) if d not in held and not any(
+            self._sched.jobs[j].state in _LIVE and self._ready(self._sched.jobs[j])
+            for ln in self._sched.lanes.lanes(d) for j in ln.residents)]
+        if not idle:
+            return Update()
+        lanes = self._sched.lanes
+        waiting = [job for job in self._sched.jobs.values() if self._waits(job)]
+        made: list[Placement] = []
+        moved: list[tuple[Placement, int]] = []
+        for job_id, device in moves(waiting, idle, lanes.fits_on, lanes.work_s):
+            was = lanes.placements(job_id)[0].device
+            made += self._sched.started(lanes.move(job_id, device))
+            moved.append((lanes.placements(job_id)[0], was))
+        self.version += bool(made)
+        return Update(tuple(made), tuple(moved))
+
+    def _waits(self, job: Job) -> bool:
+        """Whether `job` (of one device, which may move) has work waiting in a lane of a
+        movable device that another job runs in or is reserved for."""
+        placed = self._sched.lanes.placements(job.job_id)
+        if (job.gang != 1 or job.exclusive or job.shares or job.state not in _LIVE
+                or not placed or placed[0].device not in self._movable or not self._ready(job)):
+            return False
+        key = (placed[0].device, placed[0].lane_id)
+        return self._busy.get(key, self._reserved.get(key, job.job_id)) != job.job_id
 
     # ---- decisions --------------------------------------------------------------------------
     def schedule(self, lanes: Iterable[LaneKey] | None = None) -> Iterator[Start]:

@@ -88,8 +88,10 @@ def _trace(rng: random.Random, devices: int) -> list[TraceJob]:
 def _through_engine(trace: list[TraceJob], policy: str, devices: int) -> tuple[Engine, Driver]:
     driver = Driver({j.job_id: j.iter_s for j in trace},
                     {j.job_id: (j.persistent_bytes, j.ephemeral_bytes) for j in trace})
+    # The simulator models GPUs, where a waiting job never moves: the engine's CPU moves off.
     engine = Engine([DEVICE_BYTES] * devices, policy, driver, clock=driver.clock,
-                    timers=driver, torch_devices=[f"cpu:{d}" for d in range(devices)])
+                    timers=driver, torch_devices=[f"cpu:{d}" for d in range(devices)],
+                    move_waiting=False)
     driver.engine = engine
     arrivals = sorted(trace, key=lambda j: (j.submit_s, j.job_id))
     while arrivals or driver.heap:

@@ -67,7 +67,8 @@ __all__ = ["CheckpointPolicy", "DataCachePolicy", "Engine", "ExecutorPort", "err
 class Engine:
     """Jobs, lanes and executors of one node. `capacities` are the devices' budgets (bytes);
     `torch_devices` names each device for torch ("cpu", "cuda:0"); times are seconds on
-    `clock`."""
+    `clock`. With `move_waiting` a job that waits for a turn in a busy lane of a CPU device
+    moves to a CPU device where nothing runs (`docs/placement.md`); a GPU's jobs never move."""
 
     def __init__(
         self, capacities: Sequence[int], policy: str, executors: ExecutorPort, *,
@@ -79,6 +80,7 @@ class Engine:
         compute_slowdowns: Sequence[float] | None = None, estimate_first: bool = True,
         context_bytes: Sequence[int] | None = None, share_lanes: bool = False,
         workspace_bytes: Sequence[int] | None = None, script_grace_s: float = 30.0,
+        move_waiting: bool = True,
     ) -> None:
         config = Config(list(torch_devices),
                         list(compute_slowdowns or [1.0] * len(capacities)), threads,
@@ -88,7 +90,9 @@ class Engine:
         ledgers = [DeviceLedger(c) for c in capacities]
         self.core = Core(config, clock, timers, Outbox(executors),
                          Dispatcher([ld.capacity for ld in ledgers], make_policy(policy), clock,
-                                    context_bytes=context_bytes),
+                                    context_bytes=context_bytes, movable=[
+                                        i for i, name in enumerate(torch_devices)
+                                        if move_waiting and name.startswith("cpu")]),
                          ledgers, Registry(clock, retention_s=retention_s),
                          EventStream(keep=1000))
         self.leases = Leases(self.core)

@@ -1,8 +1,13 @@
 """One step of the engine, run at the end of every command and executor event:
 
-    switch policy when quiet -> swap out who waits for it -> reconcile the ledgers with the
-    admissions and tell newly placed executors where they run -> send the dispatcher's starts
-    -> refresh leases -> emit a memory event if memory changed
+    switch policy when quiet -> swap out who waits for it -> move jobs waiting in a busy lane
+    to an idle CPU device -> reconcile the ledgers with the admissions and tell newly placed
+    executors where they run -> send the dispatcher's starts -> refresh leases -> emit a memory
+    event if memory changed
+
+A moved job is placed as an admitted one is: its ledger regions leave the old device and are
+booked on the new one, and its executor hears its new place (`Place`, answered at the boundary
+where it waits); on the CPU the device is only a budget, so no data moves.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class Stepper:
         for record in core.registry:
             if record.swap_requested and not core.dispatch.running(record.job_id):
                 self._swap_out(record)
+        if not core.stopping and core.pending_policy is None:
+            self._move()
         self._place()
         if not core.stopping and core.pending_policy is None:
             for start in core.dispatch.schedule():
@@ -58,6 +65,15 @@ class Stepper:
             self.core.outbox.send_to(executor, Sent("swap_out"), SwapOut())
         self.core.event("swap_out", record.job_id)
         self.core.take(self.core.dispatch.swap_out(record.job_id))
+
+    def _move(self) -> None:
+        """Jobs waiting for a turn in a busy lane move to an idle device (CPU only)."""
+        update = self.core.dispatch.rebalance()
+        for p, was in update.moved:
+            self.core.event("move", p.job_id, p.device, p.lane_id, moved_from=was)
+            log.info("job %d moved from device %d to device %d, where nothing ran",
+                     p.job_id, was, p.device)
+        self.core.take(update)
 
     def _place(self) -> None:
         """Reconcile the ledgers with the scheduler's admissions, and tell newly placed
