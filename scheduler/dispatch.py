@@ -313,7 +313,9 @@ class Dispatcher:
         waiting = [job for job in self._sched.jobs.values() if self._waits(job)]
         made: list[Placement] = []
         moved: list[tuple[Placement, int]] = []
-        for job_id, device in moves(waiting, idle, lanes.fits_on, lanes.work_s):
+        for job_id, device in moves(waiting, idle, lanes.fits_on):
+            if not lanes.fits_on(self._sched.jobs[job_id], device):
+                continue  # a job admitted into what an earlier move freed took the room
             was = lanes.placements(job_id)[0].device
             made += self._sched.started(lanes.move(job_id, device))
             moved.append((lanes.placements(job_id)[0], was))

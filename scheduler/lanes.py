@@ -151,6 +151,11 @@ class LaneManager:
         """Whom `device` serves: the owners of its admitted jobs and held processes."""
         return frozenset(self._devices[device].owners) | self.held.get(device, frozenset())
 
+    def fits_on(self, job: Job, device: int) -> bool:
+        """Whether one-device `job` (placed elsewhere, or pending) could be placed on `device`
+        now."""
+        return job.gang == 1 and self._slot_on(self._devices[device], job) is not False
+
     def fits_now(self, job: Job) -> bool:
         """Whether admission could place `job` now (no side effects)."""
         return self._find_slots(job) is not None
@@ -217,6 +222,20 @@ class LaneManager:
             job.state = JobState.PENDING
         self._pending.insert(job)
         return self._admit(freed, job_id)
+
+    def move(self, job_id: int, device: int) -> list[Placement]:
+        """Move an admitted one-device job to `device` (its slot there as admission picks
+        one), freeing its old place; returns its new placement and those the freed memory
+        made. ValueError, nothing changed, if it does not fit there."""
+        job = self._jobs[job_id]
+        if (job_id not in self._placements or not self.fits_on(job, device)
+                or any(p.device == device for p in self._placements[job_id])):
+            raise ValueError(f"job {job_id} cannot move to device {device}")
+        dev = self._devices[device]
+        slot = self._slot_on(dev, job)
+        assert slot is not False
+        freed = self._vacate(job)
+        return self._place(job, [(dev, slot)]) + self._admit(freed, None)
 
     # ---- internals -----------------------------------------------------------------------
     def _check_can_fit(self, job_id: int, persistent: int, ephemeral: int, gang: int) -> None:
@@ -425,74 +444,7 @@ class LaneManager:
     # ---- checking ------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the book-keeping is inconsistent, memory over-committed, or a
-        pending job fits now."""
-        placed: dict[int, list[Placement]] = {}
-        for dev in self._devices:
-            persistent = 0
-            jobs = 0
-            for lane in dev.lanes.values():
-                assert lane.residents, f"empty lane {lane.lane_id} on device {dev.index} kept"
-                assert lane.device == dev.index
-                sharing = [self._jobs[j] for j in lane.residents if self._jobs[j].shares]
-                groups: dict[str, int] = {}
-                for job in sharing:
-                    groups[job.owner] = groups.get(job.owner, 0) + 1
-                assert groups == lane.groups, f"lane {lane.lane_id}'s processes drifted"
-                processes = len(groups) + len(lane.residents) - len(sharing)
-                assert lane.contexts == processes * self.context_bytes[dev.index], (
-                    f"lane {lane.lane_id} books {lane.contexts} B for {processes} executors")
-                persistent += lane.contexts
-                for jid in lane.residents:
-                    job = self._jobs[jid]
-                    assert job.ephemeral_bytes <= lane.size, (
-                        f"job {jid} ({job.ephemeral_bytes} B ephemeral) in lane {lane.lane_id} "
-                        f"of {lane.size} B"
-                    )
-                    persistent += job.persistent_bytes
-                    jobs += 1
-                    placed.setdefault(jid, []).append(
-                        Placement(jid, dev.index, lane.lane_id, lane.size)
-                    )
-            for lane in dev.lanes.values():
-                assert not lane.exclusive or (
-                    len(lane.residents) == 1 and self._jobs[lane.residents[0]].exclusive), (
-                    f"exclusive lane {lane.lane_id} shared: {lane.residents}")
-                if self.mode == "pack":
-                    assert all(lane.exclusive or not self._jobs[j].exclusive
-                               for j in lane.residents), f"an exclusive job shares {lane.lane_id}"
-            if self.mode == "single":
-                assert len(dev.lanes) <= 1, f"device {dev.index} has {len(dev.lanes)} lanes"
-                for lane in dev.lanes.values():
-                    assert lane.size == max(self._jobs_sizes(lane.residents))
-            assert persistent == dev.persistent, f"device {dev.index} persistent drifted"
-            assert jobs == dev.jobs
-            owners: dict[RunsAs, int] = {}
-            for lane in dev.lanes.values():
-                for jid in lane.residents:
-                    owners[runs_as(self._jobs[jid])] = owners.get(runs_as(self._jobs[jid]), 0) + 1
-            assert owners == dev.owners, f"device {dev.index}'s owners drifted"
-            assert dev.index not in self.one_owner or len(owners) <= 1, (
-                f"device {dev.index} serves one owner at a time, has jobs of {list(owners)}")
-            assert dev.lane_bytes == sum(ln.size for ln in dev.lanes.values()), "lane bytes drifted"
-            assert dev.persistent + dev.lane_bytes <= dev.capacity, (
-                f"device {dev.index} over-committed: {dev.persistent} persistent + "
-                f"{dev.lane_bytes} lanes > {dev.capacity}"
-            )
-        assert list(self._order) == sorted(self._devices, key=lambda d: (d.jobs, d.index)), (
-            "devices' load order drifted")
-        assert set(placed) == set(self._placements), "placements out of sync with lanes"
-        for jid, ps in placed.items():
-            assert len(ps) == self._jobs[jid].gang, f"job {jid} on {len(ps)} devices"
-            assert len({p.device for p in ps}) == len(ps), f"gang job {jid} twice on a device"
-            # lane_bytes is the size at admission (single-mode lanes resize later): not compared.
-            where = {(p.device, p.lane_id) for p in self._placements[jid]}
-            assert {(p.device, p.lane_id) for p in ps} == where, f"job {jid} placements stale"
-        pending = self.pending
-        pending_ids = [j.job_id for j in pending]
-        assert len(set(pending_ids)) == len(pending_ids) == len(self._pending)
-        assert not set(pending_ids) & set(placed), "a job is both pending and placed"
-        assert set(pending_ids) | set(placed) == set(self._jobs)
-        keys = [j.order_key for j in pending]
-        assert keys == sorted(keys), "pending list out of submit order"
-        for job in pending:
-            assert not self.fits_now(job), f"pending job {job.job_id} fits but was left waiting"
+        pending job fits now (`lane_invariants.py`)."""
+        from salus.scheduler.lane_invariants import check
+
+        check(self)
