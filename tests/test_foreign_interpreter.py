@@ -204,7 +204,7 @@ def test_an_interpreter_that_cannot_run_the_script_is_refused_in_one_line(
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None,
-                    reason="JAX is not installed in this environment (no network for it)")
+                    reason="JAX is not installed (the test extra installs jax[cpu])")
 def test_a_jax_script_prints_its_direct_runs_output(daemon: str, tmp_path: Path) -> None:
     """A JAX script's results under salusd equal a direct run's (on the CPU here)."""
     path = script(tmp_path, """\
