@@ -23,17 +23,7 @@ from torch import nn
 
 import salus.adapters.torch as salus
 from salus.daemon.launch import running_daemon
-
-
-def _rollup(pid: int) -> dict[str, int]:
-    """The smaps_rollup fields of process `pid`, bytes."""
-    fields = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return fields
+from salus.demo.scripts import rollup
 
 
 def _parent(pid: int) -> int:
@@ -52,7 +42,7 @@ def main() -> None:
         for _ in range(5):
             step(torch.randn(4, 8), torch.randn(4, 16))
         executor = int(job.info()["executor_pid"])
-        ex, zygote = _rollup(executor), _rollup(_parent(executor))
+        ex, zygote = rollup(executor), rollup(_parent(executor))
     print(json.dumps({
         "bench": "executor_memory",
         "executor_private_bytes": ex["Private_Clean"] + ex["Private_Dirty"],

@@ -137,15 +137,22 @@ class Resident:
         self.close()
 
 
-def memory(pid: int) -> tuple[int, int]:
-    """(PSS, RSS) of process `pid`, bytes, from /proc/PID/smaps_rollup: PSS splits each page
-    shared between processes among them, so a group's PSS sum is what the group costs."""
+def rollup(pid: int) -> dict[str, int]:
+    """The fields of /proc/PID/smaps_rollup of process `pid` (Pss, Rss, Private_Dirty, ...),
+    bytes."""
     fields = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
             parts = line.split()
             if len(parts) == 3 and parts[2] == "kB":
                 fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields
+
+
+def memory(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) of process `pid`, bytes, from /proc/PID/smaps_rollup: PSS splits each page
+    shared between processes among them, so a group's PSS sum is what the group costs."""
+    fields = rollup(pid)
     return fields.get("Pss", 0), fields.get("Rss", 0)
 
 
