@@ -299,11 +299,10 @@ class Dispatcher:
 
     # ---- moves ------------------------------------------------------------------------------
     def rebalance(self) -> Update:
-        """Move each job that waits for a turn in a lane another job holds, on a movable
-        device, to a movable device where nothing runs or waits and that fits it (one job per
-        such device; `placement.moves`). A waiting job is at a boundary, so it moves there.
-        Returns the placements made: the moved jobs', and those the freed memory admitted."""
-        held = {d for d, _ in self._busy} | {d for d, _ in self._reserved}
+        """Move each job waiting for a turn in a lane another job holds to a device where
+        nothing runs or waits that fits it (movable devices only; `placement.moves`), at the
+        boundary where it waits. Returns the moves and what the freed memory admitted."""
+        held = {d for d, _ in (*self._busy, *self._reserved)} if self._movable else set()
         idle = [d for d in sorted(self._movable) if d not in held and not any(
             self._sched.jobs[j].state in _LIVE and self._ready(self._sched.jobs[j])
             for ln in self._sched.lanes.lanes(d) for j in ln.residents)]
@@ -323,8 +322,7 @@ class Dispatcher:
         return Update(tuple(made), tuple(moved))
 
     def _waits(self, job: Job) -> bool:
-        """Whether `job` (of one device, which may move) has work waiting in a lane of a
-        movable device that another job runs in or is reserved for."""
+        """Whether movable `job` waits on a movable device, in a lane another job holds."""
         placed = self._sched.lanes.placements(job.job_id)
         if (job.gang != 1 or job.exclusive or job.shares or job.state not in _LIVE
                 or not placed or placed[0].device not in self._movable or not self._ready(job)):
