@@ -35,7 +35,6 @@ last reported them (all replicas); they start again from zero when the job is re
 
 from __future__ import annotations
 
-import importlib.metadata
 import threading
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -53,6 +52,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from salus.daemon import installed_version
 from salus.daemon.engine.events import Event
 from salus.daemon.engine.jobstate import ENDED, LIVE_STATES, EventState
 
@@ -108,13 +108,6 @@ class _Job:
     pod: str = ""
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("salusd")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 class Metrics(Collector):
     """The daemon's metrics in a registry of their own: subscribe `observe` to the engine's
     events, serve `render()`."""
@@ -122,7 +115,7 @@ class Metrics(Collector):
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
-        self._version = _version()
+        self._version = installed_version()
         self._jobs: dict[int, _Job] = {}
         self._last_in_lane: dict[tuple[int, int], int] = {}  # (device, lane) -> live job id
         self._devices: dict[int, dict[str, int]] = {}

@@ -28,9 +28,9 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from salus.daemon import installed_version
 from salus.daemon.loop import Link, Loop
 from salus.daemon.owners import run_as
 from salus.daemon.python_path import PythonPath
@@ -161,13 +161,6 @@ def wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float = STOP_WAIT_
         process.wait()
 
 
-def salusd_version() -> str:
-    try:
-        return version("salusd")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def environment_of(python: str) -> str:
     """The environment an interpreter at path `python` runs in, without running it: the
     virtualenv beside it (the directory holding `pyvenv.cfg`), else its installation's
@@ -238,7 +231,7 @@ class OtherZygotes:
         env = {k: v for k, v in self.environment().items() if k not in NOT_INHERITED}
         env.update({"HOME": who["home"] or "/", "USER": who["user"], "LOGNAME": who["user"],
                     "PYTHONPATH": self.path.directory()})
-        popen, ours, output = launch(self.loop, python, [salusd_version()], env, cwd="/",
+        popen, ours, output = launch(self.loop, python, [installed_version()], env, cwd="/",
                                      **run_as(who))
         log.info("starting an executor zygote of %s for uid %d (pid %d)", python, who["uid"],
                  popen.pid)

@@ -24,8 +24,9 @@ import os
 import shutil
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+from salus.daemon import installed_version
 
 CHECK_TIMEOUT_S = 60.0
 ENTRY = "salus.daemon.executor.script_exec"
@@ -41,14 +42,6 @@ except Exception as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
 """
-
-
-def ours() -> str:
-    """The salusd version this executor runs."""
-    try:
-        return version("salusd")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def resolve(interpreter: str, env: dict[str, str]) -> str:
@@ -75,7 +68,7 @@ def elsewhere(interpreter: str, env: dict[str, str]) -> bool:
         raise ValueError(f"{interpreter} does not run as a Python interpreter: {exc}") from None
     if found.get("prefix") == sys.prefix:
         return False
-    want = ours()
+    want = installed_version()
     if "error" in found or not found.get("entry"):
         why = found.get("error", f"no {ENTRY}")
         raise ValueError(f"{interpreter} cannot import salusd ({why}): install it in that "

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from salus.daemon import installed_version
 from salus.daemon.rest import routes_jobs, routes_node, routes_tokens
 from salus.daemon.rest.auth import Auth
 from salus.daemon.rest.context import Context
@@ -102,7 +103,7 @@ async def _nothing() -> Message:
 
 
 def make_app(ctx: Context, auth: Auth) -> FastAPI:
-    app = FastAPI(title="salusd", version=_version(),
+    app = FastAPI(title="salusd", version=installed_version(),
                   description="The control plane of one salusd node: jobs, devices, lanes, "
                   "policy and tokens. Every /v1 route needs `Authorization: Bearer <token>`.")
     app.state.ctx, app.state.auth = ctx, auth
@@ -134,15 +135,6 @@ def _printable(value: object) -> object:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("salusd")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 __all__ = ["Any", "make_app"]
