@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_proc import salusd
+from daemon_proc import salusd, wait_until
 from torch import nn
 
 import salus.adapters.torch as salus
@@ -108,7 +108,9 @@ def test_a_jobs_children_end_with_it_in_an_executor_that_serves_on(tmp_path: Pat
         first.close(pull=False)
         assert wait_gone([mine], 5.0) == []
         assert alive(executor) and alive(other)
-        assert all(alive(p) for p in children(executor))  # what ended was reaped
+        # What ended is reaped (the executor reaps it when its SIGCHLD arrives).
+        wait_until(lambda: all(alive(p) for p in children(executor)), 5.0,
+                   "the ended job's child reaped by the executor")
         assert remotes[1].call(lambda s: 7) == 7
         second.close(pull=False)
         assert wait_gone([other], 5.0) == []
