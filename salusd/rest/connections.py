@@ -8,12 +8,15 @@ the HTTP server runs uvicorn's h11 protocol with a `ConnectionGuard`, which
 - closes a connection that has no request in flight (it sent nothing, part of a request head,
   or is idle after a response) for over `head_timeout_s` seconds; between requests uvicorn's
   own `timeout_keep_alive` closes it sooner;
-- keeps at most `max_idle_per_client` such connections per client address, checked when the
-  client connects and every second: a client over it loses its longest-idle ones older than
-  `grace_s` (a burst of fresh connections about to send their requests is left alone). On
-  loopback every local user is one client, so this bounds idle connections in all rather than
-  one user's: what keeps the port usable there is that idle connections are evicted, never the
-  new one;
+- once the server holds `pressure_connections` (half of `max_connections`) or more, keeps at
+  most `max_idle_per_client` such connections per client address, checked when a client
+  connects and every second: a client over it loses its longest-idle ones older than `grace_s`.
+  Below that nobody needs the slots, so nothing is evicted early: a busy client's burst of
+  hundreds of connections whose requests arrive seconds after the connect (its own event loop
+  behind) is served, not cut off; `head_timeout_s` still ends connections that never send a
+  request. On loopback every local user is one client, so this bounds idle connections in all
+  rather than one user's: what keeps the port usable there is that idle connections are
+  evicted, never the new one;
 - holds at most `max_connections` in all: one more evicts the longest-idle connection, and is
   closed at once when every connection has a request in flight.
 
@@ -42,6 +45,7 @@ class ConnectionGuard:
                  head_timeout_s: float = 10.0, grace_s: float = 1.0) -> None:
         self.max_connections = max_connections
         self.max_idle_per_client = max_idle_per_client
+        self.pressure_connections = max_connections // 2
         self.head_timeout_s = head_timeout_s
         self.grace_s = grace_s
         self.open: dict[GuardedH11Protocol, float] = {}  # connection -> idle since
@@ -54,7 +58,7 @@ class ConnectionGuard:
         client = conn.client_host()
         idle = self._idle(now)
         mine = [c for c in idle if c.client_host() == client]
-        if len(mine) >= self.max_idle_per_client:
+        if len(mine) >= self.max_idle_per_client and self._under_pressure():
             self._evict(mine[0], "its client holds too many idle connections")
         if len(self.open) >= self.max_connections:
             oldest = next((c for c in idle if c in self.open), None)
@@ -96,21 +100,28 @@ class ConnectionGuard:
             conn.loop.call_later(1.0, self._sweep, conn.loop)
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Every second: close connections idle for over `head_timeout_s`, and each client's
-        longest-idle ones beyond `max_idle_per_client`."""
+        """Every second: close connections idle for over `head_timeout_s`, and under pressure
+        each client's longest-idle ones beyond `max_idle_per_client`."""
         now = loop.time()
         for conn, since in list(self.open.items()):
             if now - since > self.head_timeout_s:
                 self._evict(conn, f"no request within {self.head_timeout_s:g} s")
+        if self._under_pressure():
+            self._bound_clients(now)
+        self._sweeping = bool(self.open)
+        if self._sweeping:
+            loop.call_later(1.0, self._sweep, loop)
+
+    def _under_pressure(self) -> bool:
+        return len(self.open) >= self.pressure_connections
+
+    def _bound_clients(self, now: float) -> None:
         per_client: dict[str, list[GuardedH11Protocol]] = {}
         for conn in self._idle(now):
             per_client.setdefault(conn.client_host(), []).append(conn)
         for idle in per_client.values():
             for conn in idle[: max(0, len(idle) - self.max_idle_per_client)]:
                 self._evict(conn, "its client holds too many idle connections")
-        self._sweeping = bool(self.open)
-        if self._sweeping:
-            loop.call_later(1.0, self._sweep, loop)
 
 
 class GuardedH11Protocol(H11Protocol):

@@ -6,8 +6,9 @@ number; a request in flight is never cut off):
 
 - `connections.ConnectionGuard` over uvicorn's h11 protocol: a connection with no request in
   flight is closed after `head_timeout_s` (10 s: a request head arrives in milliseconds, so
-  this only ends idle or stalled ones); a client address keeps at most `max_idle_per_client`
-  (32) idle connections, its longest-idle one closed when it opens more; `max_connections`
+  this only ends idle or stalled ones); once half the slots are taken a client address keeps
+  at most `max_idle_per_client` (32) idle connections, its longest-idle one closed when it
+  opens more; `max_connections`
   (1024) in all, well under the daemon's descriptor limit. uvicorn has no per-client bound:
   this guard is it. On loopback all local users are one address; there the eviction of idle
   connections (never of the newest) is what keeps the port answering.
