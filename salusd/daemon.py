@@ -136,7 +136,8 @@ class Daemon:
             compute_slowdowns=[d.compute_slowdown for d in config.devices],
             estimate_first=estimate_first, context_bytes=[c.bytes for c in self.contexts],
             share_lanes=config.isolation == "lane",
-            workspace_bytes=[c.workspace_bytes for c in self.contexts])
+            workspace_bytes=[c.workspace_bytes for c in self.contexts],
+            gpu_uuids=[d.uuid or "" for d in config.devices])
         self.metrics = Metrics()
         self.engine.events.subscribe(self.metrics.observe)
         if self.store is not None:

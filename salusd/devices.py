@@ -206,6 +206,24 @@ def visible_uuids(visible: str | None, uuids: list[str], *, pci_order: bool) -> 
     return chosen
 
 
+def pinned_gpus(pin: str, gpus: list[str]) -> list[int]:
+    """Which of the daemon's GPUs (`gpus`, by UUID in its order) a job's own
+    `CUDA_VISIBLE_DEVICES=pin` names, as indices into `gpus`: an entry is an index into them
+    (the job sees the daemon's GPUs, so its 0 is the daemon's first), a UUID or a unique UUID
+    prefix. As CUDA does, the list ends at the first entry that names no GPU or one named
+    already; an empty pin hides every GPU."""
+    chosen: list[int] = []
+    for entry in (e.strip() for e in pin.split(",")):
+        if entry.isdigit():
+            found = [int(entry)] if int(entry) < len(gpus) else []
+        else:
+            found = [i for i, g in enumerate(gpus) if entry and g.startswith(entry)]
+        if len(found) != 1 or found[0] in chosen:
+            break
+        chosen.append(found[0])
+    return chosen
+
+
 def nvml_devices(nvml: Any, fraction: float, visible: str | None,
                  order: str | None) -> list[DeviceSpec] | None:
     """CUDA devices through NVML (`nvml`: the pynvml module or a stand-in with its functions),

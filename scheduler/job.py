@@ -30,9 +30,9 @@ class Job:
     executor process may host its owner's other sharing jobs of the same lane, so joining a
     lane where the owner already has one costs no new executor; `inference`: it serves a model
     and never trains, and joins its owner's lane rather than open a new one. `uid`: the uid its
-    processes run as (None: its owner's name stands for it; see `mps.py`). `device`: the only
-    device it may be placed on (a Kubernetes pod's job: its allocation's GPU; None: any; a
-    job of one replica only). `start_s` is when
+    processes run as (None: its owner's name stands for it; see `mps.py`). `devices`: the only
+    devices it may be placed on (a Kubernetes pod's job: its allocation's GPU; a script that
+    set `CUDA_VISIBLE_DEVICES`: the GPUs it names; None: any). `start_s` is when
     admission placed it, `first_run_s` when its first iteration began, `finish_s` when it ended.
     """
 
@@ -53,7 +53,7 @@ class Job:
     shares: bool = False
     inference: bool = False
     uid: int | None = None
-    device: int | None = None
+    devices: frozenset[int] | None = None
     state: JobState = JobState.PENDING
     attained_s: float = 0.0
     start_s: float | None = None

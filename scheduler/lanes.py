@@ -145,7 +145,7 @@ class LaneManager:
 
     def can_ever_fit(self, job: Job) -> bool:
         """Whether the job fits on an empty device (gang: on `gang` empty devices)."""
-        return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang)
+        return self._fits_empty(job.persistent_bytes + job.ephemeral_bytes, job.gang, job.devices)
 
     def serving(self, device: int) -> frozenset[RunsAs]:
         """Whom `device` serves: the owners of its admitted jobs and held processes."""
@@ -180,7 +180,7 @@ class LaneManager:
         Raises ValueError if the job can never fit, so it does not wait forever."""
         if job.job_id in self._jobs:
             raise ValueError(f"job {job.job_id} is already known to admission")
-        self._check_can_fit(job.job_id, job.persistent_bytes, job.ephemeral_bytes, job.gang)
+        self._check_can_fit(job, job.persistent_bytes, job.ephemeral_bytes)
         self._jobs[job.job_id] = job
         job.state = JobState.PENDING
         # Nothing else was freed, so only the new job can have become admissible: placed at
@@ -211,7 +211,7 @@ class LaneManager:
             raise KeyError(f"job {job_id} is not known to admission")
         if persistent_bytes < 0 or ephemeral_bytes < 0:
             raise ValueError(f"job {job_id}: memory sizes must be >= 0 bytes")
-        self._check_can_fit(job_id, persistent_bytes, ephemeral_bytes, job.gang)
+        self._check_can_fit(job, persistent_bytes, ephemeral_bytes)
         if job_id in self._pending:
             self._pending.remove(job_id)
             freed: set[int] = set()
@@ -238,27 +238,33 @@ class LaneManager:
         return self._place(job, [(dev, slot)]) + self._admit(freed, None)
 
     # ---- internals -----------------------------------------------------------------------
-    def _check_can_fit(self, job_id: int, persistent: int, ephemeral: int, gang: int) -> None:
-        if not self._fits_empty(persistent + ephemeral, gang):
+    def _check_can_fit(self, job: Job, persistent: int, ephemeral: int) -> None:
+        if not self._fits_empty(persistent + ephemeral, job.gang, job.devices):
             context = (f" and {self._max_context} for its executor" if self._max_context
                        else "")
+            among = ("" if job.devices is None
+                     else f" among the devices it may use, {sorted(job.devices)},")
             raise ValueError(
-                f"job {job_id} needs {persistent + ephemeral} bytes{context} on {gang} "
-                f"device(s) but no such device exists (capacities "
+                f"job {job.job_id} needs {persistent + ephemeral} bytes{context} on "
+                f"{job.gang} device(s) but no such device exists{among} (capacities "
                 f"{[d.capacity for d in self._devices]})"
             )
 
-    def _fits_empty(self, need: int, gang: int) -> bool:
-        """Whether `gang` empty devices hold `need` bytes and an executor's context each."""
+    def _fits_empty(self, need: int, gang: int, devices: frozenset[int] | None = None) -> bool:
+        """Whether `gang` empty devices (of `devices`; None: any) hold `need` bytes and an
+        executor's context each."""
+        if devices is not None:
+            return sum(d.capacity >= need + self.context_bytes[d.index]
+                       for d in self._devices if d.index in devices) >= gang
         if not self._max_context:
             return len(self._by_capacity) - bisect.bisect_left(self._by_capacity, need) >= gang
         return sum(d.capacity >= need + self.context_bytes[d.index]
                    for d in self._devices) >= gang
 
     def _owner_ok(self, dev: Device, job: Job) -> bool:
-        """Whether `dev` may take `job`: the job's own device if it has one, and the
+        """Whether `dev` may take `job`: one of the job's own devices if it has them, and the
         one-owner rule (`mps.py`)."""
-        if job.device is not None and dev.index != job.device:
+        if job.devices is not None and dev.index not in job.devices:
             return False
         return dev.index not in self.one_owner or admits(
             set(dev.owners) | self.held.get(dev.index, frozenset()), runs_as(job))

@@ -1,4 +1,4 @@
-"""A pod's grant at admission (`engine/pod_grants.py`), its jobs' device (`Job.device` in the
+"""A pod's grant at admission (`engine/pod_grants.py`), its jobs' device (`Job.devices` in the
 lane manager) and the pod user (`k8s/pod_sockets.py`): what is refused, with which words,
 where a pod's job goes, and a pod user that would be root."""
 
@@ -62,9 +62,10 @@ def test_a_pods_job_is_placed_only_on_its_allocations_device(mode: str) -> None:
     """Device 1 is emptier (admission would pick it), but the job's units are on device 0;
     with device 0 full it waits for device 0, and goes there once room is made."""
     lanes = LaneManager([4 * GIB, 8 * GIB], mode)  # type: ignore[arg-type]
-    (filler,) = lanes.submit(Job(1, 0.0, 1, 3 * GIB, 512 * MIB, device=0))
+    (filler,) = lanes.submit(Job(1, 0.0, 1, 3 * GIB, 512 * MIB, devices=frozenset({0})))
     assert filler.device == 0
-    assert lanes.submit(Job(2, 0.0, 1, GIB, 0, device=0)) == []  # device 1 has room: unused
+    # device 1 has room, unused: the job waits for its own
+    assert lanes.submit(Job(2, 0.0, 1, GIB, 0, devices=frozenset({0}))) == []
     (moved,) = lanes.release(1)
     assert (moved.job_id, moved.device) == (2, 0)
     (free,) = lanes.submit(Job(3, 0.0, 1, GIB, 0))

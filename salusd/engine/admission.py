@@ -8,11 +8,12 @@ import signal
 from typing import Any
 
 from salus.daemon.devices import format_size
+from salus.daemon.engine import scripts
 from salus.daemon.engine.booking import booked_estimate
 from salus.daemon.engine.core import Core, LaneKey
 from salus.daemon.engine.ledger import aligned
 from salus.daemon.engine.registry import JobRecord, may_share_executor, requested_memory
-from salus.daemon.wire.errors import DoesNotFit
+from salus.daemon.wire.errors import BadRequest, DoesNotFit
 from salus.scheduler import Job
 from salus.scheduler.dispatch import Ready
 
@@ -53,7 +54,7 @@ def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
               done_iterations=record.done_before, gang=record.gang,
               exclusive=record.nodes > 1, inference=record.inference, uid=record.owner.runs_as,
               shares=core.config.share_lanes and may_share_executor(record),
-              device=core.pod_grants.device(record.owner.allocation))
+              devices=allowed_devices(core, record))
     refused = over_grant(core, record, job.persistent_bytes + job.ephemeral_bytes)
     if refused is not None:
         core.event("reject", record.job_id, reason=refused)
@@ -105,6 +106,23 @@ def first_call_guess(record: JobRecord) -> int:
     if record.device_kind == "cpu":
         return min(record.persistent_bytes, RSS_NOISE_BYTES)
     return record.persistent_bytes
+
+
+def allowed_devices(core: Core, record: JobRecord) -> frozenset[int] | None:
+    """The devices `record` may be placed on: its pod allocation's GPU, and the GPUs its
+    script's `CUDA_VISIBLE_DEVICES` names (`scripts.pinned_devices`); None: any."""
+    allowed = None
+    pod_device = core.pod_grants.device(record.owner.allocation)
+    if pod_device is not None:
+        allowed = frozenset({pod_device})
+    if record.script is not None:
+        try:
+            pinned = scripts.pinned_devices(core, record.script.command)
+        except BadRequest:  # restored on a node whose GPUs the pin no longer names
+            pinned = frozenset()
+        if pinned is not None:
+            allowed = pinned if allowed is None else allowed & pinned
+    return allowed
 
 
 def measure_first(core: Core, record: JobRecord, what: str) -> None:

@@ -48,6 +48,9 @@ class Config:
     # per device: bytes an executor's cuBLAS(Lt) workspaces reserve beside its jobs (0: none)
     workspace_bytes: list[int] = field(default_factory=list)
     script_grace_s: float = 30.0  # a cancelled script's SIGTERM before its SIGKILL
+    # per device: its GPU's UUID ("" for a CPU device), which a script's CUDA_VISIBLE_DEVICES
+    # may name (`scripts.pinned_devices`)
+    gpu_uuids: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)

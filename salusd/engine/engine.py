@@ -68,7 +68,8 @@ class Engine:
     """Jobs, lanes and executors of one node. `capacities` are the devices' budgets (bytes);
     `torch_devices` names each device for torch ("cpu", "cuda:0"); times are seconds on
     `clock`. With `move_waiting` a job that waits for a turn in a busy lane of a CPU device
-    moves to a CPU device where nothing runs (`docs/placement.md`); a GPU's jobs never move."""
+    moves to a CPU device where nothing runs (`docs/placement.md`); a GPU's jobs never move.
+    `gpu_uuids` names each device's GPU ("" for a CPU device)."""
 
     def __init__(
         self, capacities: Sequence[int], policy: str, executors: ExecutorPort, *,
@@ -80,13 +81,14 @@ class Engine:
         compute_slowdowns: Sequence[float] | None = None, estimate_first: bool = True,
         context_bytes: Sequence[int] | None = None, share_lanes: bool = False,
         workspace_bytes: Sequence[int] | None = None, script_grace_s: float = 30.0,
-        move_waiting: bool = True,
+        move_waiting: bool = True, gpu_uuids: Sequence[str] | None = None,
     ) -> None:
         config = Config(list(torch_devices),
                         list(compute_slowdowns or [1.0] * len(capacities)), threads,
                         cancel_grace_s, max_queued_calls, estimate_first, checkpoints,
                         data_cache, cluster, store, share_lanes,
-                        list(workspace_bytes or [0] * len(capacities)), script_grace_s)
+                        list(workspace_bytes or [0] * len(capacities)), script_grace_s,
+                        list(gpu_uuids or [""] * len(capacities)))
         ledgers = [DeviceLedger(c) for c in capacities]
         self.core = Core(config, clock, timers, Outbox(executors),
                          Dispatcher([ld.capacity for ld in ledgers], make_policy(policy), clock,
@@ -222,6 +224,7 @@ class Engine:
             raise BadRequest(f"the command runs {command.ranks} rank(s) and the client sent "
                              f"{len(frames)} socket(s): one per rank")
         self.check_memory(command.mem_bytes)
+        scripts.pinned_devices(self.core, command)  # a pin naming no GPU here: BadRequest
         waits = () if after is None else dependencies.check(self.core, owner, after)
         spec = scripts.spec(command)
         if waits:  # kept to start it after a restart too

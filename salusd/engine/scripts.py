@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from salus.daemon.devices import pinned_gpus
 from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core, exit_detail
 from salus.daemon.engine.outbox import OnDone, Sent
@@ -237,6 +238,26 @@ def _seconds(value: object, name: str, most: float) -> float:
     if type(value) not in (int, float) or not 0 <= float(value) <= most:  # type: ignore[arg-type]
         raise BadRequest(f"'{name}' must be seconds from 0 to {most:g}")
     return float(value)  # type: ignore[arg-type]
+
+
+def pinned_devices(core: Core, command: ScriptCommand) -> frozenset[int] | None:
+    """The devices a script whose caller set `CUDA_VISIBLE_DEVICES` may be placed on: the GPUs
+    that pin names (`devices.pinned_gpus`), so admission honours it; None where it set none or
+    this node has no GPU (a CPU device is only a budget). BadRequest when the pin names
+    fewer GPUs of this node than the job has ranks."""
+    pin = command.env.get("CUDA_VISIBLE_DEVICES")
+    gpus = core.config.gpu_uuids
+    if pin is None or not gpus or not all(gpus):
+        return None
+    named = pinned_gpus(pin, gpus)
+    if len(named) < command.ranks:
+        served = ", ".join(gpus)
+        raise BadRequest(f"the script's CUDA_VISIBLE_DEVICES={pin!r} names "
+                         f"{len(named) or 'no'} GPU(s) of this node and the job needs "
+                         f"{command.ranks}; salusd places it on a GPU the pin names and shows "
+                         f"it only that one: name GPUs this node has ({served}, by index, UUID "
+                         "or UUID prefix) or unset CUDA_VISIBLE_DEVICES")
+    return frozenset(named)
 
 
 def spec(command: ScriptCommand) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from salus.daemon.devices import pinned_gpus
 from salus.daemon.executor import turns
 from salus.daemon.executor.cap import ProcessCap, started_cuda
 from salus.daemon.executor.framework_memory import framework_memory_env
@@ -315,19 +316,14 @@ class Boundaries:
 
 def pinned_elsewhere(pin: str | None, daemon_gpus: str, uuid: str | None) -> str | None:
     """Why a script whose caller set `CUDA_VISIBLE_DEVICES` to `pin` cannot run on the GPU
-    `uuid` it was placed on, or None where the pin allows it (or there is none). An entry of
-    the pin is a UUID or its prefix, or an index into the daemon's GPUs (`daemon_gpus`, its
-    executors' `CUDA_VISIBLE_DEVICES`, by UUID in the daemon's order)."""
+    `uuid` it was placed on, or None where the pin allows it (or there is none). The pin is
+    read against the daemon's GPUs (`daemon_gpus`, its executors' `CUDA_VISIBLE_DEVICES`, by
+    UUID in the daemon's order) as admission reads it (`devices.pinned_gpus`), which places a
+    pinned script on a GPU it names; this is the executor's own check of that."""
     if pin is None or uuid is None:
         return None
     gpus = [g.strip() for g in daemon_gpus.split(",") if g.strip()]
-    allowed = []
-    for entry in (e.strip() for e in pin.split(",")):
-        if entry.isdigit() and int(entry) < len(gpus):
-            allowed.append(gpus[int(entry)])
-        elif entry and not entry.isdigit() and not entry.startswith("-"):
-            allowed += [g for g in gpus if g.startswith(entry)]
-    if uuid in allowed:
+    if uuid in [gpus[i] for i in pinned_gpus(pin, gpus)]:
         return None
     return (f"the script's CUDA_VISIBLE_DEVICES={pin!r} does not include {uuid}, the GPU salusd "
             "placed it on; salusd chooses the GPU and shows the script only that one: unset "
