@@ -21,9 +21,10 @@ from torch import nn
 
 from salus.daemon.executor import output
 from salus.daemon.executor.batch import BatchJob, DataCursor
+from salus.daemon.executor.calls import run_call
 from salus.daemon.executor.cap import ProcessCap
 from salus.daemon.executor.cuda_call import CudaCall, oom_peak
-from salus.daemon.executor.main import Executor, run_call
+from salus.daemon.executor.main import Executor
 from salus.daemon.executor.runtime import JobRuntime, State
 from salus.daemon.executor.slot import Slot
 from salus.daemon.wire import compact

@@ -17,17 +17,26 @@ import socket
 import sys
 import time
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from salus.daemon.executor import output, script, turns
+from salus.daemon.executor.calls import (
+    Answered,
+    answer_call,
+    call_done,
+    error_reply,
+    estimate_call,
+    handle,
+    is_report,
+    unsendable,
+)
 from salus.daemon.executor.cap import ProcessCap
 from salus.daemon.executor.cuda_call import needs_room
-from salus.daemon.executor.measure import EstimationError
 from salus.daemon.executor.output import HOLD_S
 from salus.daemon.executor.process import become
-from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
+from salus.daemon.executor.runtime import JobRuntime, error_text, is_iteration
 from salus.daemon.executor.slot import Slot
 from salus.daemon.executor.zygote import die_with_parent
 from salus.daemon.services.slowdown import check_factor
@@ -44,29 +53,20 @@ from salus.daemon.wire.channel import (
 from salus.daemon.wire.executor_ops import (
     Ack,
     Adopt,
-    Attach,
     Become,
     CallDone,
-    Checkpoint,
-    Define,
     DirectChannel,
-    Estimate,
-    Estimated,
-    EstimateFailed,
     Exit,
     Failed,
     HandedOver,
     Handover,
     Host,
-    Load,
     Place,
     Placed,
     Poisoned,
-    Pull,
     Ran,
     Reply,
     Request,
-    Restore,
     Run,
     Script,
     Step,
@@ -233,7 +233,7 @@ class Executor:
         except ValueError as exc:
             with_frame = client_frame_follows(meta)
             self._reply(job, Failed(str(exc)[:2000], forward=with_frame),
-                        _error(exc) if with_frame else None)
+                        error_reply(exc) if with_frame else None)
             return False
         if job is None:
             if isinstance(message, Exit):  # the whole process
@@ -249,7 +249,7 @@ class Executor:
         if slot is None:
             with_frame = request is not None
             self._reply(job, Failed(f"this executor hosts no job {job}", forward=with_frame),
-                        _error(LookupError(f"no job {job} here")) if with_frame else None)
+                        error_reply(LookupError(f"no job {job} here")) if with_frame else None)
             return False
         if isinstance(message, Script):  # a script job: this process runs it to its end
             slot.group.end()  # its command runs in the executor's own group (`job_group.py`)
@@ -370,12 +370,12 @@ class Executor:
         fd = passed_fd(request)
         if fd is None:
             self._reply(slot.job, Failed(None, forward=True),
-                        _error(ValueError("'channel' needs a socket")))
+                        error_reply(ValueError("'channel' needs a socket")))
             return
         if slot.data is not None:
             os.close(fd)
             self._reply(slot.job, Failed(None, forward=True),
-                        _error(ValueError("the job already has a channel")))
+                        error_reply(ValueError("the job already has a channel")))
             return
         self._attach_channel(slot, fd)
         self._reply(slot.job, Ack(forward=True), {"ok": True, "result": None})
@@ -392,7 +392,7 @@ class Executor:
         except TypeError as exc:  # a result that cannot be pickled fails its call only
             failed = (replace(reply, ok=False) if isinstance(reply, CallDone)
                       else Failed(None, forward=True))
-            _send(self.daemon, failed, _unsendable(exc), job)
+            _send(self.daemon, failed, unsendable(exc), job)
 
     # ---- the clients' direct calls ------------------------------------------------------------
     def _from_client(self, slot: Slot) -> None:
@@ -522,7 +522,7 @@ class Executor:
                 try:
                     slot.sink.send(reply)
                 except TypeError as exc:
-                    slot.sink.send(_unsendable(exc))
+                    slot.sink.send(unsendable(exc))
         except OSError:
             self._close_channel(slot)
 
@@ -658,103 +658,3 @@ def serve(sock: socket.socket, zygote: int | None = None) -> int:
 def _send(channel: Channel, reply: Reply, forward: Any, job: int | None) -> None:
     meta = encode(reply) if job is None else addressed(encode(reply), job)
     channel.send_many([meta] if forward is None else [meta, forward])
-
-
-def _unsendable(exc: TypeError) -> dict[str, Any]:
-    """The error reply for a result the wire cannot carry (it fails its call only)."""
-    return call_error(TypeError(f"the call's result cannot be sent back: {exc}"))
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
-    return {"ok": False, "code": "bad_request", "message": error_text(exc)}
-
-
-def is_report(request: Any) -> bool:
-    """Whether a request on a job's direct line asks the executor to report what ran now."""
-    return type(request) is dict and request.get("op") == "report"
-
-
-class Answered(NamedTuple):
-    """What the daemon is told of a call that ran, apart from what the runtime still knows."""
-
-    counted: bool  # one of the job's iterations
-    seconds: float
-    peak: int | None
-    error: str | None  # the failed call's message; None when it succeeded
-
-
-def run_call(runtime: JobRuntime, request: Any, forward: bool) -> tuple[CallDone, Any]:
-    """Run the client's call `request`: (what the daemon is told, the client's reply).
-    `forward`: the client's reply goes through the daemon (which keeps no copy of the call: it
-    is never run again)."""
-    reply, ran = answer_call(runtime, request)
-    if runtime.retry:
-        runtime.retry = False
-        if ran.counted:
-            runtime.iterations += 1
-    return call_done(runtime, ran, forward), reply
-
-
-def answer_call(runtime: JobRuntime, request: Any) -> tuple[Any, Answered]:
-    """Run the client's call `request`: (the client's reply, what `call_done` needs)."""
-    counted = is_iteration(request, runtime.kinds)
-    if counted:
-        runtime.iterations += 1
-    reply, seconds, peak = runtime.run(request)
-    if runtime.retry and counted:  # it runs again (`Executor._retry`): not an iteration yet
-        runtime.iterations -= 1
-    failed = isinstance(reply, dict) and reply.get("ok") is False
-    return reply, Answered(counted, seconds, peak,
-                           str(reply.get("message", ""))[:2000] if failed else None)
-
-
-def call_done(runtime: JobRuntime, ran: Answered, forward: bool) -> CallDone:
-    """What the daemon is told of the call `answer_call` ran last."""
-    began, ended = runtime.last_span
-    cache, comm = runtime.service_counters()
-    return CallDone(ran.error is None, ran.seconds, ran.peak, ran.counted, began, ended,
-                    ran.error, cache, comm, forward=forward, oom=runtime.last_oom is not None)
-
-
-def estimate_call(runtime: JobRuntime, request: Any) -> Estimated | EstimateFailed:
-    """The peak ephemeral bytes of `request` (None: a batch job's next batch) on fake
-    tensors, or why they cannot be found."""
-    try:
-        peak, method = runtime.estimate(request)
-        return Estimated(peak.bytes, method, reserved_bytes=peak.reserved_bytes)
-    except (EstimationError, Exception) as exc:
-        return EstimateFailed(error_text(exc))
-
-
-def handle(runtime: JobRuntime, message: Request, request: Any) -> tuple[Reply, Any]:
-    """One message with the client's frame `request` (None: none came): (the reply, the
-    client's answer to forward or None)."""
-    if isinstance(message, Step):
-        return runtime.step(), None
-    if isinstance(message, Run):
-        return run_call(runtime, request, forward=True)
-    if isinstance(message, Estimate):
-        return estimate_call(runtime, request), None
-    try:
-        match message:
-            case Attach(gang=gang):
-                attached = runtime.attach(request, gang)
-                return replace(attached, forward=True), {"ok": True, "result": {
-                    "persistent_bytes": attached.persistent_bytes,
-                    "threads": attached.threads}}
-            case Define():
-                runtime.define(request)
-                return Ack(forward=True), {"ok": True, "result": None}
-            case Pull():
-                return Ack(forward=True), runtime.pull(request)
-            case Load():
-                return runtime.load(message), None
-            case Restore(dir=where, gang=gang, at=at):
-                return runtime.restore(where, gang, at), None
-            case Checkpoint(dir=where, job=job):
-                return runtime.checkpoint(where, job), None
-    except Exception as exc:
-        with_frame = isinstance(message, Attach | Define | Pull)
-        return (Failed(error_text(exc)[:2000], forward=with_frame),
-                _error(exc) if with_frame else None)
-    return Failed(f"unknown executor op {message.op!r}"), None
