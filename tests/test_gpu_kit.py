@@ -1,6 +1,6 @@
 """The GPU acceptance kit's CPU path (`bash bench/gpu/run.sh --cpu`): it exits 0 and writes one
 JSON file whose every step is figures, {"skipped": why} or {"error": text}; every figure carries
-its value, unit, goal and whether it was met, and the verdict counts them. Four quick steps run
+its value, unit, goal and whether it was met, and the verdict counts them. Five quick steps run
 (the slow test); the others must say they were not chosen. The goals themselves
 (bench/gpu/goals.py) are checked on hand-made results, without running anything."""
 
@@ -75,10 +75,10 @@ def test_goals_judge_figures_on_a_gpu_run_and_leave_gpu_goals_open_on_a_cpu_run(
 
 @pytest.mark.slow
 def test_cpu_run_writes_the_kits_json(tmp_path: Path) -> None:
-    chosen = "cuda_tests,gang,script_job,mstopk"
+    chosen = "cuda_tests,inference_memory,gang,script_job,mstopk"
     done = subprocess.run(["bash", "bench/gpu/run.sh", "--cpu", str(tmp_path),
-                           "--budget-s", "150", "--steps", chosen],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           "--budget-s", "200", "--steps", chosen],
+                          cwd=ROOT, capture_output=True, text=True, timeout=290)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-kit.json").read_text())
     log = (tmp_path / "gpu-kit.log").read_text()
@@ -112,6 +112,10 @@ def test_cpu_run_writes_the_kits_json(tmp_path: Path) -> None:
     join = gang["nccl_join_one_replica"]
     assert join["joined"]["met"] is True and join["all_reduce_ok"]["met"] is True
     assert join["backend"] == "gloo"
+
+    memory = steps["inference_memory"]
+    assert memory["daemon_processes"]["value"] >= 2  # the daemon and its executors, read
+    assert memory["processes_over_daemon_pss"]["value"] > 0
 
     script = steps["script_job"]
     assert script["ran"]["met"] is True and script["peak_reported"]["met"] is True

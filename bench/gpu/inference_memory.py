@@ -14,17 +14,14 @@ says which). PSS (host memory) is reported on both backends.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import kit
 
-sys.path.insert(0, str(kit.BENCH))
-import packing  # noqa: E402 - bench/packing.py's /proc readings
-
-from salus.demo.jobs import Launched  # noqa: E402
+from salus.demo.jobs import Launched
+from salus.demo.scripts import group_memory, tree
 
 
 def device_bytes(pids: set[int]) -> tuple[int, list[int]]:
@@ -58,7 +55,7 @@ def _direct_cuda(models: int) -> tuple[int, list[int], int, int]:
             assert p.stdout is not None
             pids.add(int(json.loads(p.stdout.readline())["pid"]))
         total, each = device_bytes(pids)
-        pss = packing._group(sorted(pids))[0]
+        pss = group_memory(sorted(pids))[0]
         used = device_used()
     finally:
         for p in procs:
@@ -86,12 +83,12 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
     with (tempfile.TemporaryDirectory(prefix="salusd-kit-mem-") as tmp,
           kit.daemon(Path(tmp), cuda=cuda, cpu_memory="2G") as d,
           Launched(["infer-mlp"] * models, d.address, hold=True)):
-        tree = packing._tree(d.pid)
-        out["daemon_processes"] = len(tree)
-        out["daemon_pss_bytes"] = packing._group(tree)[0]
+        processes = tree(d.pid)
+        out["daemon_processes"] = len(processes)
+        out["daemon_pss_bytes"] = group_memory(processes)[0]
         if cuda:
             out["daemon_device_bytes"], out["daemon_device_bytes_by_process"] = device_bytes(
-                set(tree))
+                set(processes))
             # Where NVML cannot see the executors' pids (a container's pid namespace), the
             # device-wide use before and with the jobs open is the fallback.
             out["nvml_lists_executor_pids"] = bool(out["daemon_device_bytes_by_process"])
@@ -114,7 +111,7 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
                                                    if daemon_grew > 0 else None)
     else:
         with Launched(["infer-mlp"] * models, "direct", hold=True) as group:
-            out["processes_pss_bytes"] = packing._group([r["pid"] for r in group.results])[0]
+            out["processes_pss_bytes"] = group_memory([r["pid"] for r in group.results])[0]
         out["processes_over_daemon_device"] = kit.skipped("CPU run: no device memory; PSS only")
     out["processes_over_daemon_pss"] = out["processes_pss_bytes"] / out["daemon_pss_bytes"]
     return out
