@@ -36,7 +36,10 @@ class Leases:
             if holder is not None and holder != wanted:
                 self._revoke(lane.key, holder)
             elif (holder is None and wanted is not None and lane.busy_job is None
-                  and lane.reserved_for is None):
+                  and lane.reserved_for is None and self.lane_of(wanted) is None):
+                # (a job still holding another lane's lease, e.g. before its move is taken
+                # back, gets this one once that is revoked: `Lease` names no lane, so a
+                # grant sent before the old lane's revocation would be cancelled by it)
                 record = self.core.registry.live[wanted]
                 self.held[lane.key] = wanted
                 dispatch.hold(lane.key, wanted)
@@ -66,7 +69,13 @@ class Leases:
             return None
         record = core.registry.live.get(chosen)
         job = core.dispatch.job(chosen)
-        if (record is None or job is None or not record.direct or record.calls
+        # A queued direct call (its `Ready`, in the executor) does not stand in the way: the
+        # grant answers it (`turns.on_lease`), and a `Run` the daemon sends for it later is
+        # answered empty under the lease. Without this a job whose `Ready` came with the
+        # report of its last iteration (a script at every boundary) got the lease only when
+        # the two were read apart, and paid a round trip per step until then.
+        if (record is None or job is None or not record.direct
+                or any(call.frame is not None for call in record.calls)
                 or record.held or record.swap_requested or record.cancel_requested
                 or record.phase != "submitted"
                 or job.state not in (JobState.ADMITTED, JobState.RUNNING)):

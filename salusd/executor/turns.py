@@ -153,7 +153,12 @@ class JobKind(Protocol):
 
 
 def on_lease(kind: JobKind, message: Lease, request: Any, cap: ProcessCap) -> Reply | None:
+    """A lease granted answers a `Ready` still with the daemon: what waited goes on under it,
+    and a `Run` the daemon sends for that `Ready` later is answered as `on_run` says (empty
+    while leased). The job asks anew for what waits once the lease is taken back."""
     kind.turn.lease = message.granted
+    if message.granted:
+        kind.turn.asked = False
     return Ack()
 
 
