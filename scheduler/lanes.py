@@ -253,13 +253,10 @@ class LaneManager:
     def _fits_empty(self, need: int, gang: int, devices: frozenset[int] | None = None) -> bool:
         """Whether `gang` empty devices (of `devices`; None: any) hold `need` bytes and an
         executor's context each."""
-        if devices is not None:
-            return sum(d.capacity >= need + self.context_bytes[d.index]
-                       for d in self._devices if d.index in devices) >= gang
-        if not self._max_context:
+        if devices is None and not self._max_context:
             return len(self._by_capacity) - bisect.bisect_left(self._by_capacity, need) >= gang
-        return sum(d.capacity >= need + self.context_bytes[d.index]
-                   for d in self._devices) >= gang
+        return sum(d.capacity >= need + self.context_bytes[d.index] for d in self._devices
+                   if devices is None or d.index in devices) >= gang
 
     def _owner_ok(self, dev: Device, job: Job) -> bool:
         """Whether `dev` may take `job`: one of the job's own devices if it has them, and the

@@ -55,10 +55,13 @@ class ConnectionGuard:
     def admit(self, conn: GuardedH11Protocol, now: float) -> bool:
         """Register a new connection; False when it must be closed (all are busy)."""
         self._sweep_soon(conn)
+        if not self._under_pressure():  # nobody wants the slots (the maximum is above)
+            self.open[conn] = now
+            return True
         client = conn.client_host()
         idle = self._idle(now)
         mine = [c for c in idle if c.client_host() == client]
-        if len(mine) >= self.max_idle_per_client and self._under_pressure():
+        if len(mine) >= self.max_idle_per_client:
             self._evict(mine[0], "its client holds too many idle connections")
         if len(self.open) >= self.max_connections:
             oldest = next((c for c in idle if c in self.open), None)
