@@ -31,9 +31,9 @@ import torch
 
 import salus.adapters.torch as salus
 from salus.adapters.torch.sugar import _train_step
+from salus.daemon.cli.launch import running_daemon
 from salus.daemon.executor import measure
 from salus.daemon.executor.optimizer_state import layout_bytes
-from salus.daemon.launch import running_daemon
 from salus.demo.jobs import WORKLOADS, _setup
 
 PHASES = ("connect", "attach", "define", "first_call", "second_call", "info", "close_pull")

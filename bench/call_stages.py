@@ -36,7 +36,7 @@ from overhead import mlp  # the same models as bench/overhead.py
 from torch import nn
 
 import salus.adapters.torch as salus
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 
 BLOCKS = 5
 

@@ -44,7 +44,7 @@ import torch
 from overhead import mlp  # the same model as bench/overhead.py
 
 import salus.adapters.torch as salus
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, spin
 

@@ -4,7 +4,7 @@ Starts a CPU daemon, trains a tiny job (Linear(8, 16), 5 steps) in it, and reads
 /proc/PID/smaps_rollup of the job's executor and of the zygote while the job is resident. The
 executor's private pages (Private_Clean + Private_Dirty) are what a new executor adds: the rest
 of its resident pages are torch's and Python's, shared copy-on-write with the zygote and paid
-once. `salusd/context_cost.py` books this figure for a new executor on a CPU device.
+once. `salusd/devices/context_cost.py` books this figure for a new executor on a CPU device.
 
 Prints one JSON object.
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import salus.adapters.torch as salus
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 from salus.demo.scripts import rollup
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 from salus.daemon.services.federated import (
     ClientDataset,
     ClientRunner,

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import salus.adapters.torch as salus
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 
 MODELS: dict[str, tuple[int, int, int]] = {  # name: (width, layers, global batch)
     "compute_bound": (256, 3, 4096),

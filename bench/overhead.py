@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import salus.adapters.torch as salus
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 
 Step = Callable[[torch.Tensor, torch.Tensor], object]
 

@@ -43,7 +43,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from salus.daemon.launch import DaemonProcess, running_daemon
+from salus.daemon.cli.launch import DaemonProcess, running_daemon
 from salus.demo.jobs import Launched, launch
 from salus.demo.scripts import group_memory, memory, tree
 

@@ -96,7 +96,7 @@ def run_job(client: Any, placement: str, iterations: int, state: Path) -> dict[s
 
 
 def main() -> None:
-    from salus.daemon.launch import running_daemon
+    from salus.daemon.cli.launch import running_daemon
     from salus.daemon.rest.client import RestClient
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 
 TARGETS_MS = (0.7, 1.0, 3.0)
 WARMUP = 20

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import salus.adapters.torch as salus
+from salus.daemon.cli.launch import running_daemon
 from salus.daemon.executor.main import SPIN_US
-from salus.daemon.launch import running_daemon
 
 
 def _echo(s: Any, x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch import nn
 
 import salus.adapters.torch as salus
 from salus.daemon.daemon import Daemon, DaemonConfig
-from salus.daemon.devices import cpu_devices
+from salus.daemon.devices.discovery import cpu_devices
 
 
 def client(address: str, name: str, iterations: int) -> None:

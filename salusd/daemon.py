@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from salus.daemon.cluster import ClusterSpec, start_store, stop_store
-from salus.daemon.context_cost import executor_cost
-from salus.daemon.devices import DeviceSpec
+from salus.daemon.devices.context_cost import executor_cost
+from salus.daemon.devices.discovery import DeviceSpec
+from salus.daemon.devices.mps import Mps
 from salus.daemon.engine.engine import CheckpointPolicy, DataCachePolicy, Engine
 from salus.daemon.engine.events import Event
 from salus.daemon.engine.persist import Persistence
@@ -30,7 +31,6 @@ from salus.daemon.frontend.server import SocketServer
 from salus.daemon.k8s.pod_sockets import PodSockets, resolve_pod_user
 from salus.daemon.loop import Loop
 from salus.daemon.metrics import Metrics
-from salus.daemon.mps import Mps
 from salus.daemon.rest.app import make_app
 from salus.daemon.rest.auth import Auth
 from salus.daemon.rest.bridge import EngineBridge
@@ -38,7 +38,7 @@ from salus.daemon.rest.context import Context
 from salus.daemon.rest.server import RestServer
 from salus.daemon.state.checkpoint_files import job_has_checkpoint
 from salus.daemon.state.store import Store, ensure_admin_token
-from salus.daemon.supervisor import Supervisor
+from salus.daemon.supervisor.supervisor import Supervisor
 from salus.daemon.wire.errors import StateDiskFull
 from salus.scheduler.policies import POLICIES
 
@@ -75,7 +75,7 @@ class DaemonConfig:
     cache_bytes: int = 10 << 30  # its cap per replica
     first_call: str = "auto"  # estimate | measure | auto (see first_call_estimated)
     isolation: str = "lane"  # lane: an owner's jobs of one lane share a process; job: not
-    mps: bool = False  # start an NVIDIA MPS control daemon per GPU (salusd/mps.py)
+    mps: bool = False  # start an NVIDIA MPS control daemon per GPU (salusd/devices/mps.py)
     device_plugin: bool = False  # serve salusd.io/gpu-mem to the kubelet (salusd/k8s/)
     kubelet_dir: Path = Path("/var/lib/kubelet")  # its device-plugins/ and pod-resources/
     alloc_root: Path | None = None  # the plugin's allocation dirs (default <socket dir>/alloc)

@@ -2,7 +2,7 @@
 
 One module, so that the unix-socket front end (`frontend/handlers.py`), the engine, the REST
 models (`rest/models.py`: pydantic validators that call these same functions) and `salusd run`'s
-options (`cli_run.py`) accept the same values and refuse the others with the same words; the
+options (`cli/run.py`) accept the same values and refuse the others with the same words; the
 commands that go through REST (`salusd submit`, `salusd priority`) print the REST models'
 answer. It imports nothing of the engine and no torch: `salusd run` loads it at start.
 

@@ -1,8 +1,8 @@
 """salusd's own packages, and nothing else of the daemon's environment, for another interpreter.
 
 A script job whose `python` is another environment than the daemon's runs in an executor of
-that interpreter (`zygotes.py`), which needs salusd's executor code but must find torch, numpy
-and every other package in its own environment, or not at all. So the daemon does not hand it
+that interpreter (`supervisor/zygotes.py`), which needs salusd's executor code but must find torch,
+numpy and every other package in its own environment, or not at all. So the daemon does not hand it
 its site-packages: it makes one directory (`PythonPath.directory`, created at first use,
 removed when the daemon stops) holding only
 

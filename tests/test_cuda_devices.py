@@ -1,4 +1,5 @@
-"""CUDA devices by UUID (`salusd/devices.py`) and one executor's cost (`salusd/context_cost.py`).
+"""CUDA devices by UUID (`salusd/devices/discovery.py`) and one executor's cost
+(`salusd/devices/context_cost.py`).
 
 On the CPU, NVML is a stand-in object with nvidia-ml-py's function names and return shapes, and
 the `torch.cuda` probe's subprocess is a stand-in `run` that returns what the probe prints. The
@@ -16,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from salus.daemon.context_cost import (
+from salus.daemon.devices.context_cost import (
     CPU_EXECUTOR_BYTES,
     GPU_CONTEXT_ESTIMATE_BYTES,
     context_bytes,
     executor_cost,
 )
-from salus.daemon.devices import (
+from salus.daemon.devices.discovery import (
     CudaProbeError,
     DeviceSpec,
     cpu_devices,

@@ -39,7 +39,7 @@ def torch_files_mapped(pid: int) -> set[str]:
 
 FIND_DEVICES = """
 import json, os, sys
-from salus.daemon import devices
+from salus.daemon.devices import discovery as devices
 exists = os.path.exists
 os.path.exists = lambda p: p == "/dev/nvidiactl" or exists(p)  # as on a GPU host
 probed = devices.probe_cuda_devices()

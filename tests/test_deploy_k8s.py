@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from salus.daemon.cli import build_parser
+from salus.daemon.cli.main import build_parser
 from salus.daemon.k8s.units import RESOURCE
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"

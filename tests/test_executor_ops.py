@@ -23,10 +23,10 @@ from daemon_proc import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
-import salus.daemon.supervisor as supervisor_module
-from salus.daemon.control import Control
+import salus.daemon.supervisor.supervisor as supervisor_module
+from salus.daemon.cli.control import Control
 from salus.daemon.daemon import Daemon, DaemonConfig
-from salus.daemon.devices import cpu_devices
+from salus.daemon.devices.discovery import cpu_devices
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.executor_ops import (

@@ -28,7 +28,7 @@ import torch
 from daemon_proc import salusd
 from test_script_jobs import _ended_job
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TIMEOUT_S = 120

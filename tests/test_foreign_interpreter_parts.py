@@ -20,10 +20,10 @@ from salus.daemon.executor.framework_memory import framework_memory_env
 from salus.daemon.executor.on_import import when_imported
 from salus.daemon.executor.zygote import too_old
 from salus.daemon.python_path import PACKAGES, build
+from salus.daemon.supervisor.zygotes import exited_why
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.frames import FLAG_SOCKET, ConnectionClosed, json_frame
 from salus.daemon.wire.json_channel import JsonChannel
-from salus.daemon.zygotes import exited_why
 
 ROOT = Path(__file__).parent.parent
 GiB = 1 << 30

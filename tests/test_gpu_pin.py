@@ -11,7 +11,7 @@ import sys
 import pytest
 from fake_executor import FakeExecutors
 
-from salus.daemon.devices import pinned_gpus
+from salus.daemon.devices.discovery import pinned_gpus
 from salus.daemon.engine import scripts
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, Owner

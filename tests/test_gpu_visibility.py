@@ -1,6 +1,6 @@
-"""Each executor sees the daemon's GPUs by UUID (`salusd/supervisor.py`) and, once placed, only
-its own (`salusd/executor/visible.py`). On the CPU the UUIDs are made up: the zygote and the
-executors start with them in their environment exactly as on a GPU host."""
+"""Each executor sees the daemon's GPUs by UUID (`salusd/supervisor/supervisor.py`) and, once
+placed, only its own (`salusd/executor/visible.py`). On the CPU the UUIDs are made up: the zygote
+and the executors start with them in their environment exactly as on a GPU host."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import time
 
 import pytest
 
-from salus.daemon.devices import probe_cuda_devices
+from salus.daemon.devices.discovery import probe_cuda_devices
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.executor.visible import BoundToAnotherGpu, device_for
 from salus.daemon.loop import Link, Loop
-from salus.daemon.supervisor import (
+from salus.daemon.supervisor.processes import (
     ExecutorHandle,
     ExecutorProcess,
-    Supervisor,
     executor_environment,
 )
+from salus.daemon.supervisor.supervisor import Supervisor
 from salus.daemon.wire.executor_ops import Lease, Place, decode_request, encode
 from salus.daemon.wire.frames import FrameReader
 
@@ -54,7 +54,7 @@ def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object], uid: int 
     link = loop.add(Link(ours, lambda *_: None, lambda *_: None))
     record = JobRecord(3, Owner("ada", uid, uid), "j", 10, 0.0, priority=priority)
     process = ExecutorProcess(token, link, uid=uid)
-    supervisor._by_token[token] = process
+    supervisor.pool.by_token[token] = process
     handle = ExecutorHandle(process, record, 0, sharable=False)
     supervisor.send(handle, meta, None)
     loop.run_once(0.0)
@@ -106,7 +106,8 @@ def test_an_mps_gpu_tells_the_engine_whose_processes_are_its_clients(
     and the engine hears whose live processes are the GPU's clients (admission keeps other
     owners' jobs off the GPU while there are any: `salus.scheduler.mps`), once more when a
     client process is gone."""
-    monkeypatch.setattr("salus.daemon.supervisor.os.geteuid", lambda: 0)  # root: owners' uids
+    # root: owners' uids
+    monkeypatch.setattr("salus.daemon.supervisor.supervisor.os.geteuid", lambda: 0)
     loop = Loop(time.monotonic)
     supervisor = Supervisor(loop, gpu_uuids=[A, B])
     supervisor.mps_clients = {1: ("/state/mps/GPU-b/pipe", 500 << 20)}
@@ -119,7 +120,7 @@ def test_an_mps_gpu_tells_the_engine_whose_processes_are_its_clients(
                               uid=1001, token=2)  # no MPS on cuda:0
     assert told == [(1, frozenset({1000}))] * 2
     for token in (1, 3):
-        process = supervisor._by_token[token]
+        process = supervisor.pool.by_token[token]
         process.closed = True
         process.status = "exited 0"
         supervisor._maybe_report(process)
@@ -134,10 +135,10 @@ def test_the_zygote_and_its_executors_start_with_the_gpus_by_uuid() -> None:
     try:
         supervisor.wait_ready()
         deadline = time.monotonic() + 30
-        while supervisor._standby[0].pid is None and time.monotonic() < deadline:
+        while supervisor.pool.standby[0].pid is None and time.monotonic() < deadline:
             loop.run_once(0.1)
-        assert supervisor._zygote is not None
-        for pid in (supervisor._zygote.pid, supervisor._standby[0].pid):
+        assert supervisor.pool.zygote is not None
+        for pid in (supervisor.pool.zygote.pid, supervisor.pool.standby[0].pid):
             assert pid is not None
             env = _environ(pid)
             assert env["CUDA_VISIBLE_DEVICES"] == f"{B},{A}"

@@ -339,7 +339,7 @@ def test_fifo_leases_the_lane_to_its_head_job_while_another_waits(tmp_path: Path
     while a second job waits in the same lane: the lane stays busy with it between its
     calls (no call of it is running then), the waiting job's call runs only once the head
     job closed, and both compute what the same calls compute directly."""
-    from salus.daemon.control import Control
+    from salus.daemon.cli.control import Control
 
     x = torch.randn(2, 4)
     with salusd(tmp_path, "--policy", "fifo", devices=1) as (_, address):

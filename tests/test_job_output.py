@@ -16,7 +16,7 @@ from client_proc import finish
 from daemon_proc import job_root, salusd
 from rest_client import connect, job, wait_for
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.daemon.state.job_output import MAX_FILE_BYTES
 from salus.daemon.wire.errors import Conflict
 

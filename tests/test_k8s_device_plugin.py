@@ -22,7 +22,7 @@ import grpc
 import pytest
 from daemon_proc import wait_until
 
-from salus.daemon.devices import DeviceSpec
+from salus.daemon.devices.discovery import DeviceSpec
 from salus.daemon.k8s import deviceplugin_pb2 as dp
 from salus.daemon.k8s import deviceplugin_pb2_grpc as dp_grpc
 from salus.daemon.k8s import podresources_pb2 as pr

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from salus.daemon.devices import DeviceSpec, cpu_devices
+from salus.daemon.devices.discovery import DeviceSpec, cpu_devices
 from salus.daemon.k8s.allocations import Allocation, AllocationTable
 from salus.daemon.k8s.gpus import minors_from_nvml, minors_from_proc, node_present, shares
 from salus.daemon.k8s.units import GpuShare, parse_unit, unit_ids

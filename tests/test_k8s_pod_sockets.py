@@ -30,7 +30,7 @@ from daemon_proc import salusd
 from rest_client import connect as rest
 from test_k8s_device_plugin import FakeKubelet, FakePodResources
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.daemon.k8s import deviceplugin_pb2 as dp
 
 pytestmark = [pytest.mark.slow,

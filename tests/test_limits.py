@@ -8,7 +8,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from salus.daemon import cli
+from salus.daemon.cli import main as cli
 from salus.daemon.limits import check_iterations, check_name, check_priority
 from salus.daemon.rest.models import JobSubmit, Priority
 from salus.daemon.wire.errors import BadRequest

@@ -28,9 +28,9 @@ from client_proc import finish
 from fake_executor import FakeExecutor, FakeExecutors
 from prometheus_client.parser import text_string_to_metric_families
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.daemon.daemon import Daemon, DaemonConfig
-from salus.daemon.devices import cpu_devices
+from salus.daemon.devices.discovery import cpu_devices
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.events import Event
 from salus.daemon.engine.ledger import aligned

@@ -1,4 +1,4 @@
-"""MPS control daemons (`salusd/mps.py`): one per GPU with its own pipe and log directories,
+"""MPS control daemons (`salusd/devices/mps.py`): one per GPU with its own pipe and log directories,
 the client environment an executor takes before CUDA starts, and what status says with and
 without MPS. The control program is a stand-in here; the GPU kit runs the real one."""
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from salus.daemon.devices import DeviceSpec, cpu_devices
-from salus.daemon.mps import CONTROL, PID_FILE, Mps, client_environment, thread_percentage
+from salus.daemon.devices.discovery import DeviceSpec, cpu_devices
+from salus.daemon.devices.mps import CONTROL, PID_FILE, Mps, client_environment, thread_percentage
 
 GPUS = [DeviceSpec(i, "cuda", f"cuda:{i}", "H100", 70 << 30, uuid=f"GPU-{i}aa",
                    total_bytes=80 << 30) for i in range(2)]

@@ -37,7 +37,7 @@ BECOME = textwrap.dedent("""
     import json, os, sys, torch
     from torch import nn
     import salus.adapters.torch as salus
-    from salus.daemon.control import Control
+    from salus.daemon.cli.control import Control
     from salus.daemon.wire.errors import NotOwner
 
     warm = nn.Linear(4, 2)  # torch imports more on first use: do it while the stdlib is readable

@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from salus.daemon.devices import DeviceSpec, cpu_devices, with_cpu_slowdown
+from salus.daemon.devices.discovery import DeviceSpec, cpu_devices, with_cpu_slowdown
 from salus.daemon.services.placement import (
     ClusterProfile,
     DeviceProfile,

@@ -13,7 +13,7 @@ from daemon_proc import salusd, wait_until
 from torch import nn
 
 import salus.adapters.torch as salus
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 pytestmark = pytest.mark.slow
 

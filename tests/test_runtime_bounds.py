@@ -19,7 +19,7 @@ from torch import nn
 
 import salus.adapters.torch as salus
 from salus.adapters.torch import transport
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.daemon.wire.errors import BadRequest, Busy, JobCancelled
 from salus.daemon.wire.frames import FIXED, MAGIC, VERSION, FrameReader, json_frame
 

@@ -23,7 +23,7 @@ import pytest
 from daemon_proc import salusd
 from rest_client import wait_for
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TIMEOUT_S = 120
@@ -302,7 +302,7 @@ def test_signals_reach_every_task_of_an_array(daemon: str, tmp_path: Path) -> No
 
 
 def test_array_indexes_read_as_slurms() -> None:
-    from salus.daemon.cli_run import array_spec
+    from salus.daemon.cli.run import array_spec
 
     assert array_spec("0-7") == (list(range(8)), None)
     assert array_spec("0,2,5") == ([0, 2, 5], None)

@@ -106,7 +106,7 @@ def test_exit_statuses_survive_a_restart_and_status_since_picks_ended_jobs(
 
 
 def test_the_status_table_shows_how_a_command_ended_after_its_state() -> None:
-    from salus.daemon.cli_rest import exit_text
+    from salus.daemon.cli.rest import exit_text
 
     assert exit_text({"exit_status": None, "signal": None, "limit": None}) == ""
     assert exit_text({"exit_status": 0, "signal": None, "limit": None}) == " (0)"

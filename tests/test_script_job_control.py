@@ -21,7 +21,7 @@ from daemon_proc import salusd
 from rest_client import connect, job, wait_for
 from test_script_jobs import ENV, _job_named, assert_equal, direct, finish, salusd_run
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 TRAIN = """\
 import os, sys, time

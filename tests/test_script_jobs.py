@@ -31,7 +31,7 @@ import pytest
 import torch
 from daemon_proc import salusd, wait_until
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 EXAMPLES = Path(__file__).parent / "examples"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -528,7 +528,7 @@ def test_a_root_daemon_runs_the_script_as_its_caller(tmp_path: Path) -> None:
         """)
         with salusd(root, "--group", group) as (_, address):
             # The interpreter's files are root's here: it starts as root, then becomes the user.
-            become = ("import os, sys; from salus.daemon import cli, cli_run; "
+            become = ("import os, sys; from salus.daemon.cli import main as cli, run as cli_run; "
                       "args = cli.build_parser().parse_args(sys.argv[1:]); "
                       f"os.setgroups([{entry.pw_gid}, {gid}]); os.setgid({entry.pw_gid}); "
                       f"os.setuid({entry.pw_uid}); sys.exit(cli_run.run(args))")
@@ -572,7 +572,7 @@ def test_a_cwd_the_caller_cannot_enter_reaches_its_terminal(tmp_path: Path) -> N
         locked = root / "locked"
         locked.mkdir(mode=0o700)
         with salusd(root, "--group", group) as (_, address):
-            become = ("import os, sys; from salus.daemon import cli, cli_run; "
+            become = ("import os, sys; from salus.daemon.cli import main as cli, run as cli_run; "
                       "args = cli.build_parser().parse_args(sys.argv[1:]); "
                       f"os.setgroups([{entry.pw_gid}, {gid}]); os.setgid({entry.pw_gid}); "
                       f"os.setuid({entry.pw_uid}); sys.exit(cli_run.run(args))")
@@ -934,7 +934,7 @@ def test_rest_takes_a_script_jobs_time_limit_signal_and_grace(tmp_path: Path) ->
 
 
 def test_durations_and_signals_read_as_slurms() -> None:
-    from salus.daemon.cli_run import duration, early_signal
+    from salus.daemon.cli.run import duration, early_signal
 
     assert [duration(t) for t in ("90", "90s", "15m", "2h", "1d", "1:30", "1:00:05",
                                   "1-00:00:10")] == [90, 90, 900, 7200, 86400, 90, 3605, 86410]

@@ -22,7 +22,7 @@ import pytest
 import torch
 from daemon_proc import salusd
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 ENV_THREADS = {"OMP_NUM_THREADS": "1"}
 TIMEOUT_S = 180

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import salus.adapters.torch as salus
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from client_proc import TRAINER as GOOD
 from client_proc import finish, go, reap, start_client
 from daemon_proc import salusd
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 pytestmark = pytest.mark.slow
 

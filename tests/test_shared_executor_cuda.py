@@ -15,7 +15,7 @@ import pytest
 from client_proc import finish, reap
 from daemon_proc import salusd
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"),

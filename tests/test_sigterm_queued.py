@@ -16,7 +16,7 @@ import pytest
 from client_proc import finish
 from daemon_proc import salusd, wait_until
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import torch
 from daemon_proc import job_root, salusd
 from rest_client import connect, job, wait_for
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.daemon.executor import checkpoint
 from salus.daemon.state import checkpoint_files
 from salus.daemon.wire.errors import StateDiskFull

@@ -18,7 +18,7 @@ import pytest
 from client_proc import finish
 from daemon_proc import salusd
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 # `status` shows, holds the job open (a job ends with its client's connection) until told to go.
 OPENER = textwrap.dedent("""
     import json, os, sys
-    from salus.daemon.control import Control
+    from salus.daemon.cli.control import Control
 
     uid, gid, group = (int(v) for v in sys.argv[3:6])
     os.setgroups([gid, group])

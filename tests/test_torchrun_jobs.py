@@ -25,7 +25,7 @@ import pytest
 import torch
 from daemon_proc import salusd
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.daemon.engine import torchrun
 from salus.daemon.executor.script import Command, parse_command
 

@@ -26,8 +26,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from salus.daemon.devices import cpu_threads_default
-from salus.daemon.launch import running_daemon
+from salus.daemon.cli.launch import running_daemon
+from salus.daemon.devices.discovery import cpu_threads_default
 from salus.daemon.rest.client import RestClient
 from salus.demo import latency
 from salus.demo.scripts import (

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import salus.adapters.torch as salus
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.demo.scripts import ScriptJob, command, plain_env
 from salus.demo.workloads import WORKLOADS
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 Lane = tuple[int, int]  # (device, lane id)
 

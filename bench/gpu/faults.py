@@ -24,7 +24,7 @@ import kit
 import models
 
 import salus.adapters.torch as salus
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 AFTER_S = 1.5  # how long A trains on after B's bad call returned
 

@@ -21,7 +21,7 @@ import models
 import torch
 
 import salus.adapters.torch as salus
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 POLICIES = ("fifo", "pack", "srtf", "fair")
 

@@ -95,8 +95,8 @@ def context_cost(cpu: bool, log: Any) -> dict[str, Any]:
     sees only that GPU), for every daemon the steps start."""
     if cpu:
         return {"skipped": "CPU run: executors cost no CUDA context"}
-    from salus.daemon.context_cost import executor_cost
-    from salus.daemon.devices import cuda_devices
+    from salus.daemon.devices.context_cost import executor_cost
+    from salus.daemon.devices.discovery import cuda_devices
 
     try:
         gpu = cuda_devices()[0]

@@ -23,7 +23,7 @@ from typing import Any
 
 import kit
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 
 SCRIPT = """
 import json, os, time

@@ -47,9 +47,9 @@ import kit
 sys.path.insert(0, str(kit.BENCH))
 import switch as base  # noqa: E402 - bench/switch.py's event reading
 
-from salus.daemon.control import Control  # noqa: E402
+from salus.daemon.cli.control import Control  # noqa: E402
 from salus.daemon.daemon import Daemon, DaemonConfig  # noqa: E402
-from salus.daemon.devices import cpu_devices, cuda_devices  # noqa: E402
+from salus.daemon.devices.discovery import cpu_devices, cuda_devices  # noqa: E402
 
 
 def _first_call_after(daemon: Daemon, job_id: int, t: float) -> float | None:

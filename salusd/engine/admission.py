@@ -7,7 +7,7 @@ import logging
 import signal
 from typing import Any
 
-from salus.daemon.devices import format_size
+from salus.daemon.devices.discovery import format_size
 from salus.daemon.engine import scripts
 from salus.daemon.engine.booking import booked_estimate
 from salus.daemon.engine.core import Core, LaneKey

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
-from salus.daemon.devices import format_size
+from salus.daemon.devices.discovery import format_size
 from salus.daemon.engine import admission, checkpoints, dependencies, scripts
 from salus.daemon.engine.core import Config, Core, error_frame, ok_frame
 from salus.daemon.engine.events import EventStream

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from salus.daemon.devices import format_size
+from salus.daemon.devices.discovery import format_size
 from salus.daemon.engine.registry import JobRecord
 
 UNIT_BYTES = 2**30  # one unit of salusd.io/gpu-mem (as salusd/k8s/units.py advertises it)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from salus.daemon.devices import format_size
+from salus.daemon.devices.discovery import format_size
 from salus.daemon.engine import scripts
 from salus.daemon.engine.admission import RSS_NOISE_BYTES
 from salus.daemon.engine.jobstate import live_state

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from salus.daemon.devices import pinned_gpus
+from salus.daemon.devices.discovery import pinned_gpus
 from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core, exit_detail
 from salus.daemon.engine.outbox import OnDone, Sent

@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from salus.daemon.devices import pinned_gpus
+from salus.daemon.devices.discovery import pinned_gpus
 from salus.daemon.executor import turns
 from salus.daemon.executor.cap import ProcessCap, started_cuda
 from salus.daemon.executor.framework_memory import framework_memory_env

@@ -1,8 +1,8 @@
 """A script job in the caller's interpreter, not the daemon's: the executor's fallback.
 
 A user's packages live in the user's environment (a virtualenv, conda, `pip --user`), not in
-the daemon's. The daemon gives a job whose interpreter is another environment an executor
-forked by a warm zygote of that interpreter (`salusd/zygotes.py`), where this module finds the
+the daemon's. The daemon gives a job whose interpreter is another environment an executor forked by
+a warm zygote of that interpreter (`salusd/supervisor/zygotes.py`), where this module finds the
 interpreter is its own. Where the daemon took it for its own environment but it is not (the
 daemon judges from the files beside the interpreter; this module asks the interpreter itself),
 this path runs it. When the command's interpreter (`python` as the caller's shell resolved it; on

@@ -14,9 +14,9 @@ Its iteration boundaries are `boundaries.py`'s: every optimizer step and `salus.
 code before the first boundary is the first iteration, what follows the last one is not an
 iteration (a script without a boundary is one iteration).
 
-This module and what it imports need only the standard library, so that it runs in an
-interpreter whose environment has neither torch nor salusd (`salusd/zygotes.py` puts salusd
-on its path): what it does to torch (the optimizer-step hook, the intra-op thread count, the
+This module and what it imports need only the standard library, so that it runs in an interpreter
+whose environment has neither torch nor salusd (`salusd/supervisor/zygotes.py` puts salusd on its
+path): what it does to torch (the optimizer-step hook, the intra-op thread count, the
 device cap, a fresh seed) is done when torch is imported, by the zygote or by the script
 (`on_import.py`). A script that never imports torch has no optimizer-step boundaries; it may
 mark its own with `salus.adapters.script.step()`, and otherwise runs as one iteration.

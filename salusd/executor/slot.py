@@ -1,7 +1,8 @@
 """One job hosted by an executor process: its runtime and its side of the loop.
 
-An executor process hosts the jobs of one owner in one lane (`salusd/supervisor.py`). What is
-process-wide in torch and the OS but belongs to a job — the CPU random generator, the working
+An executor process hosts the jobs of one owner in one lane (`salusd/supervisor/supervisor.py`).
+What is process-wide in torch and the OS but belongs to a job — the CPU random generator, the
+working
 directory, where `print` goes, the peak meter's baseline, the process group its children are
 born in (`job_group.py`) — is swapped in by `Executor._switch` before any of the job's code
 runs, so each job sees only its own.

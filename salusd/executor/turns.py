@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from salus.daemon.devices.mps import client_environment
 from salus.daemon.executor.cap import ProcessCap, cuda_started
 from salus.daemon.executor.visible import device_for
-from salus.daemon.mps import client_environment
 from salus.daemon.wire.executor_ops import (
     Ack,
     CallDone,

@@ -1,7 +1,7 @@
 """Which GPU an executor sees: only the one it is placed on, named by UUID.
 
 The zygote and its executors start with `CUDA_VISIBLE_DEVICES` listing the daemon's GPUs by UUID
-(`salusd/supervisor.py`). CUDA reads that variable once, when it starts in a process
+(`salusd/supervisor/supervisor.py`). CUDA reads that variable once, when it starts in a process
 (pytorch/pytorch#23544; `torch.cuda.device_count` caches nothing before then for this reason),
 so an executor placed before its CUDA started can narrow it to its own GPU, which it then
 addresses as `cuda:0`: its caps, its allocator and every stray `.cuda()` in job code stay on that
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-# Set in executors on a GPU host (`supervisor.executor_environment`): the device kind their
+# Set in executors on a GPU host (`supervisor/processes.py`): the device kind their
 # jobs will run on, which a first call's estimate fakes its tensors on (`measure.py`).
 DEVICE_KIND_ENV = "SALUS_DEVICE_KIND"
 

@@ -9,7 +9,7 @@ and the torch pages the children share copy-on-write keep many executors cheap i
 
 The zygote runs as the daemon's user and never runs job code; its children drop privileges
 before they receive any (`process.become`). It starts no threads before forking. A zygote of
-another interpreter (`salusd/zygotes.py`) runs as the owner whose jobs it forks, with the
+another interpreter (`salusd/supervisor/zygotes.py`) runs as the owner whose jobs it forks, with the
 daemon's salusd on its path, and first checks that the interpreter is Python 3.11 or later
 and that the salusd it finds is the daemon's version; it refuses to serve otherwise, saying
 so in one line. It imports torch where that environment has it (its executors then run any
@@ -144,8 +144,8 @@ def _reap(sock: socket.socket) -> None:
 def serve(fd: int, daemon: int, want: str | None = None) -> int:
     """Serve fork requests on socket `fd` until the daemon (pid `daemon`) closes it or dies.
     `want`: the daemon's salusd version, for a zygote of another interpreter
-    (`salusd/zygotes.py`), which refuses to serve without Python 3.11 and that version, and
-    imports torch only where its environment has it."""
+    (`salusd/supervisor/zygotes.py`), which refuses to serve without Python 3.11 and that version,
+    and imports torch only where its environment has it."""
     signal.signal(signal.SIGTERM, _daemon_died)
     die_with_parent(signal.SIGTERM, daemon)
     reap_orphans()

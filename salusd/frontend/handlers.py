@@ -60,6 +60,7 @@ from salus.daemon.engine.report import job_info, snapshot
 from salus.daemon.limits import MAX_PATH_CHARS, MAX_RESTARTS, check_priority
 from salus.daemon.owners import as_caller
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
+from salus.daemon.supervisor.zygotes import other_interpreter
 from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown, UnknownJob
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
@@ -74,7 +75,6 @@ from salus.daemon.wire.frames import (
 )
 from salus.daemon.wire.refs import check_compact, check_json
 from salus.daemon.wire.segment import sealed_size
-from salus.daemon.zygotes import other_interpreter
 
 if TYPE_CHECKING:
     from salus.daemon.frontend.server import Client
@@ -241,7 +241,7 @@ class Handlers:
                 rank.close_fd()
             raise
         client.jobs.add(record.job_id)
-        # Where the client copies each rank's output (`salusd/cli_relay.py`), as the executor
+        # Where the client copies each rank's output (`salusd/cli/relay.py`), as the executor
         # of a REST script job does: the job's owner may write its folder, the client is it.
         folder = record.checkpoint_dir
         answer(ok_frame({"job": str(record.job_id), "threads": record.threads,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from salus.daemon.devices import DeviceSpec, _import_nvml
+from salus.daemon.devices.discovery import DeviceSpec, _import_nvml
 from salus.daemon.k8s.units import GpuShare
 
 log = logging.getLogger("salusd.k8s")

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from salus.daemon.devices import DeviceSpec
+from salus.daemon.devices.discovery import DeviceSpec
 from salus.daemon.k8s import deviceplugin_pb2 as pb
 from salus.daemon.k8s import deviceplugin_pb2_grpc as pb_grpc
 from salus.daemon.k8s.allocations import FILE_NAME, Allocation, AllocationTable

@@ -42,7 +42,7 @@ def state_dirs(explicit: Path | None) -> list[Path]:
 
 def _asked(address: str) -> list[Path]:
     """The state dir the daemon listening at `address` says it keeps ([] if none answers)."""
-    from salus.daemon.control import Control
+    from salus.daemon.cli.control import Control
 
     try:
         with Control(address, timeout_s=5.0) as ctl:

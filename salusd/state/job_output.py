@@ -4,7 +4,7 @@ piece of it for `salusd logs` and `GET /v1/jobs/{id}/log`.
 The executor writes it (`salusd/executor/output.py`, through `OutputFile`): what the job prints
 to stdout and stderr, line by line, rotated at `MAX_FILE_BYTES` into `<name>.1` (one previous
 file kept). For a `salusd run` job the client, which relays the script's output to its own
-terminal, writes the same copy with the same `OutputFile` (`salusd/cli_relay.py`): it runs as
+terminal, writes the same copy with the same `OutputFile` (`salusd/cli/relay.py`): it runs as
 the job's owner, as the executor does.
 """
 

@@ -172,7 +172,7 @@ class Place:
     one lane caps its process at their persistent bytes plus one lane. `shared`: other
     processes run in the same lane, so this one returns its cached device memory after each
     call. `mps`: the pipe directory of the GPU's MPS server, which a process whose CUDA has
-    not started joins as a client held to `mps_limit_bytes` (`salusd/mps.py`).
+    not started joins as a client held to `mps_limit_bytes` (`salusd/devices/mps.py`).
     `workspace_bytes`: the cuBLAS workspaces the process reserves on a GPU, once however many
     jobs it hosts, outside `budget_bytes` (the cap adds them: `executor/cap.py`). With `mps`,
     `mps_limit_bytes` is what the process's CUDA context costs (its pinned limit is its cap

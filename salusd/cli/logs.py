@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from salus.daemon.control import Control
+from salus.daemon.cli.control import Control
 from salus.daemon.wire.address import format_address
 from salus.daemon.wire.errors import SalusError
 

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from salus.daemon import cli_logs, cli_run
-from salus.daemon.cli_run import duration
+from salus.daemon.cli import logs as cli_logs
+from salus.daemon.cli import run as cli_run
+from salus.daemon.cli.run import duration
 from salus.daemon.limits import DEFAULT_PRIORITY
 from salus.scheduler.policies import POLICIES
 
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         return cli_run.run(args)
     if args.command == "token" and args.action in ("add", "revoke") and not args.name:
         parser.error(f"token {args.action} needs the token's name")
-    from salus.daemon.cli_rest import run
+    from salus.daemon.cli.rest import run
 
     return run(args)
 
@@ -297,7 +298,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from salus.daemon.cluster import parse_cluster
     from salus.daemon.daemon import Daemon, DaemonConfig
-    from salus.daemon.devices import (
+    from salus.daemon.devices.discovery import (
         SAFETY_FRACTION,
         cpu_threads_default,
         discover,

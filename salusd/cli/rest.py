@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from salus.daemon.devices import format_size
+from salus.daemon.devices.discovery import format_size
 from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.rest.client import RestClient, RestError, find_token, find_url
 

@@ -29,40 +29,35 @@ or `lost_after_s` seconds after the socket closed, with the reason a person can 
 costs exactly the jobs of that process. Killing a job's executor (a cancelled call that did
 not return in time) kills the process and so the other jobs it hosts, with that reason.
 
-On a GPU host the zygote, and so every executor, starts with `CUDA_VISIBLE_DEVICES` set to the
-daemon's GPUs by UUID in the daemon's order, so the daemon's `cuda:i` is every executor's
-`cuda:i` whatever CUDA's own order, and with `PYTORCH_NVML_BASED_CUDA_CHECK=1`, so that
-`torch.cuda.is_available()` before a fork does not initialise CUDA. Each `place` carries the
-GPU's UUID, with which an executor whose CUDA has not started can narrow `CUDA_VISIBLE_DEVICES`
-to its own GPU (`salusd/executor/visible.py`; torch reads the variable only when CUDA starts in
-the process: pytorch/pytorch#23544).
+The environment every executor starts with, on a GPU host and off it, is
+`processes.executor_environment`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from salus.daemon.context_cost import workspace_config
+from salus.daemon.devices.mps import thread_percentage
 from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
-from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.loop import Link, Loop
-from salus.daemon.mps import thread_percentage
-from salus.daemon.owners import identity
 from salus.daemon.state.job_output import output_path
+from salus.daemon.supervisor.pool import ExecutorPool
+from salus.daemon.supervisor.processes import (
+    ISOLATIONS,
+    Died,
+    ExecutorHandle,
+    ExecutorProcess,
+    LaneOf,
+    Pending,
+    executor_environment,
+)
+from salus.daemon.supervisor.zygotes import other_interpreter
 from salus.daemon.wire.executor_ops import (
     Adopt,
-    Become,
     Exit,
     Handover,
     Host,
@@ -70,126 +65,9 @@ from salus.daemon.wire.executor_ops import (
     addressed,
     encode,
 )
-from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
-from salus.daemon.zygotes import (
-    OtherZygotes,
-    Zygote,
-    inherited,
-    launch,
-    other_interpreter,
-    wait_or_kill,
-)
+from salus.daemon.wire.frames import RawFrame, json_frame
 
 log = logging.getLogger("salusd.supervisor")
-
-
-@dataclass(eq=False)
-class ExecutorProcess:
-    """One executor process as the daemon sees it."""
-
-    token: int
-    link: Link
-    pid: int | None = None
-    uid: int | None = None  # whose jobs it hosts, once it became them
-    key: LaneOf | None = None  # the owner's lane it serves (None: the jobs it has)
-    device: str | None = None  # where it was first placed: CUDA binds a process to its GPU
-    jobs: dict[int, ExecutorHandle] = field(default_factory=dict)
-    status: str | None = None  # how it ended, once the zygote reaped it
-    exit_code: int | None = None  # the same as a number: -N for signal N
-    closed: bool = False
-    reported: bool = False
-    kill_when_forked: bool = False
-    pending: _Pending | None = None  # a reply whose frames are still to come
-    zygote: Zygote | None = None  # forked by a zygote of another interpreter (zygotes.py)
-    poisoned: str | None = None  # why it ends: a sticky CUDA error in one of its jobs' calls
-    mps: int | None = None  # the GPU whose MPS server it was placed as a client of
-
-
-@dataclass(eq=False)
-class ExecutorHandle:
-    """One job (one replica of a gang) in its executor process: what the engine holds."""
-
-    process: ExecutorProcess
-    record: JobRecord
-    replica: int
-    sharable: bool  # may move into its owner's process of its lane
-    why_alone: str | None = None  # why it keeps a process of its own, when it is sharable
-    owed: deque[str] = field(default_factory=deque)  # who reads each reply: "engine" or ours
-    held: list[tuple[dict[str, Any], RawFrame | None]] | None = None  # while it moves
-    lane: int | None = None  # the lane id where it was placed
-    place: dict[str, Any] | None = None  # the last place sent
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    @property
-    def job(self) -> int:
-        return self.record.job_id
-
-    def describe(self) -> dict[str, Any]:
-        """For `salusd status`: its process, the other jobs it hosts, and why."""
-        proc = self.process
-        if self.why_alone is not None:
-            why = f"its own process: {self.why_alone}"
-        elif proc.key is not None:
-            why = f"one process per owner and lane (lane {proc.key[1]})"
-        else:
-            why = "its own process until it is placed"
-        return {"pid": proc.pid, "shared_with": sorted(j for j in proc.jobs if j != self.job),
-                "why": why}
-
-    @property
-    def closed(self) -> bool:
-        """Its process is gone, or it left it."""
-        return self.process.closed or self.process.jobs.get(self.job) is not self
-
-
-@dataclass
-class _Pending:
-    """A reply whose frames follow: for `handle`, with `count` frames still to come."""
-
-    handle: ExecutorHandle | None
-    meta: dict[str, Any]
-    count: int
-    frames: list[RawFrame] = field(default_factory=list)
-
-
-LaneOf = tuple[int, int]  # (owner uid, lane id): lane ids are never reused on a node
-
-
-class Died(Protocol):
-    """`Supervisor.on_died`: (the job's handle, why, its exit code, whether it ever ran,
-    whether a call poisoned its CUDA context)."""
-
-    def __call__(self, handle: ExecutorHandle, reason: str, exit_code: int | None,
-                 started: bool = True, poisoned: bool = False, /) -> None: ...
-
-
-def describe_status(status: int) -> str:
-    """'signal 11 (SIGSEGV)' or 'exit status 3' for a wait status."""
-    code = os.waitstatus_to_exitcode(status)
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "unknown signal"
-        return f"signal {-code} ({name})"
-    return f"exit status {code}"
-
-
-def executor_environment(base: Mapping[str, str], gpu_uuids: Sequence[str]) -> dict[str, str]:
-    """The zygote's (so every executor's) environment: what Python, torch and the accelerator
-    libraries read from `base` (`zygotes.inherited`; nothing else of the daemon's reaches job
-    code), CUDA pinned to the daemon's GPUs (`gpu_uuids`, in the daemon's device order; none on
-    a CPU host) and, on a GPU host, the cuBLAS workspace's size fixed where `base` leaves it to
-    torch (the daemon books it: `context_cost.workspace_config`)."""
-    env = {**inherited(base), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-    if gpu_uuids:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
-        env[DEVICE_KIND_ENV] = "cuda"
-        env["CUBLAS_WORKSPACE_CONFIG"] = workspace_config(base)
-    return env
 
 
 class Supervisor:
@@ -206,10 +84,8 @@ class Supervisor:
         self.loop = loop
         self.gpu_uuids = tuple(gpu_uuids)  # the daemon's cuda:i is gpu_uuids[i]
         self.gpu_total_bytes = tuple(gpu_total_bytes)  # and has this much memory (bytes)
-        self.standby_size = standby
         self.lost_after_s = lost_after_s
         self.retire_after_s = retire_after_s
-        self.threads = threads
         self.estimate_first = estimate_first  # executors estimate a job's first call
         self.isolation = isolation
         self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
@@ -218,135 +94,38 @@ class Supervisor:
         #: whether its process ever ran, and whether a call poisoned its CUDA context (its
         #: batch jobs may go on elsewhere)
         self.on_died: Died = lambda *_: None
-        self._standby: deque[ExecutorProcess] = deque()
-        self._by_token: dict[int, ExecutorProcess] = {}
-        self._by_pid: dict[int, ExecutorProcess] = {}
-        self._by_link: dict[int, ExecutorProcess] = {}
         self._serving: dict[LaneOf, ExecutorProcess] = {}  # the owner's process of a lane
-        self._tokens = itertools.count(1)
-        self._zygote: subprocess.Popen[bytes] | None = None
-        self._zygote_link: Link | None = None
-        self._stopping = False
-        self.zygote_ready = False
-        self.restarts = 0
         self.moves = 0  # jobs moved into their owner's process of their lane
         #: device index -> (its MPS server's pipe directory, the device's budget in bytes), for
-        #: the GPUs with an MPS control daemon (`salusd/mps.py`), set by the daemon
+        #: the GPUs with an MPS control daemon (`salusd/devices/mps.py`), set by the daemon
         self.mps_clients: dict[int, tuple[str, int]] = {}
         #: told the uids whose live processes are a GPU's MPS clients whenever they change
         self.on_mps_clients: Callable[[int, frozenset[int]], None] = lambda *_: None
-        self.others = OtherZygotes(
-            loop, lambda: executor_environment(os.environ, self.gpu_uuids),
-            self._zygote_message, self._other_zygote_failed)
+        self.pool = ExecutorPool(
+            loop, lambda: executor_environment(os.environ, self.gpu_uuids), standby=standby,
+            threads=threads, on_frame=self._executor_frame, on_closed=self._executor_closed,
+            on_exited=self._maybe_report, on_unforkable=self._unforkable)
 
-    # ---- zygote -------------------------------------------------------------------------------
+    # ---- the processes ------------------------------------------------------------------------
     def start(self) -> None:
         """Start the zygote; it reports `ready` once torch is imported (see `wait_ready`)."""
-        self._zygote, ours, _ = launch(self.loop, sys.executable, [],
-                                    executor_environment(os.environ, self.gpu_uuids))
-        self.zygote_ready = False
-        self._zygote_link = self.loop.add(Link(ours, self._zygote_frame, self._zygote_closed))
-        for _ in range(self.standby_size - len(self._standby)):
-            self._standby.append(self._fork())
+        self.pool.start()
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = self.loop.clock() + timeout_s
-        while not self.zygote_ready:
-            if self.loop.clock() > deadline or self._zygote is None or (
-                    self._zygote.poll() is not None):
-                raise RuntimeError("the executor zygote did not start (it imports torch); see "
-                                   "the log above")
-            self.loop.run_once(0.1)
+        self.pool.wait_ready(timeout_s)
 
-    def _zygote_frame(self, link: Link, frame: RawFrame) -> None:
-        message = frame.json()
-        frame.close_fd()
-        if not isinstance(message, dict):
-            return
-        op = message.get("op")
-        if op == "ready":
-            self.zygote_ready = True
-            log.info("executor zygote ready (pid %s)", message.get("pid"))
-        else:
-            self._zygote_message(message)
+    @property
+    def restarts(self) -> int:
+        """How many times the zygote went away and was started again."""
+        return self.pool.restarts
 
-    def _zygote_message(self, message: dict[str, Any]) -> None:
-        """A zygote forked an executor (`forked`) or reaped one (`exited`)."""
-        op = message.get("op")
-        if op == "forked":
-            proc = self._by_token.get(int(message.get("token", -1)))
-            pid = int(message.get("pid", -1))
-            if proc is not None and pid > 0:
-                proc.pid = pid
-                self._by_pid[pid] = proc
-                if proc.kill_when_forked:
-                    self._kill_process(proc)
-        elif op == "exited":
-            proc = self._by_pid.pop(int(message.get("pid", -1)), None)
-            if proc is not None:
-                status = int(message.get("status", 0))
-                proc.status = describe_status(status)
-                proc.exit_code = os.waitstatus_to_exitcode(status)
-                self._maybe_report(proc)
-
-    def _zygote_closed(self, link: Link, reason: str) -> None:
-        if self._stopping:
-            return
-        log.error("the executor zygote went away (%s): restarting it", reason)
-        self.restarts += 1
-        for proc in list(self._standby):
-            self.loop.close(proc.link, "zygote restarted")
-        self._standby.clear()
-        if self._zygote is not None:
-            self._zygote.wait()
-        self.start()
-
-    def _fork(self, zygote: Zygote | None = None) -> ExecutorProcess:
-        """A new executor forked by the daemon's zygote, or by `zygote`."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        token = next(self._tokens)
-        proc = ExecutorProcess(token, Link(ours, self._executor_frame, self._executor_closed))
-        proc.zygote = zygote
-        self.loop.add(proc.link)
-        self._by_token[token] = proc
-        self._by_link[id(proc.link)] = proc
-        link = self._zygote_link if zygote is None else zygote.link
-        assert link is not None
-        request = json_frame({"op": "fork", "token": token})
-        request.flags |= FLAG_SEGMENT  # the descriptor that travels is the executor's socket
-        request.fd = theirs.detach()
-        self.loop.send(link, request)
-        return proc
-
-    def _other_zygote_failed(self, zygote: Zygote, why: str) -> None:
-        """A zygote of another interpreter cannot serve: the jobs of the executors it never
-        forked fail with `why`."""
-        for proc in [p for p in self._by_token.values() if p.zygote is zygote and p.pid is None]:
-            proc.reported = proc.closed = True
-            self._by_token.pop(proc.token, None)
-            self._by_link.pop(id(proc.link), None)
-            self.loop.close(proc.link, why)
-            for handle in list(proc.jobs.values()):
-                script = is_script(handle.record)
-                self.on_died(handle, f"the {'script' if script else 'job'} could not start: "
-                                     f"{why}", None, False)
-            proc.jobs.clear()
-
-    def _new_process(self, owner: Owner, python: str | None = None) -> ExecutorProcess:
-        """A process of the standby pool (`python`: forked by that interpreter's zygote for
-        the owner), become `owner`."""
-        who = identity(owner)
-        if python is not None:
-            proc = self._fork(self.others.get(python, who))
-        else:
-            proc = self._standby.popleft() if self._standby else self._fork()
-        proc.uid = owner.uid
-        self.loop.send(proc.link, json_frame(encode(Become(
-            who["uid"], who["gid"], tuple(who["groups"]), who["user"], who["home"],
-            self.threads))))
-        while len(self._standby) < self.standby_size and not self._stopping:
-            self._standby.append(self._fork())
-        return proc
+    def _unforkable(self, proc: ExecutorProcess, why: str) -> None:
+        """A zygote of another interpreter could not fork `proc`: its jobs could not start."""
+        for handle in list(proc.jobs.values()):
+            script = is_script(handle.record)
+            self.on_died(handle, f"the {'script' if script else 'job'} could not start: {why}",
+                         None, False)
+        proc.jobs.clear()
 
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
@@ -356,12 +135,12 @@ class Supervisor:
             command = record.script.command
             python = other_interpreter(command.command[0], command.env)
         try:
-            proc = self._new_process(record.owner, python)
+            proc = self.pool.new_process(record.owner, python)
         except OSError as exc:  # its owner cannot start it: the owner's executor says why
             log.warning("job %d: no executor zygote of %s (%s); the daemon's serves",
                         record.job_id, python, exc)
             python = None
-            proc = self._new_process(record.owner)
+            proc = self.pool.new_process(record.owner)
         sharable = self.isolation == "lane" and may_share_executor(record)
         handle = ExecutorHandle(proc, record, replica, sharable)
         if not sharable:
@@ -434,24 +213,17 @@ class Supervisor:
     def _tell_mps_clients(self, index: int) -> None:
         self.on_mps_clients(index, frozenset(
             p.uid if p.uid is not None and os.geteuid() == 0 else os.getuid()
-            for p in self._by_token.values() if p.mps == index and not p.reported))
+            for p in self.pool.processes() if p.mps == index and not p.reported))
 
     def kill(self, executor: object) -> None:
         assert isinstance(executor, ExecutorHandle)
-        self._kill_process(executor.process)
+        self.pool.kill(executor.process)
 
     def send_signal(self, executor: object, signum: int) -> None:
         assert isinstance(executor, ExecutorHandle)
         if executor.process.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(executor.process.pid, signum)
-
-    def _kill_process(self, proc: ExecutorProcess) -> None:
-        if proc.pid is None:
-            proc.kill_when_forked = True
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
 
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:
@@ -473,7 +245,7 @@ class Supervisor:
     def _kill_if_alive(self, proc: ExecutorProcess) -> None:
         if proc.status is None and proc.pid is not None:
             log.warning("executor pid %d did not exit when asked: killing it", proc.pid)
-            self._kill_process(proc)
+            self.pool.kill(proc)
 
     # ---- placement: an owner's jobs of one lane in one process --------------------------------
     def _place(self, handle: ExecutorHandle, meta: dict[str, Any], frame: RawFrame | None) -> None:
@@ -507,7 +279,7 @@ class Supervisor:
         does."""
         serving = self._serving.get(key)
         if serving is None or serving.closed:
-            serving = self._new_process(owner)
+            serving = self.pool.new_process(owner)
             self._serve(serving, key)
         return serving
 
@@ -518,8 +290,9 @@ class Supervisor:
 
     def _unserve(self, proc: ExecutorProcess) -> None:
         """`proc` no longer serves the lane it served (it moved on, emptied or closed)."""
-        if proc.key is not None and self._serving.get(proc.key) is proc:
-            del self._serving[proc.key]
+        key = proc.key
+        if key is not None and self._serving.get(key) is proc:
+            del self._serving[key]
 
     def _lane_shared(self, handle: ExecutorHandle, proc: ExecutorProcess) -> bool:
         """Whether a process other than `proc` runs jobs in the handle's lane."""
@@ -527,7 +300,7 @@ class Supervisor:
             p is not proc for p in self._processes_in(handle.lane))
 
     def _processes_in(self, lane: int) -> set[ExecutorProcess]:
-        return {h.process for p in self._by_token.values() for h in p.jobs.values()
+        return {h.process for p in self.pool.processes() for h in p.jobs.values()
                 if h.lane == lane and h.held is None}
 
     def _tell_lane(self, handle: ExecutorHandle) -> None:
@@ -577,7 +350,7 @@ class Supervisor:
 
     # ---- executor links ----------------------------------------------------------------------
     def _executor_frame(self, link: Link, frame: RawFrame) -> None:
-        proc = self._by_link.get(id(link))
+        proc = self.pool.by_link.get(id(link))
         if proc is None:
             frame.close_fd()
             return
@@ -596,7 +369,7 @@ class Supervisor:
             job = None
         if not isinstance(meta, dict) or job is None:
             log.error("executor pid %s sent a message for no job: killing it", proc.pid)
-            self._kill_process(proc)
+            self.pool.kill(proc)
             return
         handle = proc.jobs.get(job)
         if meta.get("op") == "poisoned" and meta.get("unsolicited") is True:
@@ -608,7 +381,7 @@ class Supervisor:
                  + int(bool(meta.get("pool"))) if meta.get("handed_over")
                  else int(bool(meta.get("forward"))))
         if count:
-            proc.pending = _Pending(handle, meta, count)
+            proc.pending = Pending(handle, meta, count)
         else:
             self._reply(proc, handle, meta, [])
 
@@ -639,12 +412,11 @@ class Supervisor:
                                  f"{handle.job}: {meta.get('message')}", None)
 
     def _executor_closed(self, link: Link, reason: str) -> None:
-        proc = self._by_link.get(id(link))
+        proc = self.pool.by_link.get(id(link))
         if proc is None:
             return
         proc.closed = True
-        if proc in self._standby:
-            self._standby.remove(proc)
+        self.pool.closed(proc)
         self._unserve(proc)
         if proc.status is None:
             self.loop.call_later(self.lost_after_s, lambda: self._maybe_report(proc, force=True))
@@ -654,8 +426,7 @@ class Supervisor:
         if proc.reported or not proc.closed or (proc.status is None and not force):
             return
         proc.reported = True
-        self._by_token.pop(proc.token, None)
-        self._by_link.pop(id(proc.link), None)
+        self.pool.forget(proc)
         if proc.mps is not None:  # its MPS client is gone with it
             self._tell_mps_clients(proc.mps)
         how = proc.status or "its connection closed (exit status unknown)"
@@ -667,16 +438,5 @@ class Supervisor:
 
     def stop(self) -> None:
         """Close every executor link and the zygote (executors exit when their link closes)."""
-        self._stopping = True
-        for proc in list(self._by_token.values()):
-            self.loop.close(proc.link, "salusd stopped")
-            if proc.status is None:
-                self._kill_process(proc)
-        self.others.stop()
-        if self._zygote_link is not None:
-            self.loop.close(self._zygote_link, "salusd stopped")
-        if self._zygote is not None:
-            wait_or_kill(self._zygote)
+        self.pool.stop()
 
-
-ISOLATIONS = ("lane", "job")

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from salus.daemon.devices import DeviceSpec, format_size
+from salus.daemon.devices.discovery import DeviceSpec, format_size
 from salus.daemon.memory.reserve import CUBLAS_WORKSPACE_CONFIG, blas_workspace_reserved
 
 log = logging.getLogger("salusd.context_cost")

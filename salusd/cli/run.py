@@ -7,7 +7,7 @@ and stderr, stand-ins of the same kind: a pseudo-terminal where they are a termi
 pipe (on a socket pair whose other end travels to the executor through the daemon), so the
 script reads and writes as a direct run does; it relays what the script writes to its own
 stdout and stderr and a copy to the job's output file, which `salusd logs JOB` reads
-(`salusd/cli_relay.py`); it then waits for the script's exit status and exits with it. The
+(`salusd/cli/relay.py`); it then waits for the script's exit status and exits with it. The
 first Ctrl-C is raised in the script (SIGINT, as in a direct run); a second cancels the job.
 SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to this process are raised in the script, as Slurm's
 `srun` forwards them: a script that saves a checkpoint on SIGTERM does so, and this process
@@ -43,8 +43,8 @@ from collections import deque
 from types import FrameType
 from typing import Any
 
-from salus.daemon.cli_relay import Relay
-from salus.daemon.devices import parse_size
+from salus.daemon.cli.relay import Relay
+from salus.daemon.devices.discovery import parse_size
 from salus.daemon.engine import torchrun
 from salus.daemon.limits import (
     DEFAULT_PRIORITY,
@@ -294,7 +294,7 @@ def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
         raise ValueError("--array runs one process per index; a torchrun gang cannot be a "
                          "task of an array")
     if args.array is not None:
-        from salus.daemon.cli_array import run_array
+        from salus.daemon.cli.array import run_array
 
         return run_array(channel, command, args)
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

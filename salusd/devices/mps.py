@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from salus.daemon.devices import DeviceSpec
+from salus.daemon.devices.discovery import DeviceSpec
 
 log = logging.getLogger("salusd.mps")
 

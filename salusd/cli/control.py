@@ -2,7 +2,7 @@
 priority / output of jobs the caller owns (root: any job), over the same unix socket as the
 data plane.
 
-    from salus.daemon.control import Control
+    from salus.daemon.cli.control import Control
     with Control() as ctl:              # SALUS_ADDRESS or the default socket
         print(ctl.status()["jobs"])
         ctl.suspend("3", swap=True)

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from types import FrameType
 
-from salus.daemon.cli_run import (
+from salus.daemon.cli.run import (
     CANNOT_RUN,
     FORWARDED,
     INTERRUPT,
