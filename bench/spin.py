@@ -25,7 +25,7 @@ import torch
 
 import salus.adapters.torch as salus
 from salus.daemon.cli.launch import running_daemon
-from salus.daemon.executor.main import SPIN_US
+from salus.daemon.executor.spin import SPIN_US
 
 
 def _echo(s: Any, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from daemon_proc import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
+import salus.daemon.supervisor.pool as pool_module
 import salus.daemon.supervisor.supervisor as supervisor_module
 from salus.daemon.cli.control import Control
 from salus.daemon.daemon import Daemon, DaemonConfig
@@ -511,7 +512,7 @@ BATCH = textwrap.dedent("""
 
 class Wire:
     """What crossed the daemon's executor links: the metas it sent (the supervisor's
-    `json_frame` sees each) and the metas the executors sent back."""
+    and its pool's `json_frame` see each) and the metas the executors sent back."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -570,6 +571,7 @@ def test_what_a_real_daemon_and_its_executors_say_decodes_and_encodes_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wire = Wire()
     monkeypatch.setattr(supervisor_module, "json_frame", wire.json_frame)
+    monkeypatch.setattr(pool_module, "json_frame", wire.json_frame)  # `Become`
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     batch = tmp_path / "jobs" / "batch.py"

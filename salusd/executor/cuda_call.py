@@ -27,6 +27,7 @@ import contextlib
 
 import torch
 
+from salus.daemon.executor.cap import ProcessCap
 from salus.daemon.executor.cuda_errors import is_oom
 
 PAGE = 2 * 2**20  # the caching allocator's large-segment rounding (bytes)
@@ -103,3 +104,15 @@ def needs_room(reserved: int, need: int, cap_bytes: int) -> bool:
     """Whether the process must empty its cache before a job that may need `need` more bytes
     runs: it reserves `reserved` (state and cached blocks) and may reserve `cap_bytes`."""
     return reserved + need > cap_bytes
+
+
+def make_room(cuda: CudaCall | None, lane_bytes: int, cap: ProcessCap) -> None:
+    """The jobs of one process keep the caching allocator's blocks between their calls; empty
+    the cache before a job runs only when what its lane may need (`lane_bytes`) exceeds what
+    the cap leaves free beside what the process reserves (`needs_room`). `cuda`: the job's
+    CUDA runtime (None: it runs on the CPU)."""
+    if cuda is None:
+        return
+    reserved = torch.cuda.memory_reserved(cuda.device)
+    if needs_room(reserved, lane_bytes, cap.bytes_on(str(cuda.device))):
+        torch.cuda.empty_cache()

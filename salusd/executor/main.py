@@ -14,39 +14,36 @@ import os
 import selectors
 import signal
 import socket
-import sys
 import time
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from salus.daemon.executor import output, script, turns
+from salus.daemon.executor import handover, output, script, turns
 from salus.daemon.executor.calls import (
     Answered,
     answer_call,
     call_done,
     error_reply,
     estimate_call,
-    handle,
     is_report,
     unsendable,
 )
 from salus.daemon.executor.cap import ProcessCap
-from salus.daemon.executor.cuda_call import needs_room
+from salus.daemon.executor.contract import Contract
+from salus.daemon.executor.cuda_call import make_room
 from salus.daemon.executor.output import HOLD_S
 from salus.daemon.executor.process import become
 from salus.daemon.executor.runtime import JobRuntime, error_text, is_iteration
 from salus.daemon.executor.slot import Slot
+from salus.daemon.executor.spin import spin_window_s
 from salus.daemon.executor.zygote import die_with_parent
-from salus.daemon.services.slowdown import check_factor
-from salus.daemon.wire import compact
 from salus.daemon.wire.channel import (
     Channel,
     ConnectionClosed,
     FrameError,
     Pickled,
-    PickledPayload,
     passed_fd,
     spin,
 )
@@ -55,22 +52,14 @@ from salus.daemon.wire.executor_ops import (
     Adopt,
     Become,
     CallDone,
-    DirectChannel,
     Exit,
     Failed,
     HandedOver,
-    Handover,
     Host,
-    Place,
-    Placed,
     Poisoned,
     Ran,
     Reply,
-    Request,
-    Run,
     Script,
-    Step,
-    Swapped,
     address_of,
     addressed,
     client_frame_follows,
@@ -80,25 +69,7 @@ from salus.daemon.wire.executor_ops import (
 
 log = logging.getLogger("salusd.executor")
 MAX_QUEUED_CALLS = 64
-SPIN_US = 200.0  # see spin_window_s
 _BUSY = "busy"  # a call refused for the bound, answered in its turn (requests are never str)
-
-
-def spin_window_s() -> float:
-    """How long an executor polls for the next message before it blocks (seconds), from
-    `$SALUS_SPIN_US` (microseconds, default `SPIN_US`; 0 turns polling off).
-
-    A process blocked in `epoll_wait` lets its CPU idle, and the message that wakes it pays the
-    kernel's (in a virtual machine, also the hypervisor's) wake-up path: 25-40 µs per hop on the
-    2-vCPU build VM, against under 4 µs for a peer that polls. Polling is bounded to the window
-    after each message, where the next call of a training loop comes, so an idle executor
-    sleeps. The client does not poll while its call runs: where its CPU is a hyperthread
-    sibling of the executor's, polling slowed the call itself by half (measured)."""
-    try:
-        us = float(os.environ.get("SALUS_SPIN_US", SPIN_US))
-    except ValueError:
-        us = SPIN_US
-    return max(0.0, min(us, 100_000.0)) / 1e6
 
 
 class Executor:
@@ -163,13 +134,8 @@ class Executor:
             self.active_at = time.perf_counter()
 
     def _spin(self) -> list[object]:
-        """Poll, without sleeping, for `spin_s` after the last message: a training loop sends
-        its next call within microseconds of its result, and a call that finds the executor
-        blocked pays the wake-up path (see `spin_window_s`). Each empty poll yields the CPU,
-        so that where other processes wait for it (many jobs on few cores) the window costs
-        them nothing: polling without yielding made 8 small jobs on 2 cores 1.2x slower per
-        call (measured); and once a yield ran another process, the executor stops polling and
-        sleeps (`channel.spin`). The sources that became readable."""
+        """The sources that became readable while polling, without sleeping, for `spin_s` after
+        the last message (`spin.py`)."""
         ready = spin(lambda: self.selector.select(0), self.active_at + self.spin_s)
         return [key.data for key, _ in ready or ()]
 
@@ -198,20 +164,9 @@ class Executor:
         assert self.streams is not None
         self.streams.use(slot.sink)
         if previous is not None:
-            self._make_room(slot)
+            make_room(slot.runtime.cuda, slot.lane_bytes, self.cap)
             slot.runtime.take_baseline()
         self.current = slot
-
-    def _make_room(self, slot: Slot) -> None:
-        """The jobs of one process keep the caching allocator's blocks between their calls;
-        empty the cache only when what the incoming job's lane may need exceeds what the cap
-        leaves free beside what the process reserves (`cuda_call.needs_room`)."""
-        cuda = slot.runtime.cuda
-        if cuda is None:
-            return
-        reserved = torch.cuda.memory_reserved(cuda.device)
-        if needs_room(reserved, slot.lane_bytes, self.cap.bytes_on(str(cuda.device))):
-            torch.cuda.empty_cache()
 
     # ---- the daemon's messages ----------------------------------------------------------------
     def _from_daemon(self) -> bool:
@@ -273,22 +228,9 @@ class Executor:
                                    message.cwd, message.log, not message.estimate)
             self._reply(job, Ack(), None)
             return
-        slot: Slot | None = None
         try:
-            payload = request.get("bundle") if isinstance(request, dict) else None
-            if not isinstance(payload, PickledPayload):
-                raise TypeError("'adopt' needs the job's bundle")
-            bundle = payload.load("the job handed over", own=True)
-            slot = Slot(job, JobRuntime(), self.streams.sink(bundle["log"]), bundle["cwd"],
-                        bundle["log"], bundle["estimated"])
-            self._switch(slot)  # its state loads in its directory, printing to its output
-            slot.runtime.take_over(bundle["state"])
-            torch.set_rng_state(bundle["rng"])
-            slot.queue.extend(bundle["queued"])
-            slot.turn.asked = bundle["asked"]
+            slot = handover.adopt(job, request, self.streams, self._switch)
         except Exception as exc:
-            if slot is not None:
-                slot.group.end()
             for fd in (passed_fd(sock), passed_fd(pool)):
                 if fd is not None:
                     os.close(fd)
@@ -314,10 +256,7 @@ class Executor:
             self._from_client(slot)
         self._switch(slot)
         try:
-            bundle = {"state": slot.runtime.handover_state(), "rng": torch.get_rng_state(),
-                      "queued": list(slot.queue),
-                      "asked": slot.turn.asked, "estimated": slot.estimated, "cwd": slot.cwd,
-                      "log": slot.log}
+            bundle = handover.bundle(slot)
             channel = slot.data is not None
             pool = slot.data.pool_descriptor() if slot.data is not None else None
             self.daemon.send_many([
@@ -435,7 +374,7 @@ class Executor:
         bound (`_BUSY`), or a client's request to report now what its job ran (`is_report`),
         which `Job.info` sends when the daemon's count lags the client's."""
         while slot.queue and (isinstance(slot.queue[0], str) or is_report(slot.queue[0])):
-            if is_report(self._next_call(slot)):
+            if is_report(slot.next_call()):
                 self._report_ran()  # sent before the answer: the daemon has it first
                 self._answer_client(slot, {"ok": True, "result": None})
                 continue
@@ -446,23 +385,7 @@ class Executor:
     def _run_queued(self) -> None:
         for slot in list(self.slots.values()):
             self._run_queued_of(slot)
-            self._give_back(slot)
-
-    def _give_back(self, slot: Slot, *, before_reply: bool = False) -> None:
-        """Once the call whose arguments were lent out of the client's pool ran and no result
-        waits to go out, give them back: the client may write its next frame there.
-        `before_reply`: the call's reply is still to be sent, and may view them; give them back
-        only if nothing does (so that the client's next frame, sent as soon as that reply
-        comes, finds the pool free), and otherwise again after the reply."""
-        if slot.data is not None and slot.lender is None and not slot.sink.holding:
-            slot.data.give_back(retire=not before_reply)
-
-    def _next_call(self, slot: Slot) -> Any:
-        """The call at the head of the job's queue, taken off it."""
-        request = slot.queue.popleft()
-        if id(request) == slot.lender:
-            slot.lender = None
-        return request
+            slot.give_back()
 
     def _run_queued_of(self, slot: Slot) -> None:
         self._answer_at_head(slot)
@@ -471,17 +394,17 @@ class Executor:
             # The client's reply first, the daemon's accounting after it (3-8 µs less per call
             # on the build VM, bench/call_stages.py `back`, one-off A/B runs).
             lent = id(slot.queue[0]) == slot.lender
-            request = self._next_call(slot)
+            request = slot.next_call()
             reply, ran = answer_call(slot.runtime, request)
             if slot.runtime.retry:
                 slot.turn.lease = False  # the daemon places the job anew before it runs again
                 self._retry(slot, request, lent, ran)
                 break
-            del request  # (its arguments may view the client's pool: see `_give_back`)
-            self._give_back(slot, before_reply=True)
+            del request  # (its arguments may view the client's pool: see `Slot.give_back`)
+            slot.give_back(before_reply=True)
             self._answer_client(slot, reply, hold=ran.seconds < HOLD_S)
             del reply  # (it may view an argument lent out of the client's pool)
-            self._give_back(slot)
+            slot.give_back()
             self._after_call(slot)
             report = slot.turn.done(call_done(slot.runtime, ran, forward=False))
             if report is not None:
@@ -504,47 +427,22 @@ class Executor:
                 _send(self.daemon, ran, None, slot.job)
 
     def _answer_client(self, slot: Slot, reply: Any, hold: bool = False) -> None:
-        """Send `reply` on the job's line, after the results held back there. With `hold` (a
-        short call: under `HOLD_S`), a compact result may wait for the next reply instead,
-        when the client's next call is already here (it keeps calls in flight) and the sink's
-        bound allows (`OutputSink.may_hold`): it goes with the next send, or as soon as the
-        executor has nothing to run at once (`_release_held`). A client waiting for the
-        oldest result then waits for about one more call like it."""
-        if slot.data is None:
-            return
-        if hold and type(reply) is compact.Message:
-            now = time.perf_counter()
-            if slot.sink.may_hold(now) and (slot.queue or slot.data.readable(0)):
-                slot.sink.hold(reply, now)
-                return
-        try:
-            with self._sending(slot):
-                try:
-                    slot.sink.send(reply)
-                except TypeError as exc:
-                    slot.sink.send(unsendable(exc))
-        except OSError:
+        """Send `reply` on the job's line (`Slot.answer`); a line that broke is closed."""
+        if not slot.answer(reply, hold):
             self._close_channel(slot)
 
     def _release_held(self) -> None:
         for slot in self.slots.values():
             slot.sink.release()
-            self._give_back(slot)
-
-    def _sending(self, slot: Slot) -> contextlib.AbstractContextManager[object]:
-        """Hold the job output's lock while a reply goes out on the channel, after what the
-        job printed so far (a line printed on another thread never splits a reply)."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        return slot.sink.lock
+            slot.give_back()
 
     def _refuse_queued(self, slot: Slot, code: str, message: str) -> None:
         error = {"ok": False, "code": code, "message": message}
         while slot.queue:
-            self._next_call(slot)
+            slot.next_call()
             self._answer_client(slot, error)
         slot.turn.asked = False
-        self._give_back(slot)
+        slot.give_back()
 
     def _retry(self, slot: Slot, request: Any, lent: bool, ran: Answered) -> CallDone:
         """The call ran out of device memory with the job's state intact: it goes back to the
@@ -569,84 +467,20 @@ class Executor:
             return CallDone(False, 0.0, None, False, None, None, empty=True)
         self._switch(slot)
         lent = id(slot.queue[0]) == slot.lender
-        request = self._next_call(slot)
+        request = slot.next_call()
         reply, ran = answer_call(slot.runtime, request)
         if slot.runtime.retry:
             return self._retry(slot, request, lent, ran)
-        del request  # (its arguments may view the client's pool: see `_give_back`)
+        del request  # (its arguments may view the client's pool: see `Slot.give_back`)
         done = call_done(slot.runtime, ran, forward=False)
         self._after_call(slot)
-        self._give_back(slot, before_reply=True)
+        slot.give_back(before_reply=True)
         self._answer_client(slot, reply)
         del reply
-        self._give_back(slot)
+        slot.give_back()
         owed = slot.turn.done(done)
         assert isinstance(owed, CallDone)
         return owed
-
-
-class Contract:
-    """A contract or batch job's side of its turn (`turns.JobKind`): its calls run in this
-    loop, its state is the executor's to move."""
-
-    def __init__(self, executor: Executor, slot: Slot) -> None:
-        self.executor, self.slot = executor, slot
-        self.job, self.turn = slot.job, slot.turn
-
-    def run(self) -> Reply | None:
-        return self.executor._run_granted(self.slot)
-
-    def refuse(self, code: str, message: str) -> Reply | None:
-        self.executor._refuse_queued(self.slot, code, message)
-        return Ack()
-
-    def exit(self, code: str, message: str) -> Reply | None:
-        self.executor._refuse_queued(self.slot, code, message)
-        self.executor._drop(self.slot)
-        return Ack()
-
-    def place(self, device: str, message: Place) -> Reply:
-        """Move the job's state to `device`; on a GPU, what the move made the process reserve
-        goes back to the daemon (`Placed`)."""
-        self.executor._switch(self.slot)
-        runtime = self.slot.runtime
-        gpu = device.startswith("cuda")
-        before = torch.cuda.memory_reserved(device) if gpu else 0  # 0 before CUDA started
-        try:
-            runtime.place(device, message.budget_bytes, check_factor(message.slowdown))
-        except Exception as exc:
-            return Failed(error_text(exc)[:2000])
-        self.slot.lane_bytes = message.lane_bytes or 0
-        self.slot.shared_lane = message.shared
-        if runtime.cuda is not None and (grew := torch.cuda.memory_reserved(device) - before):
-            return Placed(max(0, grew))
-        return Ack()
-
-    def swap_out(self) -> Reply:
-        """Move the job's state to host memory; on a GPU, say what it left on the device
-        beside what the process's other jobs hold (`left_behind.py`)."""
-        self.executor._switch(self.slot)
-        others = [obj for other in self.executor.slots.values() if other is not self.slot
-                  for obj in vars(other.runtime.state).values()]
-        try:
-            return Swapped(self.slot.runtime.swap_out(others))
-        except Exception as exc:
-            return Failed(error_text(exc)[:2000])
-
-    def other(self, message: Request, request: Any) -> tuple[Reply | None, Any]:
-        executor, slot = self.executor, self.slot
-        match message:
-            case DirectChannel():
-                executor._open_channel(slot, request)
-                return None, None
-            case Handover():
-                executor._handover(slot)
-                return None, None
-        executor._switch(slot)
-        reply, forward = handle(slot.runtime, message, request)
-        if isinstance(message, Run | Step):
-            executor._after_call(slot)
-        return reply, forward
 
 
 def serve(sock: socket.socket, zygote: int | None = None) -> int:
