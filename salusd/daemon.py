@@ -22,9 +22,10 @@ from salus.daemon.cluster import ClusterSpec, start_store, stop_store
 from salus.daemon.devices.context_cost import executor_cost
 from salus.daemon.devices.discovery import DeviceSpec
 from salus.daemon.devices.mps import Mps
-from salus.daemon.engine.engine import CheckpointPolicy, DataCachePolicy, Engine
+from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.events import Event
 from salus.daemon.engine.persist import Persistence
+from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy
 from salus.daemon.engine.registry import Owner
 from salus.daemon.frontend.handlers import Handlers
 from salus.daemon.frontend.server import SocketServer

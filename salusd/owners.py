@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from salus.daemon.engine.registry import Owner
-from salus.daemon.engine.scripts import ScriptCommand
+from salus.daemon.engine.script_command import ScriptCommand
 from salus.daemon.wire.errors import BadRequest
 
 CHECK_TIMEOUT_S = 10.0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fake_executor import FakeExecutor, FakeExecutors
 
-from salus.daemon.engine import scripts
+from salus.daemon.engine import script_command
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.wire.executor_ops import Ack, CallDone, Lease, Ran, Ready, Run
@@ -28,7 +28,7 @@ def _script(tmp: Path) -> tuple[Engine, FakeExecutors, JobRecord, FakeExecutor]:
     engine = Engine([256 * MiB] * 2, "pack", port, clock=lambda: 0.0, timers=_NoTimers(),
                     torch_devices=["cpu", "cpu"], estimate_first=False)
     port.engine = engine
-    command = scripts.check([sys.executable, "train.py"], str(tmp), {}, "never")
+    command = script_command.check([sys.executable, "train.py"], str(tmp), {}, "never")
     record = engine.run_script(Owner("u", 1000, 1000), "train", 100, command, None)
     executor = record.executor
     port.answer(executor, Ack())  # the script started

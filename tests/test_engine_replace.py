@@ -9,7 +9,8 @@ from pathlib import Path
 
 from fake_executor import FakeExecutor, FakeExecutors
 
-from salus.daemon.engine.engine import CheckpointPolicy, Engine
+from salus.daemon.engine.engine import Engine
+from salus.daemon.engine.ports import CheckpointPolicy
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.engine.replace import MAX_REPLACEMENTS
 from salus.daemon.wire.executor_ops import Load, Place, Step

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fake_executor import FakeExecutors
 
-from salus.daemon.engine.engine import CheckpointPolicy, Engine
+from salus.daemon.engine.engine import Engine
+from salus.daemon.engine.ports import CheckpointPolicy
 from salus.daemon.engine.registry import Owner
 from salus.daemon.wire.executor_ops import Loaded
 

@@ -12,7 +12,7 @@ import pytest
 from fake_executor import FakeExecutors
 
 from salus.daemon.devices.discovery import pinned_gpus
-from salus.daemon.engine import scripts
+from salus.daemon.engine import script_command
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.engine.report import snapshot
@@ -65,7 +65,7 @@ def _engine(gpus: list[str]) -> tuple[Engine, FakeExecutors]:
 
 def _script(engine: Engine, port: FakeExecutors, tmp: str, pin: str | None) -> JobRecord:
     env = {} if pin is None else {"CUDA_VISIBLE_DEVICES": pin}
-    command = scripts.check([sys.executable, "train.py"], tmp, env, "never")
+    command = script_command.check([sys.executable, "train.py"], tmp, env, "never")
     record = engine.run_script(Owner("u", 1000, 1000), "train", 10, command, None)
     port.answer(record.executor, Ack())  # the script started
     port.ready(record.executor, {})  # its first optimizer step asks for a turn
@@ -92,7 +92,7 @@ def test_a_pinned_script_goes_to_its_gpu_and_an_unpinned_one_where_admission_pre
 
 def test_a_pin_naming_no_gpu_of_the_node_is_refused_at_submission(tmp_path: object) -> None:
     engine, port = _engine(GPUS)
-    command = scripts.check([sys.executable, "train.py"], str(tmp_path),
+    command = script_command.check([sys.executable, "train.py"], str(tmp_path),
                             {"CUDA_VISIBLE_DEVICES": "GPU-ffff"}, "never")
     with pytest.raises(BadRequest, match=r"CUDA_VISIBLE_DEVICES='GPU-ffff' names no GPU\(s\) "
                                          r"of this node .* \(GPU-aaaa-1111, GPU-bbbb-2222"):

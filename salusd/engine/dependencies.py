@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.registry import JobRecord, Owner, parse_id
-from salus.daemon.engine.scripts import ScriptCommand
+from salus.daemon.engine.script_command import ScriptCommand
 from salus.daemon.limits import MAX_AFTER
 from salus.daemon.wire.errors import BadRequest, NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
@@ -112,3 +112,14 @@ def _check(core: Core, record: JobRecord) -> None:
                      f"after (--after), {state}: {short}")
             return
     record.after = tuple(remaining)
+
+
+def waits_again(core: Core, record: JobRecord) -> bool:
+    """Whether a restored script job was still waiting for its `--after` jobs: one of them
+    has not finished (it starts the moment they all have, so one that has started finds
+    them all finished). Then it waits again, for the ones still live (`record.after`)."""
+    after = [int(a) for a in record.spec.get("after", ())]
+    if all((ended := outcome(core, a)) is not None and ended[0] == "finished" for a in after):
+        return False
+    record.after = tuple(after)
+    return True

@@ -20,8 +20,8 @@ from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
 from salus.daemon.devices.discovery import format_size
-from salus.daemon.engine import admission, checkpoints, dependencies, scripts
-from salus.daemon.engine.core import Config, Core, error_frame, ok_frame
+from salus.daemon.engine import admission, checkpoints, dependencies, script_command, scripts
+from salus.daemon.engine.core import Config, Core, ok_frame
 from salus.daemon.engine.events import EventStream
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.ledger import DeviceLedger
@@ -60,8 +60,6 @@ from salus.scheduler import make_policy
 from salus.scheduler.dispatch import Dispatcher
 
 log = logging.getLogger("salusd.engine")
-__all__ = ["CheckpointPolicy", "DataCachePolicy", "Engine", "ExecutorPort", "error_frame",
-           "ok_frame"]
 
 
 class Engine:
@@ -211,7 +209,7 @@ class Engine:
         return record
 
     def run_script(self, owner: Owner, name: object, iterations: object,
-                   command: scripts.ScriptCommand, frames: Sequence[RawFrame] | None, *,
+                   command: script_command.ScriptCommand, frames: Sequence[RawFrame] | None, *,
                    priority: float = 1.0, devices: object = None,
                    after: object = None) -> JobRecord:
         """A script job: an executor runs `command` unchanged as `owner`, its optimizer steps
@@ -219,7 +217,7 @@ class Engine:
         rank (None: the output goes to the job's log). A torchrun command runs as a gang of
         its ranks, one per device; `devices` (None: as many as its ranks) must be that many.
         With `after` (job ids) it starts once those jobs have finished (`dependencies.py`)."""
-        self.check_devices(scripts.gang_devices(command, devices))
+        self.check_devices(script_command.gang_devices(command, devices))
         if frames is not None and len(frames) != command.ranks:
             raise BadRequest(f"the command runs {command.ranks} rank(s) and the client sent "
                              f"{len(frames)} socket(s): one per rank")
@@ -238,37 +236,10 @@ class Engine:
         self._step()
         return record
 
-    def _start_script(self, record: JobRecord, command: scripts.ScriptCommand,
+    def _start_script(self, record: JobRecord, command: script_command.ScriptCommand,
                       frames: Sequence[RawFrame] | None) -> None:
         scripts.start(self.core, record, command, frames)
-        self._limit(record, command)
-
-    def _limit(self, record: JobRecord, command: scripts.ScriptCommand) -> None:
-        """Slurm's `--time` and `--signal` for a script job: its `signal` that long before its
-        time limit, and at the limit the job ends failed, its command given SIGTERM and the
-        grace (`Core.end`)."""
-        limit = command.time_limit_s
-        if limit is None:
-            return
-        core = self.core
-        if command.signal is not None:
-            signum = command.signal
-            core.timers.call_later(max(0.0, limit - command.signal_before_s),
-                                   lambda: self._signal_running(record, signum))
-
-        def time_up() -> None:
-            if record.live:
-                record.limit = "time"
-                core.end(record, "failed", f"job {record.job_id} hit its time limit of "
-                         f"{limit:g} s", grace=True)
-
-        core.timers.call_later(limit, lambda: self._after(time_up))
-
-    def _signal_running(self, record: JobRecord, signum: int) -> None:
-        """`signum` to each of a live script job's processes (a gang's ranks) still running
-        its command."""
-        if record.live and record.script is not None:
-            scripts.signal_running(self.core, record, signum)
+        scripts.arm_limits(self.core, record, command, self._after)
 
     def check_memory(self, mem_bytes: int | None) -> None:
         """BadRequest when no device of this node can hold `mem_bytes` (a `--mem` request)."""
@@ -306,7 +277,7 @@ class Engine:
                           "this salusd restarted without --cluster")
         elif kind == "batch":
             load(self.core, record, restore=True)
-        elif is_script(record) and self._waited(record):
+        elif is_script(record) and dependencies.waits_again(self.core, record):
             self.waiting[job_id] = dependencies.Waiting(record, scripts.stored(record), None)
         elif is_script(record):
             scripts.restored(self.core, record, restarts)
@@ -317,17 +288,6 @@ class Engine:
             record.awaiting_client = record.held = True
             load(self.core, record, restore=True)
         self._step()
-
-    def _waited(self, record: JobRecord) -> bool:
-        """Whether a restored script job was still waiting for its `--after` jobs: one of them
-        has not finished (it starts the moment they all have, so one that has started finds
-        them all finished). Then it waits again, for the ones still live."""
-        after = [int(a) for a in record.spec.get("after", ())]
-        if all((ended := dependencies.outcome(self.core, a)) is not None
-               and ended[0] == "finished" for a in after):
-            return False
-        record.after = tuple(after)
-        return True
 
     def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward the client's state to the job's executors, which load and measure it."""

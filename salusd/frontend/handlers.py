@@ -53,8 +53,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from salus.daemon.engine import scripts
-from salus.daemon.engine.engine import Engine, ok_frame
+from salus.daemon.engine import script_command
+from salus.daemon.engine.core import ok_frame
+from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, parse_id
 from salus.daemon.engine.report import job_info, snapshot
 from salus.daemon.limits import MAX_PATH_CHARS, MAX_RESTARTS, check_priority
@@ -221,15 +222,15 @@ class Handlers:
             if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'run' carries the client's end of a socket pair, on which "
                                  "it sends its stdin, stdout and stderr")
-            command = scripts.check(request.get("command"), request.get("cwd"),
+            command = script_command.check(request.get("command"), request.get("cwd"),
                                     request.get("env"), request.get("restart", "never"),
                                     request.get("max_restarts", MAX_RESTARTS))
-            command = scripts.with_limits(command, request.get("time_limit_s"),
+            command = script_command.with_limits(command, request.get("time_limit_s"),
                                           request.get("signal"),
                                           request.get("signal_before_s"))
-            command = scripts.with_grace(command, request.get("grace_s"))
-            command = scripts.with_memory(command, request.get("mem_bytes"))
-            command = scripts.with_array(command, request.get("array_index"),
+            command = script_command.with_grace(command, request.get("grace_s"))
+            command = script_command.with_memory(command, request.get("mem_bytes"))
+            command = script_command.with_array(command, request.get("array_index"),
                                          request.get("array_job"))
             command = as_caller(client.owner, command)
             record = self.engine.run_script(

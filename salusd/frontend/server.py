@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from salus.daemon.engine.engine import error_frame
+from salus.daemon.engine.core import error_frame
 from salus.daemon.engine.registry import Owner
 from salus.daemon.loop import Link, Loop
 from salus.daemon.wire.address import format_address

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Path, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
-from salus.daemon.engine import scripts
+from salus.daemon.engine import script_command
 from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.owners import as_caller
 from salus.daemon.rest.auth import Principal, principal
@@ -128,12 +128,12 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     per device (data-parallel); with `nodes` > 1 the gang spans that many nodes of the
     cluster (submitted to each)."""
     if body.command is not None:
-        command = scripts.check(body.command, body.cwd, _script_env(who, body.env),
+        command = script_command.check(body.command, body.cwd, _script_env(who, body.env),
                                 body.restart, body.max_restarts)
-        command = scripts.with_limits(command, body.time_limit_s, body.signal,
+        command = script_command.with_limits(command, body.time_limit_s, body.signal,
                                       body.signal_before_s)
-        command = scripts.with_grace(command, body.grace_s)
-        command = scripts.with_memory(command, body.mem_bytes)
+        command = script_command.with_grace(command, body.grace_s)
+        command = script_command.with_memory(command, body.mem_bytes)
         command = await run_in_threadpool(as_caller, who.owner, command)
 
         # A torchrun command runs its ranks as a gang, one per device (`devices`: as many).
