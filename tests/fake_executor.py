@@ -22,7 +22,7 @@ from typing import Any
 
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord
-from salus.daemon.executor.runtime import is_iteration
+from salus.daemon.executor.results import is_iteration
 from salus.daemon.wire.executor_ops import (
     Ack,
     Attach,

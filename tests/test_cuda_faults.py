@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from salus.daemon.executor import output
+from salus.daemon.executor.cuda_call import seeded_state
 from salus.daemon.executor.cuda_errors import is_oom, is_sticky
 from salus.daemon.executor.main import Executor
-from salus.daemon.executor.runtime import JobRuntime, State, seeded_state
+from salus.daemon.executor.runtime import JobRuntime, State
 from salus.daemon.executor.slot import Slot
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.codec import PickledPayload

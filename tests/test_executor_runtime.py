@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from salus.daemon.executor.runtime import JobRuntime, State, to_host
+from salus.daemon.executor.results import to_host
+from salus.daemon.executor.runtime import JobRuntime, State
 from salus.daemon.wire import compact
 
 

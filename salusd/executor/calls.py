@@ -8,7 +8,8 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from salus.daemon.executor.measure import EstimationError
-from salus.daemon.executor.runtime import JobRuntime, call_error, error_text, is_iteration
+from salus.daemon.executor.results import call_error, error_text, is_iteration
+from salus.daemon.executor.runtime import JobRuntime
 from salus.daemon.wire.executor_ops import (
     Ack,
     Attach,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from salus.daemon.executor.calls import handle
-from salus.daemon.executor.runtime import error_text
+from salus.daemon.executor.results import error_text
 from salus.daemon.executor.slot import Slot
 from salus.daemon.services.slowdown import check_factor
 from salus.daemon.wire.executor_ops import (

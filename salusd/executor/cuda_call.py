@@ -116,3 +116,12 @@ def make_room(cuda: CudaCall | None, lane_bytes: int, cap: ProcessCap) -> None:
     reserved = torch.cuda.memory_reserved(cuda.device)
     if needs_room(reserved, lane_bytes, cap.bytes_on(str(cuda.device))):
         torch.cuda.empty_cache()
+
+
+def seeded_state(device: torch.device, seed: int) -> torch.Tensor:
+    """The state of `device`'s generator once seeded with `seed` (as `torch.manual_seed(seed)`
+    leaves every device's generator), without touching the device's own generator: jobs that
+    share a process each start their stream there, not where the last job left it."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator.get_state()

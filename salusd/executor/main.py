@@ -35,7 +35,8 @@ from salus.daemon.executor.contract import Contract
 from salus.daemon.executor.cuda_call import make_room
 from salus.daemon.executor.output import HOLD_S
 from salus.daemon.executor.process import become
-from salus.daemon.executor.runtime import JobRuntime, error_text, is_iteration
+from salus.daemon.executor.results import error_text, is_iteration
+from salus.daemon.executor.runtime import JobRuntime
 from salus.daemon.executor.slot import Slot
 from salus.daemon.executor.spin import spin_window_s
 from salus.daemon.executor.zygote import die_with_parent

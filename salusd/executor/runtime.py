@@ -15,36 +15,37 @@ device the job's CUDA generator state is kept with the job and set around each c
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import os
 import time
-import traceback
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from salus.daemon.executor import checkpoint, context, gang, unpickled
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
-from salus.daemon.executor.cuda_call import CudaCall
+from salus.daemon.executor.cuda_call import CudaCall, seeded_state
 from salus.daemon.executor.cuda_errors import is_sticky
 from salus.daemon.executor.intact import snapshot, unchanged
 from salus.daemon.executor.left_behind import device_bytes_left
 from salus.daemon.executor.measure import (
-    EstimationError,
     Footprint,
     estimate_call_peak,
     held_bytes,
     state_footprint,
 )
 from salus.daemon.executor.peak import PeakMeter
-from salus.daemon.executor.results import error_text, is_iteration, result_message
+from salus.daemon.executor.results import (
+    call_error,
+    error_text,
+    is_iteration,
+    result_message,
+    to_device,
+    to_host,
+)
 from salus.daemon.executor.state_move import move_state
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.services.comm import Comm
@@ -59,49 +60,6 @@ MAX_FUNCTIONS = 1024
 
 class State(types.SimpleNamespace):
     """The job's objects by the names the client attached them under (`s.model`, `s.opt`)."""
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return obj
-
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(device, non_blocking=True)
-        to = getattr(x, "to", None)
-        return to(device) if callable(to) and not isinstance(x, nn.Module) else x
-
-    return tree_map(move, obj)
-
-
-def to_host(obj: Any, depth: int = 0) -> Any:
-    """`obj` with every tensor detached and on the CPU, through lists, tuples (named too),
-    dicts (their subclasses, e.g. a `ModelOutput`, copied and filled) and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
-    if depth > 64:
-        return obj
-    if isinstance(obj, dict):
-        out = copy.copy(obj) if type(obj) is not dict else {}
-        for key, value in obj.items():
-            out[key] = to_host(value, depth + 1)
-        return out
-    if isinstance(obj, list):
-        return [to_host(v, depth + 1) for v in obj]
-    if isinstance(obj, tuple):
-        items = [to_host(v, depth + 1) for v in obj]
-        if hasattr(obj, "_fields"):
-            return type(obj)(*items)
-        try:
-            return type(obj)(items)
-        except TypeError:  # a tuple subclass built some other way
-            return tuple(items)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        filled = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(filled, f.name, to_host(getattr(obj, f.name), depth + 1))
-        return filled
-    return obj
 
 
 class JobRuntime:
@@ -235,7 +193,7 @@ class JobRuntime:
         else:
             cuda.begin(self.cuda_rng)
         try:
-            args, kwargs = _to_device((args, kwargs), self.device)
+            args, kwargs = to_device((args, kwargs), self.device)
             began = time.monotonic()
             with self.slowdown if slowed else contextlib.nullcontext():
                 result = fn(self.state, *args, **kwargs)
@@ -532,57 +490,7 @@ class JobRuntime:
         return fn
 
 
-def seeded_state(device: torch.device, seed: int) -> torch.Tensor:
-    """The state of `device`'s generator once seeded with `seed` (as `torch.manual_seed(seed)`
-    leaves every device's generator), without touching the device's own generator: jobs that
-    share a process each start their stream there, not where the last job left it."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator.get_state()
-
-
 def _set_rng(request: dict[str, Any]) -> None:
     rng = request.get("rng")
     if isinstance(rng, torch.Tensor):
         torch.set_rng_state(rng)
-
-
-def call_error(exc: BaseException) -> dict[str, Any]:
-    """The error reply for an exception of the job's own code: its type, message and the job's
-    own traceback lines (the executor's frames are left out)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    lines = traceback.format_exception(type(exc), exc, tb)
-    text = "".join(lines)
-    _drop_frames(exc)
-    reply: dict[str, Any] = {
-        "ok": False, "code": "call_failed",
-        "message": f"{type(exc).__name__}: {exc}",
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "traceback": text[-20_000:],
-    }
-    try:
-        cloudpickle.dumps(exc)
-        reply["exception"] = Pickled(exc, "exception")
-    except Exception:  # an exception that cannot travel still has its text
-        pass
-    return reply
-
-
-def _drop_frames(exc: BaseException) -> None:
-    """Detach the tracebacks of `exc` and of the exceptions it chains, once their text is
-    taken: the frames they hold keep the call's arguments alive, and the reply keeps `exc`
-    until it is sent (an argument lent out of the client's pool would then look kept, and the
-    line would copy its arguments from then on)."""
-    pending, seen = [exc], set()
-    while pending:
-        e = pending.pop()
-        if id(e) not in seen:
-            seen.add(id(e))
-            e.__traceback__ = None
-            pending += [c for c in (e.__cause__, e.__context__) if c is not None]
-
-
-__all__ = ["EstimationError", "JobRuntime", "State", "call_error", "error_text", "is_iteration",
-           "result_message", "to_host"]
