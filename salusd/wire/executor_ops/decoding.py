@@ -3,8 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
+from salus.daemon.wire.executor_ops.fields import (
+    MISSING,
+    bad,
+    boolean,
+    false,
+    integer,
+    integer_or_none,
+    maybe_boolean,
+    maybe_dict,
+    maybe_integer,
+    maybe_number,
+    maybe_text,
+    nested,
+    number,
+    only,
+    text,
+    text_or_none,
+    true,
+)
 from salus.daemon.wire.executor_ops.messages import (
     Ack,
     Adopt,
@@ -51,125 +69,6 @@ from salus.daemon.wire.executor_ops.messages import (
     Wire,
 )
 
-_MISSING: Any = object()
-
-
-# ---- decode: field checks -------------------------------------------------------------------
-def _bad(what: str, key: str, want: str, got: Any) -> ValueError:
-    if got is _MISSING:
-        return ValueError(f"executor message {what}: field {key!r} is missing ({want})")
-    return ValueError(f"executor message {what}: field {key!r} must be {want}, got "
-                      f"{got!r:.100}")
-
-
-def _only(d: Wire, what: str, keys: frozenset[str]) -> None:
-    if not d.keys() <= keys:
-        unknown = sorted(set(d) - keys)
-        raise ValueError(f"executor message {what}: unknown field(s) {unknown}; it has "
-                         f"{sorted(keys)}")
-
-
-def _int(d: Wire, what: str, key: str) -> int:
-    v = d.get(key, _MISSING)
-    if type(v) is int:
-        return v
-    raise _bad(what, key, "an int", v)
-
-
-def _int_or_none(d: Wire, what: str, key: str) -> int | None:
-    v = d.get(key, _MISSING)
-    if v is None or type(v) is int:
-        return v
-    raise _bad(what, key, "an int or null", v)
-
-
-def _maybe_int(d: Wire, what: str, key: str) -> int | None:
-    """An int when the key is there; None when it is left out."""
-    v = d.get(key, _MISSING)
-    if v is _MISSING or type(v) is int:
-        return None if v is _MISSING else v
-    raise _bad(what, key, "an int, or left out", v)
-
-
-def _float(d: Wire, what: str, key: str) -> float:
-    v = d.get(key, _MISSING)
-    if type(v) is float:
-        return v
-    if type(v) is int:
-        return float(v)
-    raise _bad(what, key, "a number", v)
-
-
-def _maybe_float(d: Wire, what: str, key: str) -> float | None:
-    v = d.get(key, _MISSING)
-    if type(v) is float:
-        return v
-    if v is _MISSING:
-        return None
-    if type(v) is int:
-        return float(v)
-    raise _bad(what, key, "a number, or left out", v)
-
-
-def _bool(d: Wire, what: str, key: str) -> bool:
-    v = d.get(key, _MISSING)
-    if type(v) is bool:
-        return v
-    raise _bad(what, key, "true or false", v)
-
-
-def _maybe_bool(d: Wire, what: str, key: str) -> bool | None:
-    v = d.get(key, _MISSING)
-    if v is _MISSING or type(v) is bool:
-        return None if v is _MISSING else v
-    raise _bad(what, key, "true or false, or left out", v)
-
-
-def _str(d: Wire, what: str, key: str) -> str:
-    v = d.get(key, _MISSING)
-    if type(v) is str:
-        return v
-    raise _bad(what, key, "a string", v)
-
-
-def _str_or_none(d: Wire, what: str, key: str) -> str | None:
-    v = d.get(key, _MISSING)
-    if v is None or type(v) is str:
-        return v
-    raise _bad(what, key, "a string or null", v)
-
-
-def _maybe_str(d: Wire, what: str, key: str) -> str | None:
-    v = d.get(key, _MISSING)
-    if v is _MISSING or type(v) is str:
-        return None if v is _MISSING else v
-    raise _bad(what, key, "a string, or left out", v)
-
-
-def _maybe_dict(d: Wire, what: str, key: str) -> dict[str, Any] | None:
-    v = d.get(key, _MISSING)
-    if v is _MISSING or type(v) is dict:
-        return None if v is _MISSING else v
-    raise _bad(what, key, "an object, or left out", v)
-
-
-def _object(d: Wire, what: str, key: str, *, null: bool) -> Wire | None:
-    v = d.get(key, _MISSING)
-    if type(v) is dict or (null and v is None):
-        return v
-    raise _bad(what, key, "an object or null" if null else "an object", v)
-
-
-def _true(d: Wire, what: str, key: str) -> None:
-    if d.get(key, _MISSING) is not True:
-        raise _bad(what, key, "true", d.get(key, _MISSING))
-
-
-def _false(d: Wire, what: str, key: str) -> None:
-    if d.get(key, _MISSING) is not False:
-        raise _bad(what, key, "false", d.get(key, _MISSING))
-
-
 # ---- decode: nested values ------------------------------------------------------------------
 _GANG_KEYS = frozenset({"rank", "world", "port", "local", "store", "key", "loopback"})
 
@@ -178,38 +77,38 @@ def _gang_place(raw: Wire | None, what: str) -> GangPlace | None:
     if raw is None:
         return None
     what = f"{what}: gang"
-    _only(raw, what, _GANG_KEYS)
-    return GangPlace(_int(raw, what, "rank"), _int(raw, what, "world"),
-                     _maybe_int(raw, what, "port"), _maybe_int(raw, what, "local"),
-                     _maybe_str(raw, what, "store"), _maybe_str(raw, what, "key"),
-                     _maybe_bool(raw, what, "loopback"))
+    only(raw, what, _GANG_KEYS)
+    return GangPlace(integer(raw, what, "rank"), integer(raw, what, "world"),
+                     maybe_integer(raw, what, "port"), maybe_integer(raw, what, "local"),
+                     maybe_text(raw, what, "store"), maybe_text(raw, what, "key"),
+                     maybe_boolean(raw, what, "loopback"))
 
 
 def _decode_gang(d: Wire, what: str, *, required: bool) -> GangPlace | None:
     if not required and "gang" not in d:
         return None
-    raw = _object(d, what, "gang", null=required)
+    raw = nested(d, what, "gang", null=required)
     if raw is None:
         return None
     return _gang_place(raw, what)
 
 
 def _pipeline(d: Wire) -> PipelineOptions | None:
-    raw = _object(d, "'load'", "pipeline", null=True)
+    raw = nested(d, "'load'", "pipeline", null=True)
     if raw is None:
         return None
     what = "'load': pipeline"
-    _only(raw, what, frozenset({"placement", "microbatches"}))
-    return PipelineOptions(_str(raw, what, "placement"), _int(raw, what, "microbatches"))
+    only(raw, what, frozenset({"placement", "microbatches"}))
+    return PipelineOptions(text(raw, what, "placement"), integer(raw, what, "microbatches"))
 
 
 def _cache(d: Wire) -> CachePlace | None:
-    raw = _object(d, "'load'", "cache", null=True)
+    raw = nested(d, "'load'", "cache", null=True)
     if raw is None:
         return None
     what = "'load': cache"
-    _only(raw, what, frozenset({"dir", "bytes"}))
-    return CachePlace(_str(raw, what, "dir"), _int(raw, what, "bytes"))
+    only(raw, what, frozenset({"dir", "bytes"}))
+    return CachePlace(text(raw, what, "dir"), integer(raw, what, "bytes"))
 
 
 def _keys(*names: str) -> frozenset[str]:
@@ -219,29 +118,29 @@ def _keys(*names: str) -> frozenset[str]:
 # ---- decode: requests -----------------------------------------------------------------------
 def _become(d: Wire) -> Become:
     w = "'become'"
-    _only(d, w, _keys("op", "uid", "gid", "groups", "user", "home", "threads"))
-    groups = d.get("groups", _MISSING)
+    only(d, w, _keys("op", "uid", "gid", "groups", "user", "home", "threads"))
+    groups = d.get("groups", MISSING)
     if type(groups) is not list or not all(type(g) is int for g in groups):
-        raise _bad(w, "groups", "a list of ints", groups)
-    return Become(_int(d, w, "uid"), _int(d, w, "gid"), tuple(groups), _str(d, w, "user"),
-                  _str(d, w, "home"), _int(d, w, "threads"))
+        raise bad(w, "groups", "a list of ints", groups)
+    return Become(integer(d, w, "uid"), integer(d, w, "gid"), tuple(groups), text(d, w, "user"),
+                  text(d, w, "home"), integer(d, w, "threads"))
 
 
 def _host(d: Wire) -> Host:
     w = "'host'"
-    _only(d, w, _keys("op", "cwd", "estimate", "log"))
-    return Host(_str_or_none(d, w, "cwd"), _bool(d, w, "estimate"), _maybe_str(d, w, "log"))
+    only(d, w, _keys("op", "cwd", "estimate", "log"))
+    return Host(text_or_none(d, w, "cwd"), boolean(d, w, "estimate"), maybe_text(d, w, "log"))
 
 
 def _adopt(d: Wire) -> Adopt:
-    _only(d, "'adopt'", _keys("op", "channel", "pool"))
+    only(d, "'adopt'", _keys("op", "channel", "pool"))
     if "pool" in d:
-        _true(d, "'adopt'", "pool")
-    return Adopt(_bool(d, "'adopt'", "channel"), "pool" in d)
+        true(d, "'adopt'", "pool")
+    return Adopt(boolean(d, "'adopt'", "channel"), "pool" in d)
 
 
 def _attach(d: Wire) -> Attach:
-    _only(d, "'attach'", _keys("op", "gang"))
+    only(d, "'attach'", _keys("op", "gang"))
     return Attach(_decode_gang(d, "'attach'", required=True))
 
 
@@ -250,88 +149,88 @@ def _bare(cls: type[Define | Pull | DirectChannel | Step | SwapOut | Handover]
     keys = _keys("op")
 
     def decode(d: Wire) -> Request:
-        _only(d, repr(cls.op), keys)
+        only(d, repr(cls.op), keys)
         return cls()
     return decode
 
 
 def _estimate_request(d: Wire) -> Estimate:
-    _only(d, "'estimate'", _keys("op", "frame"))
-    return Estimate(_maybe_bool(d, "'estimate'", "frame"))
+    only(d, "'estimate'", _keys("op", "frame"))
+    return Estimate(maybe_boolean(d, "'estimate'", "frame"))
 
 
 _RUN_KEYS = _keys("op", "counted", "frame")
 
 
 def _run(d: Wire) -> Run:
-    _only(d, "'run'", _RUN_KEYS)
-    return Run(_bool(d, "'run'", "counted"), _maybe_bool(d, "'run'", "frame"))
+    only(d, "'run'", _RUN_KEYS)
+    return Run(boolean(d, "'run'", "counted"), maybe_boolean(d, "'run'", "frame"))
 
 
 def _lease(d: Wire) -> Lease:
-    _only(d, "'lease'", _keys("op", "granted"))
-    return Lease(_bool(d, "'lease'", "granted"))
+    only(d, "'lease'", _keys("op", "granted"))
+    return Lease(boolean(d, "'lease'", "granted"))
 
 
 def _place(d: Wire) -> Place:
     w = "'place'"
-    _only(d, w, _keys("op", "device", "budget_bytes", "slowdown", "uuid", "lane", "lane_bytes",
+    only(d, w, _keys("op", "device", "budget_bytes", "slowdown", "uuid", "lane", "lane_bytes",
                       "shared", "mps", "mps_limit_bytes", "workspace_bytes", "mps_threads",
                       "total_bytes"))
     if "shared" in d:
-        _true(d, w, "shared")
-    return Place(_str(d, w, "device"), _int(d, w, "budget_bytes"), _float(d, w, "slowdown"),
-                 _maybe_str(d, w, "uuid"), _maybe_int(d, w, "lane"),
-                 _maybe_int(d, w, "lane_bytes"), "shared" in d, _maybe_str(d, w, "mps"),
-                 _maybe_int(d, w, "mps_limit_bytes"), _maybe_int(d, w, "workspace_bytes"),
-                 _maybe_int(d, w, "mps_threads"), _maybe_int(d, w, "total_bytes"))
+        true(d, w, "shared")
+    return Place(text(d, w, "device"), integer(d, w, "budget_bytes"), number(d, w, "slowdown"),
+                 maybe_text(d, w, "uuid"), maybe_integer(d, w, "lane"),
+                 maybe_integer(d, w, "lane_bytes"), "shared" in d, maybe_text(d, w, "mps"),
+                 maybe_integer(d, w, "mps_limit_bytes"), maybe_integer(d, w, "workspace_bytes"),
+                 maybe_integer(d, w, "mps_threads"), maybe_integer(d, w, "total_bytes"))
 
 
 def _load(d: Wire) -> Load:
     w = "'load'"
-    _only(d, w, _keys("op", "path", "function", "restore", "pipeline", "cache", "dir", "gang",
+    only(d, w, _keys("op", "path", "function", "restore", "pipeline", "cache", "dir", "gang",
                       "at"))
-    return Load(_str(d, w, "path"), _str(d, w, "function"), _bool(d, w, "restore"),
-                _pipeline(d), _cache(d), _str_or_none(d, w, "dir"),
-                _decode_gang(d, w, required=False), _maybe_int(d, w, "at"))
+    return Load(text(d, w, "path"), text(d, w, "function"), boolean(d, w, "restore"),
+                _pipeline(d), _cache(d), text_or_none(d, w, "dir"),
+                _decode_gang(d, w, required=False), maybe_integer(d, w, "at"))
 
 
 def _restore(d: Wire) -> Restore:
     w = "'restore'"
-    _only(d, w, _keys("op", "dir", "gang", "at"))
-    return Restore(_str_or_none(d, w, "dir"), _decode_gang(d, w, required=False),
-                   _maybe_int(d, w, "at"))
+    only(d, w, _keys("op", "dir", "gang", "at"))
+    return Restore(text_or_none(d, w, "dir"), _decode_gang(d, w, required=False),
+                   maybe_integer(d, w, "at"))
 
 
 def _checkpoint(d: Wire) -> Checkpoint:
     w = "'checkpoint'"
-    _only(d, w, _keys("op", "dir", "job"))
-    return Checkpoint(_str_or_none(d, w, "dir"), _int(d, w, "job"))
+    only(d, w, _keys("op", "dir", "job"))
+    return Checkpoint(text_or_none(d, w, "dir"), integer(d, w, "job"))
 
 
 def _coded(cls: type[Refuse | Exit]) -> Callable[[Wire], Request]:
     keys, w = _keys("op", "code", "message"), repr(cls.op)
 
     def decode(d: Wire) -> Request:
-        _only(d, w, keys)
-        return cls(_str(d, w, "code"), _str(d, w, "message"))
+        only(d, w, keys)
+        return cls(text(d, w, "code"), text(d, w, "message"))
     return decode
 
 
 def _script(d: Wire) -> Script:
     w = "'script'"
-    _only(d, w, _keys("op", "interpreter", "argv", "env", "resume_dir", "frame", "restart"))
-    argv = d.get("argv", _MISSING)
+    only(d, w, _keys("op", "interpreter", "argv", "env", "resume_dir", "frame", "restart"))
+    argv = d.get("argv", MISSING)
     if type(argv) is not list or not all(type(a) is str for a in argv):
-        raise _bad(w, "argv", "a list of strings", argv)
-    env = d.get("env", _MISSING)
+        raise bad(w, "argv", "a list of strings", argv)
+    env = d.get("env", MISSING)
     if type(env) is not dict or not all(type(v) is str for v in env.values()):
-        raise _bad(w, "env", "an object of strings", env)
+        raise bad(w, "env", "an object of strings", env)
     restart = d.get("restart", 0)
     if type(restart) is not int or restart < 0:
-        raise _bad(w, "restart", "a non-negative integer", restart)
-    return Script(_str(d, w, "interpreter"), tuple(argv), env, _str_or_none(d, w, "resume_dir"),
-                  _maybe_bool(d, w, "frame"), restart)
+        raise bad(w, "restart", "a non-negative integer", restart)
+    return Script(text(d, w, "interpreter"), tuple(argv), env, text_or_none(d, w, "resume_dir"),
+                  maybe_boolean(d, w, "frame"), restart)
 
 
 _REQUESTS: dict[str, Callable[[Wire], Request]] = {
@@ -358,14 +257,14 @@ def decode_request(d: object) -> Request:
 
 # ---- decode: replies ------------------------------------------------------------------------
 def _decode_estimate(d: Wire, what: str, keys: frozenset[str]) -> Estimated | EstimateFailed:
-    _only(d, what, keys | {"forward"} if "forward" in d else keys)
-    forward = _bool(d, what, "forward") if "forward" in d else False
+    only(d, what, keys | {"forward"} if "forward" in d else keys)
+    forward = boolean(d, what, "forward") if "forward" in d else False
     if "reason" in d:
-        _false(d, what, "ok")
-        return EstimateFailed(_str(d, what, "reason"), forward)
-    _true(d, what, "ok")
-    return Estimated(_int(d, what, "bytes"), _str(d, what, "method"), forward,
-                     _maybe_int(d, what, "reserved_bytes"))
+        false(d, what, "ok")
+        return EstimateFailed(text(d, what, "reason"), forward)
+    true(d, what, "ok")
+    return Estimated(integer(d, what, "bytes"), text(d, what, "method"), forward,
+                     maybe_integer(d, what, "reserved_bytes"))
 
 
 _ESTIMATE_KEYS = _keys("ok", "bytes", "method", "reason", "reserved_bytes")
@@ -379,83 +278,83 @@ _STEP_DONE_KEYS = _keys("ok", "seconds", "peak", "counted", "began", "ended", "i
 def _oom(d: Wire, what: str) -> bool:
     """The `oom` flag: true, or left out (False)."""
     if "oom" in d:
-        _true(d, what, "oom")
+        true(d, what, "oom")
     return "oom" in d
 
 
 def _call_done_reply(d: Wire) -> CallDone:
     w = "'run' reply"
-    _only(d, w, _CALL_DONE_KEYS)
+    only(d, w, _CALL_DONE_KEYS)
     if "empty" in d:
-        _true(d, w, "empty")
-    return CallDone(_bool(d, w, "ok"), _float(d, w, "seconds"), _int_or_none(d, w, "peak"),
-                    _bool(d, w, "counted"), _maybe_float(d, w, "began"),
-                    _maybe_float(d, w, "ended"), _maybe_str(d, w, "message"),
-                    _maybe_dict(d, w, "cache"), _maybe_dict(d, w, "comm"), "empty" in d,
-                    _bool(d, w, "forward"), _oom(d, w))
+        true(d, w, "empty")
+    return CallDone(boolean(d, w, "ok"), number(d, w, "seconds"), integer_or_none(d, w, "peak"),
+                    boolean(d, w, "counted"), maybe_number(d, w, "began"),
+                    maybe_number(d, w, "ended"), maybe_text(d, w, "message"),
+                    maybe_dict(d, w, "cache"), maybe_dict(d, w, "comm"), "empty" in d,
+                    boolean(d, w, "forward"), _oom(d, w))
 
 
 def _step_done_reply(d: Wire) -> StepDone:
     w = "'step' reply"
-    _only(d, w, _STEP_DONE_KEYS)
-    ok = _bool(d, w, "ok")
+    only(d, w, _STEP_DONE_KEYS)
+    ok = boolean(d, w, "ok")
     loss: float | None = None
     if ok:
-        v = d.get("loss", _MISSING)
+        v = d.get("loss", MISSING)
         if v is not None:
-            loss = _float(d, w, "loss")
+            loss = number(d, w, "loss")
     elif "loss" in d:
-        raise _bad(w, "loss", "left out when the step failed", d["loss"])
+        raise bad(w, "loss", "left out when the step failed", d["loss"])
     evaluation = d.get("evaluation")
     if evaluation is not None and type(evaluation) is not str:
-        evaluation = _float(d, w, "evaluation")
-    return StepDone(ok, _float(d, w, "seconds"), _int_or_none(d, w, "peak"),
-                    _bool(d, w, "counted"), _float(d, w, "began"), _float(d, w, "ended"),
-                    _int(d, w, "iteration"), loss, evaluation, _maybe_str(d, w, "message"),
-                    _maybe_str(d, w, "traceback"), _maybe_dict(d, w, "cache"),
-                    _maybe_dict(d, w, "comm"), _bool(d, w, "forward"), _oom(d, w))
+        evaluation = number(d, w, "evaluation")
+    return StepDone(ok, number(d, w, "seconds"), integer_or_none(d, w, "peak"),
+                    boolean(d, w, "counted"), number(d, w, "began"), number(d, w, "ended"),
+                    integer(d, w, "iteration"), loss, evaluation, maybe_text(d, w, "message"),
+                    maybe_text(d, w, "traceback"), maybe_dict(d, w, "cache"),
+                    maybe_dict(d, w, "comm"), boolean(d, w, "forward"), _oom(d, w))
 
 
 def _ready_reply(d: Wire) -> Ready:
     w = "'ready'"
-    _only(d, w, _keys("op", "unsolicited", "counted", "estimate", "forward"))
-    _false(d, w, "forward")
-    raw = d.get("estimate", _MISSING)
-    if raw is _MISSING:
-        return Ready(_bool(d, w, "counted"))
+    only(d, w, _keys("op", "unsolicited", "counted", "estimate", "forward"))
+    false(d, w, "forward")
+    raw = d.get("estimate", MISSING)
+    if raw is MISSING:
+        return Ready(boolean(d, w, "counted"))
     if type(raw) is not dict:
-        raise _bad(w, "estimate", "an object, or left out", raw)
+        raise bad(w, "estimate", "an object, or left out", raw)
     if "forward" in raw:
         raise ValueError(f"executor message {w}: field 'estimate' has a 'forward' field")
-    return Ready(_bool(d, w, "counted"), _decode_estimate(raw, f"{w}: estimate",
+    return Ready(boolean(d, w, "counted"), _decode_estimate(raw, f"{w}: estimate",
                                                           _ESTIMATE_KEYS))
 
 
 def _ran_reply(d: Wire) -> Ran:
     w = "'ran'"
-    _only(d, w, _keys("op", "unsolicited", "calls", "iterations", "failed", "seconds", "peak",
+    only(d, w, _keys("op", "unsolicited", "calls", "iterations", "failed", "seconds", "peak",
                       "began", "ended", "forward", "oom"))
-    _false(d, w, "forward")
-    return Ran(_int(d, w, "calls"), _int(d, w, "iterations"), _int(d, w, "failed"),
-               _float(d, w, "seconds"), _int_or_none(d, w, "peak"), _float(d, w, "began"),
-               _float(d, w, "ended"), _oom(d, w))
+    false(d, w, "forward")
+    return Ran(integer(d, w, "calls"), integer(d, w, "iterations"), integer(d, w, "failed"),
+               number(d, w, "seconds"), integer_or_none(d, w, "peak"), number(d, w, "began"),
+               number(d, w, "ended"), _oom(d, w))
 
 
 def _progress_reply(d: Wire) -> Progress:
     w = "'progress'"
-    _only(d, w, _keys("op", "unsolicited", "step", "max_steps", "loss", "forward"))
-    _false(d, w, "forward")
-    loss = d.get("loss", _MISSING)
-    return Progress(_int(d, w, "step"), _int_or_none(d, w, "max_steps"),
-                    None if loss is None else _float(d, w, "loss"))
+    only(d, w, _keys("op", "unsolicited", "step", "max_steps", "loss", "forward"))
+    false(d, w, "forward")
+    loss = d.get("loss", MISSING)
+    return Progress(integer(d, w, "step"), integer_or_none(d, w, "max_steps"),
+                    None if loss is None else number(d, w, "loss"))
 
 
 def _plain_reply(d: Wire, w: str, keys: frozenset[str]) -> bool:
     """Checks a reply's fields against `keys` (with ok and forward) and its ok: the forward
     flag."""
-    _only(d, w, keys | {"ok", "forward"})
-    _true(d, w, "ok")
-    return _bool(d, w, "forward")
+    only(d, w, keys | {"ok", "forward"})
+    true(d, w, "ok")
+    return boolean(d, w, "forward")
 
 
 def decode_reply(d: object) -> Reply:
@@ -464,71 +363,71 @@ def decode_reply(d: object) -> Reply:
     if type(d) is not dict:
         raise ValueError(f"an executor reply is a JSON object, not {type(d).__name__}")
     if "unsolicited" in d:
-        _true(d, "(unsolicited)", "unsolicited")
+        true(d, "(unsolicited)", "unsolicited")
         op = d.get("op")
         if op == "ready":
             return _ready_reply(d)
         if op == "ran":
             return _ran_reply(d)
         if op == "exited":
-            _only(d, "'exited'", _keys("op", "unsolicited", "code", "forward"))
-            _false(d, "'exited'", "forward")
-            return Exited(_int(d, "'exited'", "code"))
+            only(d, "'exited'", _keys("op", "unsolicited", "code", "forward"))
+            false(d, "'exited'", "forward")
+            return Exited(integer(d, "'exited'", "code"))
         if op == "progress":
             return _progress_reply(d)
         if op == "poisoned":
-            _only(d, "'poisoned'", _keys("op", "unsolicited", "message", "forward"))
-            _false(d, "'poisoned'", "forward")
-            return Poisoned(_str(d, "'poisoned'", "message"))
+            only(d, "'poisoned'", _keys("op", "unsolicited", "message", "forward"))
+            false(d, "'poisoned'", "forward")
+            return Poisoned(text(d, "'poisoned'", "message"))
         raise ValueError(f"unknown unsolicited executor message {op!r}")
     if "handed_over" in d:
         w = "'handover' reply"
-        _only(d, w, _keys("ok", "handed_over", "channel", "message", "forward", "pool"))
-        _true(d, w, "handed_over")
+        only(d, w, _keys("ok", "handed_over", "channel", "message", "forward", "pool"))
+        true(d, w, "handed_over")
         if "pool" in d:
-            _true(d, w, "pool")
-        return HandedOver(_bool(d, w, "ok"), _bool(d, w, "channel"), _maybe_str(d, w, "message"),
-                          _bool(d, w, "forward"), "pool" in d)
+            true(d, w, "pool")
+        return HandedOver(boolean(d, w, "ok"), boolean(d, w, "channel"),
+                          maybe_text(d, w, "message"), boolean(d, w, "forward"), "pool" in d)
     if "seconds" in d and "path" not in d:
         return _step_done_reply(d) if "iteration" in d else _call_done_reply(d)
     if "placed_reserved_bytes" in d:
         w = "'place' reply"
         forward = _plain_reply(d, w, _keys("placed_reserved_bytes"))
-        return Placed(_int(d, w, "placed_reserved_bytes"), forward)
+        return Placed(integer(d, w, "placed_reserved_bytes"), forward)
     if "swap" in d:
         w = "'swap' reply"
         forward = _plain_reply(d, w, _keys("swap"))
         swap = d["swap"]
         if type(swap) is not dict or not all(
                 type(v) in (int, str) or v is None for v in swap.values()):
-            raise _bad(w, "swap", "an object of ints, strings and nulls", swap)
+            raise bad(w, "swap", "an object of ints, strings and nulls", swap)
         return Swapped(swap, forward)
     if "path" in d:
         w = "'checkpoint' reply"
         forward = _plain_reply(d, w, _keys("iteration", "bytes", "seconds", "path", "time"))
-        return Checkpointed(_int(d, w, "iteration"), _int(d, w, "bytes"),
-                            _float(d, w, "seconds"), _str(d, w, "path"), _float(d, w, "time"),
+        return Checkpointed(integer(d, w, "iteration"), integer(d, w, "bytes"),
+                            number(d, w, "seconds"), text(d, w, "path"), number(d, w, "time"),
                             forward)
     if "threads" in d:
         w = "'attach' reply"
         forward = _plain_reply(d, w, _keys("persistent_bytes", "threads",
                                            "persistent_reserved_bytes"))
-        return Attached(_int(d, w, "persistent_bytes"), _int(d, w, "threads"), forward,
-                        _maybe_int(d, w, "persistent_reserved_bytes"))
+        return Attached(integer(d, w, "persistent_bytes"), integer(d, w, "threads"), forward,
+                        maybe_integer(d, w, "persistent_reserved_bytes"))
     if "persistent_bytes" in d:
         w = "'load' reply"
         forward = _plain_reply(d, w, _keys("persistent_bytes", "iteration",
                                            "persistent_reserved_bytes"))
-        return Loaded(_int(d, w, "persistent_bytes"), _int(d, w, "iteration"), forward,
-                      _maybe_int(d, w, "persistent_reserved_bytes"))
+        return Loaded(integer(d, w, "persistent_bytes"), integer(d, w, "iteration"), forward,
+                      maybe_integer(d, w, "persistent_reserved_bytes"))
     if "method" in d or "reason" in d:
         estimate = _decode_estimate(d, "'estimate' reply", _ESTIMATE_KEYS)
-        _bool(d, "'estimate' reply", "forward")
+        boolean(d, "'estimate' reply", "forward")
         return estimate
     w = "reply"
-    _only(d, w, _keys("ok", "message", "forward"))
-    if _bool(d, w, "ok"):
+    only(d, w, _keys("ok", "message", "forward"))
+    if boolean(d, w, "ok"):
         if "message" in d:
-            raise _bad(w, "message", "left out of an ok reply", d["message"])
-        return Ack(_bool(d, w, "forward"))
-    return Failed(_maybe_str(d, w, "message"), _bool(d, w, "forward"))
+            raise bad(w, "message", "left out of an ok reply", d["message"])
+        return Ack(boolean(d, w, "forward"))
+    return Failed(maybe_text(d, w, "message"), boolean(d, w, "forward"))
