@@ -8,31 +8,21 @@ in a direct run:
 
 Under salusd every `torch.optim.Optimizer.step()` is a boundary already (`SALUS_BOUNDARY=explicit`
 turns that off, leaving `salus.step()` alone); outside salusd `step()` does nothing. The executor
-that runs the script installs the boundary (`install`); the framework callbacks
-(`salus.lightning`, `salus.hf`) report through `report`.
+that runs the script installs the boundary (`salus.daemon.wire.script_hooks`, where the hooks'
+state lives); the framework callbacks (`salus.lightning`, `salus.hf`) report through `report`.
 
-This module imports only the standard library: a script of an environment without torch (a
-JAX or numpy loop) marks its boundaries with `salus.adapters.script.step()`, and
-`salus.adapters.torch` re-exports the same functions (one state: `install` reaches both).
+This module (and `script_hooks`) imports only the standard library: a script of an environment
+without torch (a JAX or numpy loop) marks its boundaries with `salus.adapters.script.step()`,
+and `salus.adapters.torch` re-exports the same functions (one state, in `script_hooks`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
-RESUME_ENV = "SALUS_RESUME_DIR"
-BOUNDARY_ENV = "SALUS_BOUNDARY"
+from salus.daemon.wire.script_hooks import BOUNDARY_ENV, RESUME_ENV, report, step, under_salusd
 
-_boundary: Callable[[], None] | None = None
-_progress: Callable[[int, int | None, float | None], None] | None = None
-
-
-def step() -> None:
-    """Mark an iteration boundary: under salusd the job may wait here for its lane and its
-    iteration's time and memory peak are reported; in a direct run, nothing."""
-    if _boundary is not None:
-        _boundary()
+__all__ = ["BOUNDARY_ENV", "RESUME_ENV", "report", "resume_dir", "step", "under_salusd"]
 
 
 def resume_dir() -> str:
@@ -41,22 +31,3 @@ def resume_dir() -> str:
     path = os.environ.get(RESUME_ENV) or os.path.join(os.getcwd(), "salus-resume")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
-
-
-def under_salusd() -> bool:
-    """Whether this process is a script job's executor."""
-    return _boundary is not None
-
-
-def report(step: int, max_steps: int | None, loss: float | None) -> None:
-    """Tell salusd the framework's own step count, its planned steps and the last logged loss
-    (a framework callback calls this; in a direct run it does nothing)."""
-    if _progress is not None:
-        _progress(step, max_steps, loss)
-
-
-def install(boundary: Callable[[], None],
-            progress: Callable[[int, int | None, float | None], None]) -> None:
-    """Called by the executor that runs the script, before the script starts."""
-    global _boundary, _progress
-    _boundary, _progress = boundary, progress

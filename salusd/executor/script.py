@@ -53,11 +53,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from salus.adapters import script as api
 from salus.daemon.executor import interpreter, process
 from salus.daemon.executor.boundaries import Boundaries, flush
 from salus.daemon.executor.on_import import imported, when_imported
 from salus.daemon.executor.output import OutputSink
+from salus.daemon.wire import script_hooks as api
 from salus.daemon.wire.executor_ops import RESTARTING, Ack, Failed, Script, addressed, encode
 from salus.daemon.wire.frames import passed_fd
 from salus.daemon.wire.json_channel import JsonChannel
