@@ -357,15 +357,25 @@ class Dispatcher:
                 continue
             yield self._start(job.job_id, (key,))
 
-    def keeper(self, key: LaneKey) -> int | None:
-        """The job that keeps lane `key` at each of its boundaries until it ends or another
-        job is admitted ahead of it, ready or not, whatever the lane's other residents want:
-        the head under a non-preemptive policy (fifo). None under a preemptive policy, or
-        when no resident may run."""
-        if self.policy.preemptive or self._sched.lanes.lane(*key) is None:
+    def lease_holder(self, key: LaneKey, unasked: Callable[[int], bool]) -> int | None:
+        """The job that may run its calls in lane `key` without asking (a lease): the lane's
+        only resident, or the head a non-preemptive policy keeps there whatever the others
+        want (fifo runs it until it ends while they wait), if it is admitted or running and
+        `unasked(job_id)` (the daemon's check: a direct channel, nothing queued through the
+        daemon). None under a preemptive policy while others share the lane: one of them may
+        be picked at the next boundary."""
+        lane = self._sched.lanes.lane(*key)
+        if lane is None or not lane.residents:
             return None
-        decision = self._sched.next_iteration(*key)
-        return None if decision is None else decision.job_id
+        chosen: int | None = lane.residents[0]
+        if len(lane.residents) > 1:
+            if self.policy.preemptive:
+                return None
+            pick = self._sched.next_iteration(*key)
+            chosen = None if pick is None else pick.job_id
+        if chosen is None or self._sched.jobs[chosen].state not in _LIVE or not unasked(chosen):
+            return None
+        return chosen
 
     def _ready(self, job: Job) -> bool:
         work = self._work.get(job.job_id)

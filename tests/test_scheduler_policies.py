@@ -155,17 +155,23 @@ def test_pack_prefers_the_oldest_ready_job_in_a_lane() -> None:
 
 
 def test_only_fifo_keeps_a_lane_for_one_job_whatever_the_others_want() -> None:
-    """`Dispatcher.keeper` names the job a lane's lease may go to while other jobs wait there:
-    fifo's head, which every pick returns until it ends (its readiness aside); no job under a
-    preemptive policy, where a waiting job may be picked at the next boundary."""
+    """`Dispatcher.lease_holder` names the job a lane's lease may go to: its only resident;
+    where other jobs wait there, fifo's head, which every pick returns until it ends (its
+    readiness aside), and no job under a preemptive policy, where a waiting job may be picked
+    at the next boundary; never a job the caller says may not run unasked."""
     from salus.scheduler.dispatch import Dispatcher
 
     for name in ("fifo", "srtf", "fair", "pack"):
         dispatch = Dispatcher([100], make_policy(name), clock=lambda: 0.0)
-        for jid, submit in ((0, 0.0), (1, 1.0)):  # two 30+40-byte jobs: one shared lane
-            dispatch.submit(Job(jid, submit, 5, 30, 40))
+        dispatch.submit(Job(0, 0.0, 5, 30, 40))
+        (lane,) = dispatch.lanes()
+        assert dispatch.lease_holder(lane.key, lambda _: True) == 0, name  # alone
+        assert dispatch.lease_holder(lane.key, lambda _: False) is None, name
+        dispatch.submit(Job(1, 1.0, 5, 30, 40))  # two 30+40-byte jobs: one shared lane
         (lane,) = dispatch.lanes()
         assert sorted(lane.residents) == [0, 1]
         pick = dispatch.scheduler.next_iteration(*lane.key)
         assert pick is not None
-        assert dispatch.keeper(lane.key) == (pick.job_id if name == "fifo" else None), name
+        want = pick.job_id if name == "fifo" else None
+        assert dispatch.lease_holder(lane.key, lambda _: True) == want, name
+        assert dispatch.lease_holder(lane.key, lambda j, w=want: j != w) is None, name

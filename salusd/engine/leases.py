@@ -1,5 +1,7 @@
 """Leases: a job alone in its lane, or the one fifo keeps there until it ends, attached by a
-direct channel, runs its calls without asking.
+direct channel, runs its calls without asking. Which job may hold a lane's lease is the
+dispatcher's decision (`Dispatcher.lease_holder`); this module adds the daemon's own conditions
+(the job's client and calls) and sends the grants and revocations.
 
 A lease makes the lane busy with its holder (`Dispatcher.hold`) until the executor gives it
 back; the calls it ran meanwhile are reported afterwards (`ran`) and accounted then.
@@ -11,7 +13,6 @@ from salus.daemon.engine.core import Core, LaneKey
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.executor_ops import Lease
-from salus.scheduler import JobState
 
 
 class Leases:
@@ -32,7 +33,7 @@ class Leases:
         dispatch = self.core.dispatch
         for lane in dispatch.lanes():
             holder = self.held.get(lane.key)
-            wanted = self._candidate(lane.key, lane.residents)
+            wanted = self._candidate(lane.key)
             if holder is not None and holder != wanted:
                 self._revoke(lane.key, holder)
             elif (holder is None and wanted is not None and lane.busy_job is None
@@ -57,30 +58,28 @@ class Leases:
         self.revoking.add(key)
         self.core.outbox.send(record, Sent("revoke", lane=key), Lease(granted=False))
 
-    def _candidate(self, key: LaneKey, residents: tuple[int, ...]) -> int | None:
-        """The job to hold lane `key`'s lease: its only resident, or the one the policy keeps
-        there whatever the others want (`Dispatcher.keeper`: fifo's head job, which runs
-        until it ends while the lane's other jobs wait), if it may run unasked."""
+    def _candidate(self, key: LaneKey) -> int | None:
+        """The job to hold lane `key`'s lease, as the dispatcher decides it
+        (`Dispatcher.lease_holder`), if its calls may run unasked (`_unasked`)."""
         core = self.core
-        if not residents or core.stopping or core.pending_policy is not None:
+        if core.stopping or core.pending_policy is not None:
             return None
-        chosen = residents[0] if len(residents) == 1 else core.dispatch.keeper(key)
-        if chosen is None:
-            return None
-        record = core.registry.live.get(chosen)
-        job = core.dispatch.job(chosen)
-        # A queued direct call (its `Ready`, in the executor) does not stand in the way: the
-        # grant answers it (`turns.on_lease`), and a `Run` the daemon sends for it later is
-        # answered empty under the lease. Without this a job whose `Ready` came with the
-        # report of its last iteration (a script at every boundary) got the lease only when
-        # the two were read apart, and paid a round trip per step until then.
-        if (record is None or job is None or not record.direct
-                or any(call.frame is not None for call in record.calls)
-                or record.held or record.swap_requested or record.cancel_requested
-                or record.phase != "submitted"
-                or job.state not in (JobState.ADMITTED, JobState.RUNNING)):
-            return None
-        return record.job_id
+        return core.dispatch.lease_holder(key, self._unasked)
+
+    def _unasked(self, job_id: int) -> bool:
+        """Whether job `job_id`'s calls may run without asking: it is attached by a direct
+        channel, has no call queued through the daemon, and is neither held, nor being
+        swapped out or cancelled.
+
+        A queued direct call (its `Ready`, in the executor) does not stand in the way: the
+        grant answers it (`turns.on_lease`), and a `Run` the daemon sends for it later is
+        answered empty under the lease. Without this a job whose `Ready` came with the report
+        of its last iteration (a script at every boundary) got the lease only when the two
+        were read apart, and paid a round trip per step until then."""
+        record = self.core.registry.live.get(job_id)
+        return (record is not None and record.direct and record.phase == "submitted"
+                and not any(call.frame is not None for call in record.calls)
+                and not (record.held or record.swap_requested or record.cancel_requested))
 
     def revoked(self, record: JobRecord, key: LaneKey) -> None:
         """The executor gave lane `key`'s lease back (after any call it was running)."""
