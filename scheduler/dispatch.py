@@ -99,6 +99,14 @@ class Update:
     moved: tuple[tuple[Placement, int], ...] = ()
 
 
+_NO_CHANGE = Update()  # frozen, so one instance serves every input that changed nothing
+
+
+def _placed(made: Sequence[Placement]) -> Update:
+    """The update for admissions `made` (the shared empty one when none was made)."""
+    return Update(tuple(made)) if made else _NO_CHANGE
+
+
 @dataclass(frozen=True)
 class JobView:
     """A read-only copy of the scheduler's job (bytes, seconds)."""
@@ -175,7 +183,7 @@ class Dispatcher:
         made = self._sched.submit(job)
         self.version += 1
         self._work[job.job_id] = _Work(driven, open_ended)
-        return Update(tuple(made))
+        return _placed(made)
 
     def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> Update:
         """Re-admit with corrected sizes (bytes); ValueError, nothing changed, if never fits."""
@@ -247,7 +255,7 @@ class Dispatcher:
             work = self._work.get(event.job_id)
             if work is not None and not self._sched.jobs[event.job_id].done:
                 work.calls.append(event.counted)
-            return Update()
+            return _NO_CHANGE
         if isinstance(event, Finished):
             for key in event.lanes:
                 if self._busy.get(key) == event.job_id:
@@ -261,21 +269,21 @@ class Dispatcher:
         self._sched.jobs.pop(event.job_id, None)
         self._work.pop(event.job_id, None)
         self._sched.swapped.discard(event.job_id)
-        return Update()
+        return _NO_CHANGE
 
     def _account(self, job_id: int, iterations: int, seconds: float, *,
                  started: bool) -> Update:
         job = self._sched.jobs.get(job_id)
         if job is None:
-            return Update()
+            return _NO_CHANGE
         if job.done:  # ran before it ended, reported after: counted, nothing to decide
             if iterations:
                 job.record_iterations(iterations, seconds, measure=self._measure)
-            return Update()
+            return _NO_CHANGE
         if not iterations:
             if job.state == JobState.RUNNING:
                 job.state = JobState.ADMITTED
-            return Update()
+            return _NO_CHANGE
         if not started:
             self._sched.iteration_started(job_id)
         if self._work[job_id].open_ended:
@@ -284,7 +292,7 @@ class Dispatcher:
         made = self._sched.iterations_done(job_id, iterations, seconds, measure=self._measure)
         if job.done:
             self.version += 1
-        return Update(tuple(made))
+        return _placed(made)
 
     # ---- leases -----------------------------------------------------------------------------
     def hold(self, key: LaneKey, job_id: int) -> None:
@@ -307,7 +315,7 @@ class Dispatcher:
             self._sched.jobs[j].state in _LIVE and self._ready(self._sched.jobs[j])
             for ln in self._sched.lanes.lanes(d) for j in ln.residents)]
         if not idle:
-            return Update()
+            return _NO_CHANGE
         lanes = self._sched.lanes
         waiting = [job for job in self._sched.jobs.values() if self._waits(job)]
         made: list[Placement] = []
@@ -346,10 +354,9 @@ class Dispatcher:
                     yield started
                 if key in self._reserved or key in self._busy:
                     continue
-            decision = self._sched.next_iteration(*key, ready=self._ready)
-            if decision is None:
+            job = self._sched.pick(*key, ready=self._ready)
+            if job is None:
                 continue
-            job = self._sched.jobs[decision.job_id]
             if job.gang > 1:
                 started = self._reserve_gang(job.job_id, key)
                 if started is not None:
@@ -426,6 +433,8 @@ class Dispatcher:
     def reservations(self) -> dict[LaneKey, LaneKey]:
         """Lanes held for a gang that waits for its other lanes, each with the lane whose pick
         reserved it."""
+        if not self._reserved:
+            return {}
         return {k: self._reserved_at[j] for k, j in self._reserved.items()}
 
     @property
