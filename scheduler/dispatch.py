@@ -39,7 +39,7 @@ _LIVE = (JobState.ADMITTED, JobState.RUNNING)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ready:
     """One more call of `job_id` waits to run; `counted` when it is an iteration."""
 
@@ -47,7 +47,7 @@ class Ready:
     counted: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Finished:
     """A started call of `job_id` returned on `lanes`: `iterations` of it counted (0 or 1; a
     simulator's batch may count many) in `seconds`. `first_began_s` backdates the job's first
@@ -60,7 +60,7 @@ class Finished:
     first_began_s: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RanUnderLease:
     """`iterations` of `job_id` ran in `seconds` under its lease, without a `Start`."""
 
@@ -69,7 +69,7 @@ class RanUnderLease:
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Forget:
     """`job_id` has ended and left the caller's registry: drop every trace of it."""
 
@@ -80,7 +80,7 @@ Input = Ready | Finished | RanUnderLease | Forget
 
 
 # ---- outputs --------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Start:
     """Run the next call of `job_id` on `lanes` (one per replica, in device order) now;
     `counted` says whether the dispatcher counts it as an iteration."""
@@ -90,7 +90,7 @@ class Start:
     counted: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Update:
     """What an input or a command changed: the admissions it made (`moved`: of those, the
     jobs `rebalance` moved, each with the device it left)."""
@@ -145,7 +145,7 @@ class LaneView:
         return (self.device, self.lane_id)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Work:
     """What a job has waiting: its calls (True: an iteration), or for ever (`driven`)."""
 

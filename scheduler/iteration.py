@@ -180,6 +180,8 @@ class IterationScheduler:
         return made
 
     def _mark_started(self, made: list[Placement]) -> None:
+        if not made:
+            return
         now = self.clock()
         for p in made:
             job = self.jobs.get(p.job_id)

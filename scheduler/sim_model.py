@@ -22,7 +22,7 @@ LaneKey = tuple[int, int]
 GRID_S = 2.0**-20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobRecord:
     """Outcome of one job (seconds of virtual time)."""
 
@@ -47,7 +47,7 @@ class JobRecord:
         return self.first_run_s - self.submit_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Interval:
     """`iterations` back-to-back iterations of a job in one lane (recorded with record=True)."""
 

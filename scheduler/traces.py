@@ -35,7 +35,7 @@ TIRESIAS_COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceJob:
     """One job of a trace (immutable; `to_job` makes the scheduler's mutable `Job`).
     Sizes in bytes, times in seconds."""
