@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from salus.scheduler.iteration import IterationScheduler
 from salus.scheduler.job import Job, JobState
@@ -147,14 +147,35 @@ class LaneView:
 
 @dataclass(slots=True)
 class _Work:
-    """What a job has waiting: its calls (True: an iteration), or for ever (`driven`)."""
+    """What a job has waiting: its calls (True: an iteration), or for ever (`driven`). The
+    queue of calls is made when the first one waits: a driven job (every simulated one) never
+    needs it, and an empty deque takes 760 bytes, a million of them most of a large
+    simulation's memory."""
 
     driven: bool = False
     open_ended: bool = False
-    calls: deque[bool] = field(default_factory=deque)
+    calls: deque[bool] | None = None
 
     def ready(self) -> bool:
         return self.driven or bool(self.calls)
+
+    def wait(self, counted: bool) -> None:
+        """One more call waits (`counted`: it is an iteration)."""
+        if self.calls is None:
+            self.calls = deque()
+        self.calls.append(counted)
+
+    def take(self) -> bool:
+        """Start the next call: whether it is an iteration (a driven job's always is)."""
+        if self.driven:
+            return True
+        if not self.calls:
+            raise IndexError("no call waits")
+        return self.calls.popleft()
+
+    def drop(self) -> None:
+        """Forget the calls that wait."""
+        self.calls = None
 
 
 class Dispatcher:
@@ -235,7 +256,7 @@ class Dispatcher:
         """End the job now (idempotent): its memory is freed, its waiting work dropped."""
         work = self._work.get(job_id)
         if work is not None:
-            work.calls.clear()
+            work.drop()
             work.driven = False
         for key in [k for k, j in self._reserved.items() if j == job_id]:
             del self._reserved[key]
@@ -247,14 +268,14 @@ class Dispatcher:
         """The job's waiting calls were refused (its caller shuts down): none runs."""
         work = self._work.get(job_id)
         if work is not None:
-            work.calls.clear()
+            work.drop()
 
     # ---- inputs -----------------------------------------------------------------------------
     def apply(self, event: Input) -> Update:
         if isinstance(event, Ready):
             work = self._work.get(event.job_id)
             if work is not None and not self._sched.jobs[event.job_id].done:
-                work.calls.append(event.counted)
+                work.wait(event.counted)
             return _NO_CHANGE
         if isinstance(event, Finished):
             for key in event.lanes:
@@ -379,8 +400,7 @@ class Dispatcher:
         return work is not None and work.ready()
 
     def _start(self, job_id: int, lanes: tuple[LaneKey, ...]) -> Start:
-        work = self._work[job_id]
-        counted = True if work.driven else work.calls.popleft()
+        counted = self._work[job_id].take()
         for key in lanes:
             self._busy[key] = job_id
         if counted:

@@ -101,6 +101,11 @@ def _end_order(entry: _EndEvent) -> tuple[tuple[float, int], int]:
     return entry[1], entry[2]
 
 
+def _run_order(run: Run) -> tuple[float, int]:
+    """Runs re-rated at one instant push their new ends in job order."""
+    return run.job.order_key
+
+
 __all__ = ["GRID_S", "Interval", "JobRecord", "SimResult", "Simulator", "main", "simulate"]
 
 
@@ -338,6 +343,8 @@ class Simulator:
         the batches on its busy lanes; one whose iteration ends at this instant ends now, and
         the lanes decided at this instant decide again, as a stepping engine that saw that
         lane idle would have."""
+        if not self._dirty:
+            return
         todo: set[LaneKey] = set()
         while self._dirty:
             todo |= self._dirty
@@ -396,12 +403,12 @@ class Simulator:
         touched: set[Run] = set()
         for d in self._rate_dirty:
             runs = self._dev_runs[d]
-            self._util[d] = math.fsum(r.job.util for r in runs)
-            touched.update(runs)
+            self._util[d] = math.fsum([r.job.util for r in runs])  # exact: in any order
+            touched |= runs
         self._rate_dirty.clear()
         now, util = self.now, self._util
-        for run in sorted(touched, key=lambda r: r.job.order_key):
-            rate = 1.0 / max(1.0, max(util[d] for d in run.devices))
+        for run in sorted(touched, key=_run_order) if len(touched) > 1 else touched:
+            rate = 1.0 / max(1.0, max([util[d] for d in run.devices]))
             if run.rate == rate:
                 continue
             if run.rate:

@@ -79,7 +79,7 @@ class Run:
     def __init__(self, job: Job, lanes: tuple[LaneKey, ...], count: int, now: float) -> None:
         self.job = job
         self.lanes = lanes
-        self.devices = tuple(d for d, _ in lanes)
+        self.devices = tuple([d for d, _ in lanes])
         self.count = count
         self.left = count * job.iteration_time
         self.rate = 0.0
