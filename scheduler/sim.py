@@ -263,7 +263,6 @@ class Simulator:
         run, job = obj, obj.job
         for lane in run.lanes:
             del self._running[lane]
-            self._dirty.add(lane)
             if self.record:
                 self._timeline.append(
                     Interval(lane[0], lane[1], job.job_id, run.start, self.now, run.count)
@@ -276,6 +275,10 @@ class Simulator:
             Finished(job.job_id, run.lanes, run.count, run.count * job.iteration_time)
         )
         self._count_finish(job)
+        lanes = self.sched.lanes
+        for lane in run.lanes:
+            if lanes.lane(*lane) is not None:  # else the job left it empty: nothing to decide
+                self._dirty.add(lane)
         self._placed(update.placed)
 
     def _end_segment(self, seg: Segment) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from salus.scheduler import fairshare
 from salus.scheduler.job import Job
@@ -134,5 +135,5 @@ def prepare(jobs: Sequence[TraceJob], devices: int) -> tuple[list[TraceJob], int
             min(j.gang, devices),
             j.model,
         ))
-    out.sort(key=lambda j: (j.submit_s, j.job_id))
+    out.sort(key=attrgetter("submit_s", "job_id"))
     return out, shrunk
