@@ -144,12 +144,12 @@ class Simulator:
         self.record = record
         self.check = check
         self.progress = progress
-        self.specs, self.shrunk = prepare(jobs, devices)
-        for spec in self.specs:
-            need = spec.persistent_bytes + spec.ephemeral_bytes
+        self.jobs, self.shrunk = prepare(jobs, devices)  # submitted as they arrive
+        for job in self.jobs:
+            need = job.persistent_bytes + job.ephemeral_bytes
             if need > self.capacity:
                 raise ValueError(
-                    f"job {spec.job_id} needs {need / MIB:.0f} MiB on a device but devices have "
+                    f"job {job.job_id} needs {need / MIB:.0f} MiB on a device but devices have "
                     f"{device_memory_mb:g} MiB; raise the device memory"
                 )
         self.now = 0.0
@@ -180,16 +180,16 @@ class Simulator:
             return self._run()
 
     def _run(self) -> SimResult:
-        # Arrivals stay out of the heap: the specs are in (submit, id) order already, so the
+        # Arrivals stay out of the heap: the jobs are in (submit, id) order already, so the
         # heap holds only the end events in flight and each instant merges the two.
-        specs, arrived, total = self.specs, 0, len(self.specs)
+        jobs, arrived, total = self.jobs, 0, len(self.jobs)
         heap = self._heap
         last_report = time.monotonic()
         steps = 0
         while heap or arrived < total:
             now = heap[0][0] if heap else math.inf
-            if arrived < total and specs[arrived].submit_s < now:
-                now = specs[arrived].submit_s
+            if arrived < total and jobs[arrived].submit_s < now:
+                now = jobs[arrived].submit_s
             self.now = now
             horizon = now + now * self._instant
             while True:
@@ -197,12 +197,12 @@ class Simulator:
                 while heap and heap[0][0] <= horizon:
                     ends.append(heapq.heappop(heap))
                 first = arrived
-                while arrived < total and specs[arrived].submit_s <= horizon:
+                while arrived < total and jobs[arrived].submit_s <= horizon:
                     arrived += 1
                 if not ends and first == arrived:
                     break
                 self._events += len(ends) + arrived - first
-                self._apply_instant(ends, specs, first, arrived)
+                self._apply_instant(ends, jobs, first, arrived)
             self._decide()
             self._rerate()
             if self.check:
@@ -212,20 +212,20 @@ class Simulator:
                 wall = time.monotonic()
                 if wall - last_report > 2.0:
                     last_report = wall
-                    self.progress(self._finished, len(self.specs), now)
+                    self.progress(self._finished, total, now)
         return self._result()
 
-    def _apply_instant(self, ends: list[_EndEvent], specs: Sequence[TraceJob],
+    def _apply_instant(self, ends: list[_EndEvent], jobs: Sequence[Job],
                        first: int, last: int) -> None:
         """Apply the events of one instant: the end events `ends` popped from the heap, in
-        (job order, push order), then the arrivals `specs[first:last]`, in submit order."""
+        (job order, push order), then the arrivals `jobs[first:last]`, in submit order."""
         if len(ends) > 1:
             ends.sort(key=_end_order)
         for _, _, _, obj, version in ends:
             if obj.version == version:  # else it was cut or re-rated: a newer event stands
                 self._end(obj)
         for i in range(first, last):
-            self._placed(self.dispatch.submit(specs[i].to_job(), driven=True).placed)
+            self._placed(self.dispatch.submit(jobs[i], driven=True).placed)
 
     def _push(self, at: float, key: tuple[float, int], obj: Run | Segment, version: int) -> None:
         """Schedule the end of `obj` at `at`; `key` orders ends at one instant."""
@@ -233,16 +233,15 @@ class Simulator:
 
     def _result(self) -> SimResult:
         stuck = [j.job_id for j in self.sched.jobs.values() if j.state != JobState.FINISHED]
-        if stuck or len(self.sched.jobs) != len(self.specs):
+        if stuck or len(self.sched.jobs) != len(self.jobs):
             raise RuntimeError(f"simulation stalled with jobs {stuck[:10]} unfinished")
         records = []
-        for spec in self.specs:
-            job = self.sched.jobs[spec.job_id]
+        for job in self.jobs:
             assert job.start_s is not None and job.first_run_s is not None
             assert job.finish_s is not None
-            records.append(JobRecord(spec.job_id, spec.submit_s, job.start_s, job.first_run_s,
-                                     job.finish_s, spec.duration_s, spec.iterations, spec.gang,
-                                     spec.util))
+            records.append(JobRecord(job.job_id, job.submit_s, job.start_s, job.first_run_s,
+                                     job.finish_s, job.total_iterations * job.est_iter_s,
+                                     job.total_iterations, job.gang, job.util))
         return SimResult(self.policy.name, self.devices, self.capacity, records, self._events,
                          self.shrunk, self._timeline)
 

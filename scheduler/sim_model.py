@@ -1,4 +1,4 @@
-"""The simulator's job model: trace jobs on its time grid, the batches of iterations it has in
+"""The simulator's job model: the trace's jobs on its time grid, the batches of iterations it has in
 flight, and what it reports per job.
 
 `Run` is one job's batch of back-to-back iterations on all its lanes, progressing at a rate
@@ -114,26 +114,27 @@ class Segment:
         self.version = 0
 
 
-def prepare(jobs: Sequence[TraceJob], devices: int) -> tuple[list[TraceJob], int]:
-    """Jobs in submit order with times on the grid; gangs wider than the node shrink to it
-    (iteration time scaled by asked/devices). Returns the jobs and how many shrank."""
+def prepare(jobs: Sequence[TraceJob], devices: int) -> tuple[list[Job], int]:
+    """The trace's jobs as the scheduler's `Job`s (as `TraceJob.to_job` makes them), in submit
+    order with times on the grid; gangs wider than the node shrink to it (iteration time
+    scaled by asked/devices). Returns the jobs and how many shrank."""
     out, shrunk = [], 0
     for j in jobs:
         iter_s = j.iter_s
         if j.gang > devices:
             iter_s *= j.gang / devices
             shrunk += 1
-        out.append(TraceJob(
-            j.job_id,
-            round(j.submit_s / GRID_S) * GRID_S,
-            j.iterations,
-            max(1, math.ceil(iter_s / GRID_S)) * GRID_S,
-            j.persistent_bytes,
-            j.ephemeral_bytes,
-            j.util,
-            j.priority,
-            min(j.gang, devices),
-            j.model,
+        out.append(Job(
+            job_id=j.job_id,
+            submit_s=round(j.submit_s / GRID_S) * GRID_S,
+            total_iterations=j.iterations,
+            persistent_bytes=j.persistent_bytes,
+            ephemeral_bytes=j.ephemeral_bytes,
+            name=j.model,
+            est_iter_s=max(1, math.ceil(iter_s / GRID_S)) * GRID_S,
+            util=j.util,
+            priority=j.priority,
+            gang=min(j.gang, devices),
         ))
     out.sort(key=attrgetter("submit_s", "job_id"))
     return out, shrunk
