@@ -68,18 +68,18 @@ class Policy:
     batching: Batching = "one"
 
     def pick(self, jobs: Sequence[Job], ready: Ready = always_ready) -> Job | None:
-        candidates = runnable(jobs)
-        if not candidates:
-            return None
         if not self.preemptive:
             # The job holding the lane keeps it until it finishes, even while its client is busy.
-            head = self._first(candidates)
-            return head if ready(head) else None
-        if ready is not always_ready:
-            candidates = [j for j in candidates if ready(j)]
+            candidates = runnable(jobs)
             if not candidates:
                 return None
-        return self._first(candidates)
+            head = self._first(candidates)
+            return head if ready(head) else None
+        if ready is always_ready:
+            candidates = runnable(jobs)
+        else:
+            candidates = [j for j in jobs if j.state in _LIVE and ready(j)]
+        return self._first(candidates) if candidates else None
 
     def _first(self, jobs: list[Job]) -> Job:
         """The best-ranked of `jobs` (not empty); a lone job is ranked against no one."""

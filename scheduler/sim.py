@@ -183,13 +183,14 @@ class Simulator:
         # Arrivals stay out of the heap: the jobs are in (submit, id) order already, so the
         # heap holds only the end events in flight and each instant merges the two.
         jobs, arrived, total = self.jobs, 0, len(self.jobs)
+        submits = [job.submit_s for job in jobs] + [math.inf]  # a sentinel past the last
         heap = self._heap
         last_report = time.monotonic()
         steps = 0
         while heap or arrived < total:
             now = heap[0][0] if heap else math.inf
-            if arrived < total and jobs[arrived].submit_s < now:
-                now = jobs[arrived].submit_s
+            if submits[arrived] < now:
+                now = submits[arrived]
             self.now = now
             horizon = now + now * self._instant
             while True:
@@ -197,7 +198,7 @@ class Simulator:
                 while heap and heap[0][0] <= horizon:
                     ends.append(heapq.heappop(heap))
                 first = arrived
-                while arrived < total and jobs[arrived].submit_s <= horizon:
+                while submits[arrived] <= horizon:
                     arrived += 1
                 if not ends and first == arrived:
                     break
