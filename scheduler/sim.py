@@ -362,17 +362,17 @@ class Simulator:
 
     def _start(self, start: Start) -> None:
         job, lanes = self.sched.jobs[start.job_id], start.lanes
-        if self._batching == "fair" and not self.exact and job.gang == 1:
+        if self.exact or job.gang > 1 or self._batching == "one":
+            count = 1
+        elif self._batching == "fair":
             mates = runnable(self.sched.lane_jobs(*lanes[0]))
             if len(mates) > 1 and all(m.gang == 1 for m in mates):
                 seg = Segment(lanes[0], mates, self.now)
                 self._running[lanes[0]] = seg
                 self._push(seg.end, seg.finisher.order_key, seg, 0)
                 return
-        if self.exact or job.gang > 1 or self._batching == "one":
-            count = 1
-        elif self._batching == "fair":
-            count = self._fair_lead(job, lanes)
+            # alone in its lane, nobody overtakes it: it runs to its end
+            count = self._fair_lead(job, lanes) if len(mates) > 1 else job.remaining_iterations
         else:
             count = job.remaining_iterations
         run = Run(job, lanes, count, self.now)
