@@ -406,8 +406,11 @@ class Simulator:
         touched: set[Run] = set()
         for d in self._rate_dirty:
             runs = self._dev_runs[d]
-            self._util[d] = math.fsum([r.job.util for r in runs])  # exact: in any order
-            touched |= runs
+            if runs:
+                self._util[d] = math.fsum([r.job.util for r in runs])  # exact: in any order
+                touched |= runs
+            else:
+                self._util[d] = 0.0
         self._rate_dirty.clear()
         now, util = self.now, self._util
         for run in sorted(touched, key=_run_order) if len(touched) > 1 else touched:
