@@ -4,7 +4,8 @@ Default: 100,000 jobs (short/long training mix, Poisson arrivals at 90% load) on
 16 GB; the scale goal is 1,000,000 jobs on 512 devices in under 60 s per policy. Prints progress
 on stderr and one JSON object on stdout: per policy the wall and CPU seconds (CPU time says
 more than wall time on a shared machine), the 1-minute load average before and after, events
-handled and simulated makespan, and each policy's wall time relative to fifo's in the same run.
+handled and simulated makespan, and each policy's wall time relative to fifo's in the same run;
+`trace_cpu_s` is the CPU time of generating the trace, shared by the policies of one run.
 
     .venv/bin/python bench/sim_scale.py [--jobs N] [--devices D] [--policies P,...] [--quick]
     .venv/bin/python bench/sim_scale.py --jobs 1000000 --devices 512 --policies srtf
@@ -34,11 +35,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="10,000 jobs")
     args = parser.parse_args()
     jobs_n = 10_000 if args.quick else args.jobs
+    c0 = time.process_time()
     trace = synthetic(jobs_n, seed=args.seed, devices=args.devices, load=args.load)
     out: dict[str, object] = {
         "jobs": jobs_n,
         "devices": args.devices,
         "load": args.load,
+        "trace_cpu_s": round(time.process_time() - c0, 2),
         "iterations": sum(j.iterations for j in trace),
     }
     per: dict[str, dict[str, float]] = {}

@@ -63,7 +63,11 @@ class LoadOrder:
         del bucket[bisect.bisect_left(bucket, dev.index)]
         if not bucket:
             del self._by_jobs[before]
-        bisect.insort(self._by_jobs.setdefault(dev.jobs, []), dev.index)
+        joined = self._by_jobs.get(dev.jobs)
+        if joined is None:
+            self._by_jobs[dev.jobs] = [dev.index]
+        else:
+            bisect.insort(joined, dev.index)
 
     def __iter__(self) -> Iterator[Device]:
         devices = self._devices

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from salus.scheduler.iteration import IterationScheduler
 from salus.scheduler.job import Job, JobState
@@ -39,7 +39,7 @@ _LIVE = (JobState.ADMITTED, JobState.RUNNING)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ready:
     """One more call of `job_id` waits to run; `counted` when it is an iteration."""
 
@@ -47,7 +47,7 @@ class Ready:
     counted: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Finished:
     """A started call of `job_id` returned on `lanes`: `iterations` of it counted (0 or 1; a
     simulator's batch may count many) in `seconds`. `first_began_s` backdates the job's first
@@ -60,7 +60,7 @@ class Finished:
     first_began_s: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RanUnderLease:
     """`iterations` of `job_id` ran in `seconds` under its lease, without a `Start`."""
 
@@ -69,7 +69,7 @@ class RanUnderLease:
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Forget:
     """`job_id` has ended and left the caller's registry: drop every trace of it."""
 
@@ -80,7 +80,7 @@ Input = Ready | Finished | RanUnderLease | Forget
 
 
 # ---- outputs --------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Start:
     """Run the next call of `job_id` on `lanes` (one per replica, in device order) now;
     `counted` says whether the dispatcher counts it as an iteration."""
@@ -90,13 +90,21 @@ class Start:
     counted: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Update:
     """What an input or a command changed: the admissions it made (`moved`: of those, the
     jobs `rebalance` moved, each with the device it left)."""
 
     placed: tuple[Placement, ...] = ()
     moved: tuple[tuple[Placement, int], ...] = ()
+
+
+_NO_CHANGE = Update()  # frozen, so one instance serves every input that changed nothing
+
+
+def _placed(made: Sequence[Placement]) -> Update:
+    """The update for admissions `made` (the shared empty one when none was made)."""
+    return Update(tuple(made)) if made else _NO_CHANGE
 
 
 @dataclass(frozen=True)
@@ -137,16 +145,37 @@ class LaneView:
         return (self.device, self.lane_id)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Work:
-    """What a job has waiting: its calls (True: an iteration), or for ever (`driven`)."""
+    """What a job has waiting: its calls (True: an iteration), or for ever (`driven`). The
+    queue of calls is made when the first one waits: a driven job (every simulated one) never
+    needs it, and an empty deque takes 760 bytes, a million of them most of a large
+    simulation's memory."""
 
     driven: bool = False
     open_ended: bool = False
-    calls: deque[bool] = field(default_factory=deque)
+    calls: deque[bool] | None = None
 
     def ready(self) -> bool:
         return self.driven or bool(self.calls)
+
+    def wait(self, counted: bool) -> None:
+        """One more call waits (`counted`: it is an iteration)."""
+        if self.calls is None:
+            self.calls = deque()
+        self.calls.append(counted)
+
+    def take(self) -> bool:
+        """Start the next call: whether it is an iteration (a driven job's always is)."""
+        if self.driven:
+            return True
+        if not self.calls:
+            raise IndexError("no call waits")
+        return self.calls.popleft()
+
+    def drop(self) -> None:
+        """Forget the calls that wait."""
+        self.calls = None
 
 
 class Dispatcher:
@@ -175,7 +204,7 @@ class Dispatcher:
         made = self._sched.submit(job)
         self.version += 1
         self._work[job.job_id] = _Work(driven, open_ended)
-        return Update(tuple(made))
+        return _placed(made)
 
     def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> Update:
         """Re-admit with corrected sizes (bytes); ValueError, nothing changed, if never fits."""
@@ -227,7 +256,7 @@ class Dispatcher:
         """End the job now (idempotent): its memory is freed, its waiting work dropped."""
         work = self._work.get(job_id)
         if work is not None:
-            work.calls.clear()
+            work.drop()
             work.driven = False
         for key in [k for k, j in self._reserved.items() if j == job_id]:
             del self._reserved[key]
@@ -239,15 +268,15 @@ class Dispatcher:
         """The job's waiting calls were refused (its caller shuts down): none runs."""
         work = self._work.get(job_id)
         if work is not None:
-            work.calls.clear()
+            work.drop()
 
     # ---- inputs -----------------------------------------------------------------------------
     def apply(self, event: Input) -> Update:
         if isinstance(event, Ready):
             work = self._work.get(event.job_id)
             if work is not None and not self._sched.jobs[event.job_id].done:
-                work.calls.append(event.counted)
-            return Update()
+                work.wait(event.counted)
+            return _NO_CHANGE
         if isinstance(event, Finished):
             for key in event.lanes:
                 if self._busy.get(key) == event.job_id:
@@ -261,21 +290,21 @@ class Dispatcher:
         self._sched.jobs.pop(event.job_id, None)
         self._work.pop(event.job_id, None)
         self._sched.swapped.discard(event.job_id)
-        return Update()
+        return _NO_CHANGE
 
     def _account(self, job_id: int, iterations: int, seconds: float, *,
                  started: bool) -> Update:
         job = self._sched.jobs.get(job_id)
         if job is None:
-            return Update()
+            return _NO_CHANGE
         if job.done:  # ran before it ended, reported after: counted, nothing to decide
             if iterations:
                 job.record_iterations(iterations, seconds, measure=self._measure)
-            return Update()
+            return _NO_CHANGE
         if not iterations:
             if job.state == JobState.RUNNING:
                 job.state = JobState.ADMITTED
-            return Update()
+            return _NO_CHANGE
         if not started:
             self._sched.iteration_started(job_id)
         if self._work[job_id].open_ended:
@@ -284,7 +313,7 @@ class Dispatcher:
         made = self._sched.iterations_done(job_id, iterations, seconds, measure=self._measure)
         if job.done:
             self.version += 1
-        return Update(tuple(made))
+        return _placed(made)
 
     # ---- leases -----------------------------------------------------------------------------
     def hold(self, key: LaneKey, job_id: int) -> None:
@@ -307,7 +336,7 @@ class Dispatcher:
             self._sched.jobs[j].state in _LIVE and self._ready(self._sched.jobs[j])
             for ln in self._sched.lanes.lanes(d) for j in ln.residents)]
         if not idle:
-            return Update()
+            return _NO_CHANGE
         lanes = self._sched.lanes
         waiting = [job for job in self._sched.jobs.values() if self._waits(job)]
         made: list[Placement] = []
@@ -346,10 +375,9 @@ class Dispatcher:
                     yield started
                 if key in self._reserved or key in self._busy:
                     continue
-            decision = self._sched.next_iteration(*key, ready=self._ready)
-            if decision is None:
+            job = self._sched.pick(*key, ready=self._ready)
+            if job is None:
                 continue
-            job = self._sched.jobs[decision.job_id]
             if job.gang > 1:
                 started = self._reserve_gang(job.job_id, key)
                 if started is not None:
@@ -382,8 +410,7 @@ class Dispatcher:
         return work is not None and work.ready()
 
     def _start(self, job_id: int, lanes: tuple[LaneKey, ...]) -> Start:
-        work = self._work[job_id]
-        counted = True if work.driven else work.calls.popleft()
+        counted = self._work[job_id].take()
         for key in lanes:
             self._busy[key] = job_id
         if counted:
@@ -436,6 +463,8 @@ class Dispatcher:
     def reservations(self) -> dict[LaneKey, LaneKey]:
         """Lanes held for a gang that waits for its other lanes, each with the lane whose pick
         reserved it."""
+        if not self._reserved:
+            return {}
         return {k: self._reserved_at[j] for k, j in self._reserved.items()}
 
     @property

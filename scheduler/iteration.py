@@ -55,8 +55,12 @@ class IterationScheduler:
         self, device: int, lane_id: int, ready: Ready = always_ready
     ) -> Decision | None:
         """The policy's choice for this lane's next iteration, or None to stay idle."""
-        job = self.policy.pick(self.lane_jobs(device, lane_id), ready)
+        job = self.pick(device, lane_id, ready)
         return Decision(device, lane_id, job.job_id) if job else None
+
+    def pick(self, device: int, lane_id: int, ready: Ready = always_ready) -> Job | None:
+        """The job the policy runs next in this lane, or None (`next_iteration`'s choice)."""
+        return self.policy.pick(self.lane_jobs(device, lane_id), ready)
 
     def iteration_started(self, job_id: int, at: float | None = None) -> None:
         """The job's next iteration began (at `at` seconds, default now)."""
@@ -176,6 +180,8 @@ class IterationScheduler:
         return made
 
     def _mark_started(self, made: list[Placement]) -> None:
+        if not made:
+            return
         now = self.clock()
         for p in made:
             job = self.jobs.get(p.job_id)

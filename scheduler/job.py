@@ -18,7 +18,7 @@ class JobState(StrEnum):
 DONE_STATES = frozenset({JobState.FINISHED, JobState.CANCELLED})
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One training or inference job.
 

@@ -55,7 +55,7 @@ from salus.scheduler.pending import PendingQueue
 LaneMode = Literal["pack", "single"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Lane:
     """A region of ephemeral memory on one device; its residents take turns running iterations."""
 
@@ -68,7 +68,7 @@ class Lane:
     contexts: int = 0  # bytes booked for the executor processes it holds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Placement:
     """Where one admitted job lives on one device (a gang job has one per device)."""
 
@@ -276,6 +276,8 @@ class LaneManager:
         """A pass in submit order over the pending jobs that may fit now: those within the
         bounds of a device in `freed`, and the newly queued job `extra`."""
         queue = self._pending
+        if not queue:
+            return []  # nothing waits (`extra`, when given, is queued already)
         devs = [self._devices[i] for i in freed]
         p_limit, need_limit = self._limits(devs)
         extra_pos = queue.position(extra) if extra is not None else None
@@ -412,7 +414,8 @@ class LaneManager:
         dev.persistent += job.persistent_bytes + context
         dev.jobs += 1
         self._order.moved(dev, dev.jobs - 1)
-        dev.owners[runs_as(job)] = dev.owners.get(runs_as(job), 0) + 1
+        who = runs_as(job)
+        dev.owners[who] = dev.owners.get(who, 0) + 1
         return Placement(job.job_id, dev.index, lane.lane_id, lane.size)
 
     def _remove_from_device(self, job: Job, p: Placement) -> None:
@@ -430,9 +433,10 @@ class LaneManager:
         dev.persistent -= job.persistent_bytes + context
         dev.jobs -= 1
         self._order.moved(dev, dev.jobs + 1)
-        dev.owners[runs_as(job)] -= 1
-        if not dev.owners[runs_as(job)]:
-            del dev.owners[runs_as(job)]
+        who = runs_as(job)
+        dev.owners[who] -= 1
+        if not dev.owners[who]:
+            del dev.owners[who]
         if not lane.residents:
             del dev.lanes[p.lane_id]
             dev.lane_bytes -= lane.size

@@ -68,19 +68,22 @@ class Policy:
     batching: Batching = "one"
 
     def pick(self, jobs: Sequence[Job], ready: Ready = always_ready) -> Job | None:
-        candidates = runnable(jobs)
-        if not candidates:
-            return None
-        rank = self.rank_function
         if not self.preemptive:
             # The job holding the lane keeps it until it finishes, even while its client is busy.
-            head = min(candidates, key=rank)
-            return head if ready(head) else None
-        if ready is not always_ready:
-            candidates = [j for j in candidates if ready(j)]
+            candidates = runnable(jobs)
             if not candidates:
                 return None
-        return min(candidates, key=rank)
+            head = self._first(candidates)
+            return head if ready(head) else None
+        if ready is always_ready:
+            candidates = runnable(jobs)
+        else:
+            candidates = [j for j in jobs if j.state in _LIVE and ready(j)]
+        return self._first(candidates) if candidates else None
+
+    def _first(self, jobs: list[Job]) -> Job:
+        """The best-ranked of `jobs` (not empty); a lone job is ranked against no one."""
+        return jobs[0] if len(jobs) == 1 else min(jobs, key=self.rank_function)
 
     def rank(self, job: Job) -> Rank:
         """Smaller runs first. Non-preemptive policies rank a job that has begun running ahead

@@ -46,12 +46,14 @@ Run as ``python -m salus.scheduler.sim --trace FILE ...`` (see `main`).
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from salus.scheduler import fairshare
@@ -72,8 +74,38 @@ from salus.scheduler.sim_model import (
 from salus.scheduler.traces import TraceError, TraceJob, load_trace
 
 Progress = Callable[[int, int, float], None]
-_END, _ARRIVAL = 0, 1
 _PACK_INSTANT = 1e-10
+
+
+# A heap entry: when, the job's order key, push order, the batch ending, its version then.
+_EndEvent = tuple[float, tuple[float, int], int, "Run | Segment", int]
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the block. The engine keeps every job (and
+    its trace) alive to the end and makes no reference cycles, so the collector's periodic full
+    passes over millions of live objects find nothing to free, yet they cost a tenth or more of
+    a million-job run; reference counting frees everything else as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _end_order(entry: _EndEvent) -> tuple[tuple[float, int], int]:
+    """End events at one instant apply in job order, then in the order they were pushed."""
+    return entry[1], entry[2]
+
+
+def _run_order(run: Run) -> tuple[float, int]:
+    """Runs re-rated at one instant push their new ends in job order."""
+    return run.job.order_key
+
+
 __all__ = ["GRID_S", "Interval", "JobRecord", "SimResult", "Simulator", "main", "simulate"]
 
 
@@ -112,12 +144,12 @@ class Simulator:
         self.record = record
         self.check = check
         self.progress = progress
-        self.specs, self.shrunk = prepare(jobs, devices)
-        for spec in self.specs:
-            need = spec.persistent_bytes + spec.ephemeral_bytes
+        self.jobs, self.shrunk = prepare(jobs, devices)  # submitted as they arrive
+        for job in self.jobs:
+            need = job.persistent_bytes + job.ephemeral_bytes
             if need > self.capacity:
                 raise ValueError(
-                    f"job {spec.job_id} needs {need / MIB:.0f} MiB on a device but devices have "
+                    f"job {job.job_id} needs {need / MIB:.0f} MiB on a device but devices have "
                     f"{device_memory_mb:g} MiB; raise the device memory"
                 )
         self.now = 0.0
@@ -127,7 +159,7 @@ class Simulator:
         self._batching = self.policy.batching
         self._shared = self.policy.lane_mode == "pack"
         self._instant = _PACK_INSTANT if self._shared else 0.0
-        self._heap: list[tuple[Any, ...]] = []
+        self._heap: list[_EndEvent] = []
         self._seq = itertools.count()
         self._running: dict[LaneKey, Run | Segment] = {}
         self._dirty: set[LaneKey] = set()
@@ -144,37 +176,34 @@ class Simulator:
     # ---- the event loop ------------------------------------------------------------------
     def run(self) -> SimResult:
         """Simulate until every job finished; RuntimeError if the schedule stalls."""
-        # Arrivals stay out of the heap: the specs are in (submit, id) order already, so the
+        with _collector_paused():
+            return self._run()
+
+    def _run(self) -> SimResult:
+        # Arrivals stay out of the heap: the jobs are in (submit, id) order already, so the
         # heap holds only the end events in flight and each instant merges the two.
-        specs, arrived, total = self.specs, 0, len(self.specs)
+        jobs, arrived, total = self.jobs, 0, len(self.jobs)
+        submits = [job.submit_s for job in jobs] + [math.inf]  # a sentinel past the last
         heap = self._heap
         last_report = time.monotonic()
         steps = 0
         while heap or arrived < total:
             now = heap[0][0] if heap else math.inf
-            if arrived < total and specs[arrived].submit_s < now:
-                now = specs[arrived].submit_s
+            if submits[arrived] < now:
+                now = submits[arrived]
             self.now = now
             horizon = now + now * self._instant
             while True:
-                batch = []
+                ends = []
                 while heap and heap[0][0] <= horizon:
-                    batch.append(heapq.heappop(heap))
-                while arrived < total and specs[arrived].submit_s <= horizon:
-                    spec = specs[arrived]
-                    batch.append((spec.submit_s, _ARRIVAL, (spec.submit_s, spec.job_id),
-                                  arrived, spec, 0))
+                    ends.append(heapq.heappop(heap))
+                first = arrived
+                while submits[arrived] <= horizon:
                     arrived += 1
-                if not batch:
+                if not ends and first == arrived:
                     break
-                if len(batch) > 1:
-                    batch.sort(key=lambda e: (e[1], e[2], e[3]))
-                self._events += len(batch)
-                for _, kind, _, _, obj, version in batch:
-                    if kind == _ARRIVAL:
-                        self._placed(self.dispatch.submit(obj.to_job(), driven=True).placed)
-                    elif obj.version == version:
-                        self._end(obj)
+                self._events += len(ends) + arrived - first
+                self._apply_instant(ends, jobs, first, arrived)
             self._decide()
             self._rerate()
             if self.check:
@@ -184,26 +213,36 @@ class Simulator:
                 wall = time.monotonic()
                 if wall - last_report > 2.0:
                     last_report = wall
-                    self.progress(self._finished, len(self.specs), now)
+                    self.progress(self._finished, total, now)
         return self._result()
 
-    def _push(
-        self, at: float, kind: int, key: tuple[float, int], obj: object, version: int
-    ) -> None:
-        heapq.heappush(self._heap, (at, kind, key, next(self._seq), obj, version))
+    def _apply_instant(self, ends: list[_EndEvent], jobs: Sequence[Job],
+                       first: int, last: int) -> None:
+        """Apply the events of one instant: the end events `ends` popped from the heap, in
+        (job order, push order), then the arrivals `jobs[first:last]`, in submit order."""
+        if len(ends) > 1:
+            ends.sort(key=_end_order)
+        for _, _, _, obj, version in ends:
+            if obj.version == version:  # else it was cut or re-rated: a newer event stands
+                self._end(obj)
+        for i in range(first, last):
+            self._placed(self.dispatch.submit(jobs[i], driven=True).placed)
+
+    def _push(self, at: float, key: tuple[float, int], obj: Run | Segment, version: int) -> None:
+        """Schedule the end of `obj` at `at`; `key` orders ends at one instant."""
+        heapq.heappush(self._heap, (at, key, next(self._seq), obj, version))
 
     def _result(self) -> SimResult:
         stuck = [j.job_id for j in self.sched.jobs.values() if j.state != JobState.FINISHED]
-        if stuck or len(self.sched.jobs) != len(self.specs):
+        if stuck or len(self.sched.jobs) != len(self.jobs):
             raise RuntimeError(f"simulation stalled with jobs {stuck[:10]} unfinished")
         records = []
-        for spec in self.specs:
-            job = self.sched.jobs[spec.job_id]
+        for job in self.jobs:
             assert job.start_s is not None and job.first_run_s is not None
             assert job.finish_s is not None
-            records.append(JobRecord(spec.job_id, spec.submit_s, job.start_s, job.first_run_s,
-                                     job.finish_s, spec.duration_s, spec.iterations, spec.gang,
-                                     spec.util))
+            records.append(JobRecord(job.job_id, job.submit_s, job.start_s, job.first_run_s,
+                                     job.finish_s, job.total_iterations * job.est_iter_s,
+                                     job.total_iterations, job.gang, job.util))
         return SimResult(self.policy.name, self.devices, self.capacity, records, self._events,
                          self.shrunk, self._timeline)
 
@@ -224,7 +263,6 @@ class Simulator:
         run, job = obj, obj.job
         for lane in run.lanes:
             del self._running[lane]
-            self._dirty.add(lane)
             if self.record:
                 self._timeline.append(
                     Interval(lane[0], lane[1], job.job_id, run.start, self.now, run.count)
@@ -237,6 +275,10 @@ class Simulator:
             Finished(job.job_id, run.lanes, run.count, run.count * job.iteration_time)
         )
         self._count_finish(job)
+        lanes = self.sched.lanes
+        for lane in run.lanes:
+            if lanes.lane(*lane) is not None:  # else the job left it empty: nothing to decide
+                self._dirty.add(lane)
         self._placed(update.placed)
 
     def _end_segment(self, seg: Segment) -> None:
@@ -274,7 +316,7 @@ class Simulator:
             busy.counts = counts
             busy.end = busy.start + fairshare.duration(busy.shares, counts)
             busy.version += 1
-            self._push(busy.end, _END, busy.finisher.order_key, busy, busy.version)
+            self._push(busy.end, busy.finisher.order_key, busy, busy.version)
             return busy.end <= now
         if busy.count == 1:
             return False
@@ -295,7 +337,7 @@ class Simulator:
             return False
         busy.count, busy.left, busy.since = keep, left, now
         busy.version += 1
-        self._push(busy.end, _END, busy.job.order_key, busy, busy.version)
+        self._push(busy.end, busy.job.order_key, busy, busy.version)
         return left == 0.0
 
     # ---- decisions -----------------------------------------------------------------------
@@ -304,12 +346,13 @@ class Simulator:
         the batches on its busy lanes; one whose iteration ends at this instant ends now, and
         the lanes decided at this instant decide again, as a stepping engine that saw that
         lane idle would have."""
+        if not self._dirty:
+            return
         todo: set[LaneKey] = set()
-        lanes = self.sched.lanes
         while self._dirty:
             todo |= self._dirty
             self._dirty.clear()
-            for start in self.dispatch.schedule(k for k in todo if lanes.lane(*k) is not None):
+            for start in self.dispatch.schedule(todo):  # it skips lanes that were freed
                 self._start(start)
             for lane, picked_at in self.dispatch.reservations().items():
                 busy = self._running.get(lane)
@@ -319,17 +362,17 @@ class Simulator:
 
     def _start(self, start: Start) -> None:
         job, lanes = self.sched.jobs[start.job_id], start.lanes
-        if self._batching == "fair" and not self.exact and job.gang == 1:
+        if self.exact or job.gang > 1 or self._batching == "one":
+            count = 1
+        elif self._batching == "fair":
             mates = runnable(self.sched.lane_jobs(*lanes[0]))
             if len(mates) > 1 and all(m.gang == 1 for m in mates):
                 seg = Segment(lanes[0], mates, self.now)
                 self._running[lanes[0]] = seg
-                self._push(seg.end, _END, seg.finisher.order_key, seg, 0)
+                self._push(seg.end, seg.finisher.order_key, seg, 0)
                 return
-        if self.exact or job.gang > 1 or self._batching == "one":
-            count = 1
-        elif self._batching == "fair":
-            count = self._fair_lead(job, lanes)
+            # alone in its lane, nobody overtakes it: it runs to its end
+            count = self._fair_lead(job, lanes) if len(mates) > 1 else job.remaining_iterations
         else:
             count = job.remaining_iterations
         run = Run(job, lanes, count, self.now)
@@ -341,7 +384,7 @@ class Simulator:
                 self._rate_dirty.add(d)
         else:
             run.rate = 1.0  # one job at a time per device: never slowed
-            self._push(run.end, _END, job.order_key, run, 0)
+            self._push(run.end, job.order_key, run, 0)
 
     def _fair_lead(self, job: Job, lanes: tuple[LaneKey, ...]) -> int:
         """Iterations the fair leader runs before a rival on any of its lanes overtakes it."""
@@ -363,12 +406,15 @@ class Simulator:
         touched: set[Run] = set()
         for d in self._rate_dirty:
             runs = self._dev_runs[d]
-            self._util[d] = math.fsum(r.job.util for r in runs)
-            touched.update(runs)
+            if runs:
+                self._util[d] = math.fsum([r.job.util for r in runs])  # exact: in any order
+                touched |= runs
+            else:
+                self._util[d] = 0.0
         self._rate_dirty.clear()
         now, util = self.now, self._util
-        for run in sorted(touched, key=lambda r: r.job.order_key):
-            rate = 1.0 / max(1.0, max(util[d] for d in run.devices))
+        for run in sorted(touched, key=_run_order) if len(touched) > 1 else touched:
+            rate = 1.0 / max(1.0, max([util[d] for d in run.devices]))
             if run.rate == rate:
                 continue
             if run.rate:
@@ -376,7 +422,7 @@ class Simulator:
                 run.since = now
             run.rate = rate
             run.version += 1
-            self._push(run.end, _END, run.job.order_key, run, run.version)
+            self._push(run.end, run.job.order_key, run, run.version)
 
     def _check(self) -> None:
         """Work conservation: every lane whose pick is a one-device job is running it (a gang

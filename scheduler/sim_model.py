@@ -1,4 +1,4 @@
-"""The simulator's job model: trace jobs on its time grid, the batches of iterations it has in
+"""The simulator's job model: the trace's jobs on its time grid, the batches of iterations it has in
 flight, and what it reports per job.
 
 `Run` is one job's batch of back-to-back iterations on all its lanes, progressing at a rate
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from salus.scheduler import fairshare
 from salus.scheduler.job import Job
@@ -22,7 +23,7 @@ LaneKey = tuple[int, int]
 GRID_S = 2.0**-20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class JobRecord:
     """Outcome of one job (seconds of virtual time)."""
 
@@ -47,7 +48,7 @@ class JobRecord:
         return self.first_run_s - self.submit_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Interval:
     """`iterations` back-to-back iterations of a job in one lane (recorded with record=True)."""
 
@@ -79,7 +80,7 @@ class Run:
     def __init__(self, job: Job, lanes: tuple[LaneKey, ...], count: int, now: float) -> None:
         self.job = job
         self.lanes = lanes
-        self.devices = tuple(d for d, _ in lanes)
+        self.devices = tuple([d for d, _ in lanes])
         self.count = count
         self.left = count * job.iteration_time
         self.rate = 0.0
@@ -113,26 +114,27 @@ class Segment:
         self.version = 0
 
 
-def prepare(jobs: Sequence[TraceJob], devices: int) -> tuple[list[TraceJob], int]:
-    """Jobs in submit order with times on the grid; gangs wider than the node shrink to it
-    (iteration time scaled by asked/devices). Returns the jobs and how many shrank."""
+def prepare(jobs: Sequence[TraceJob], devices: int) -> tuple[list[Job], int]:
+    """The trace's jobs as the scheduler's `Job`s (as `TraceJob.to_job` makes them), in submit
+    order with times on the grid; gangs wider than the node shrink to it (iteration time
+    scaled by asked/devices). Returns the jobs and how many shrank."""
     out, shrunk = [], 0
     for j in jobs:
         iter_s = j.iter_s
         if j.gang > devices:
             iter_s *= j.gang / devices
             shrunk += 1
-        out.append(TraceJob(
-            j.job_id,
-            round(j.submit_s / GRID_S) * GRID_S,
-            j.iterations,
-            max(1, math.ceil(iter_s / GRID_S)) * GRID_S,
-            j.persistent_bytes,
-            j.ephemeral_bytes,
-            j.util,
-            j.priority,
-            min(j.gang, devices),
-            j.model,
+        out.append(Job(
+            job_id=j.job_id,
+            submit_s=round(j.submit_s / GRID_S) * GRID_S,
+            total_iterations=j.iterations,
+            persistent_bytes=j.persistent_bytes,
+            ephemeral_bytes=j.ephemeral_bytes,
+            name=j.model,
+            est_iter_s=max(1, math.ceil(iter_s / GRID_S)) * GRID_S,
+            util=j.util,
+            priority=j.priority,
+            gang=min(j.gang, devices),
         ))
-    out.sort(key=lambda j: (j.submit_s, j.job_id))
+    out.sort(key=attrgetter("submit_s", "job_id"))
     return out, shrunk

@@ -35,7 +35,7 @@ TIRESIAS_COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceJob:
     """One job of a trace (immutable; `to_job` makes the scheduler's mutable `Job`).
     Sizes in bytes, times in seconds."""
@@ -264,11 +264,12 @@ def synthetic(
         raise ValueError(f"unknown model(s) {unknown}; known: {', '.join(sorted(MODEL_SIZES))}")
     rng = random.Random(seed)
     names = sorted(models or MODEL_SIZES)
+    util_choices = list(utils)
     drawn = []
     for _ in range(n_jobs):
         span = short_iterations if rng.random() < short_frac else long_iterations
         drawn.append((rng.randint(*span), rng.uniform(*iter_s), rng.choice(names),
-                      rng.choice(list(utils))))
+                      rng.choice(util_choices)))
     mean_s = sum(n * s for n, s, _, _ in drawn) / n_jobs
     rate = load * devices / mean_s
     t = 0.0
