@@ -27,6 +27,20 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from salus.scheduler.dispatch_io import (
+    NO_CHANGE,
+    Finished,
+    Forget,
+    Input,
+    JobView,
+    LaneKey,
+    LaneView,
+    RanUnderLease,
+    Ready,
+    Start,
+    Update,
+    placed,
+)
 from salus.scheduler.iteration import IterationScheduler
 from salus.scheduler.job import Job, JobState
 from salus.scheduler.lanes import Placement
@@ -34,115 +48,10 @@ from salus.scheduler.mps import RunsAs, describe, runs_as
 from salus.scheduler.placement import moves
 from salus.scheduler.policies import Policy
 
-LaneKey = tuple[int, int]
 _LIVE = (JobState.ADMITTED, JobState.RUNNING)
-
-
-# ---- inputs ---------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Ready:
-    """One more call of `job_id` waits to run; `counted` when it is an iteration."""
-
-    job_id: int
-    counted: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """A started call of `job_id` returned on `lanes`: `iterations` of it counted (0 or 1; a
-    simulator's batch may count many) in `seconds`. `first_began_s` backdates the job's first
-    iteration (the simulator's merged fair segments)."""
-
-    job_id: int
-    lanes: tuple[LaneKey, ...]
-    iterations: int
-    seconds: float
-    first_began_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RanUnderLease:
-    """`iterations` of `job_id` ran in `seconds` under its lease, without a `Start`."""
-
-    job_id: int
-    iterations: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Forget:
-    """`job_id` has ended and left the caller's registry: drop every trace of it."""
-
-    job_id: int
-
-
-Input = Ready | Finished | RanUnderLease | Forget
-
-
-# ---- outputs --------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Start:
-    """Run the next call of `job_id` on `lanes` (one per replica, in device order) now;
-    `counted` says whether the dispatcher counts it as an iteration."""
-
-    job_id: int
-    lanes: tuple[LaneKey, ...]
-    counted: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Update:
-    """What an input or a command changed: the admissions it made (`moved`: of those, the
-    jobs `rebalance` moved, each with the device it left)."""
-
-    placed: tuple[Placement, ...] = ()
-    moved: tuple[tuple[Placement, int], ...] = ()
-
-
-_NO_CHANGE = Update()  # frozen, so one instance serves every input that changed nothing
-
-
-def _placed(made: Sequence[Placement]) -> Update:
-    """The update for admissions `made` (the shared empty one when none was made)."""
-    return Update(tuple(made)) if made else _NO_CHANGE
-
-
-@dataclass(frozen=True)
-class JobView:
-    """A read-only copy of the scheduler's job (bytes, seconds)."""
-
-    job_id: int
-    state: JobState
-    done: bool
-    done_iterations: int
-    total_iterations: int
-    persistent_bytes: int
-    ephemeral_bytes: int
-    iteration_s: float | None
-    attained_s: float
-    submit_s: float
-    start_s: float | None
-    first_run_s: float | None
-    finish_s: float | None
-    gang: int
-
-
-@dataclass(frozen=True)
-class LaneView:
-    """A read-only copy of a lane: its size (bytes), residents, who holds it, and the bytes
-    booked for the executor processes it holds (`contexts`)."""
-
-    device: int
-    lane_id: int
-    size: int
-    residents: tuple[int, ...]
-    busy_job: int | None
-    reserved_for: int | None
-    contexts: int = 0
-
-    @property
-    def key(self) -> LaneKey:
-        return (self.device, self.lane_id)
+# the inputs and outputs, for callers that import them with the Dispatcher
+__all__ = ["Dispatcher", "Finished", "Forget", "Input", "JobView", "LaneKey", "LaneView",
+           "RanUnderLease", "Ready", "Start", "Update"]
 
 
 @dataclass(slots=True)
@@ -204,7 +113,7 @@ class Dispatcher:
         made = self._sched.submit(job)
         self.version += 1
         self._work[job.job_id] = _Work(driven, open_ended)
-        return _placed(made)
+        return placed(made)
 
     def requeue(self, job_id: int, persistent_bytes: int, ephemeral_bytes: int) -> Update:
         """Re-admit with corrected sizes (bytes); ValueError, nothing changed, if never fits."""
@@ -276,7 +185,7 @@ class Dispatcher:
             work = self._work.get(event.job_id)
             if work is not None and not self._sched.jobs[event.job_id].done:
                 work.wait(event.counted)
-            return _NO_CHANGE
+            return NO_CHANGE
         if isinstance(event, Finished):
             for key in event.lanes:
                 if self._busy.get(key) == event.job_id:
@@ -290,21 +199,21 @@ class Dispatcher:
         self._sched.jobs.pop(event.job_id, None)
         self._work.pop(event.job_id, None)
         self._sched.swapped.discard(event.job_id)
-        return _NO_CHANGE
+        return NO_CHANGE
 
     def _account(self, job_id: int, iterations: int, seconds: float, *,
                  started: bool) -> Update:
         job = self._sched.jobs.get(job_id)
         if job is None:
-            return _NO_CHANGE
+            return NO_CHANGE
         if job.done:  # ran before it ended, reported after: counted, nothing to decide
             if iterations:
                 job.record_iterations(iterations, seconds, measure=self._measure)
-            return _NO_CHANGE
+            return NO_CHANGE
         if not iterations:
             if job.state == JobState.RUNNING:
                 job.state = JobState.ADMITTED
-            return _NO_CHANGE
+            return NO_CHANGE
         if not started:
             self._sched.iteration_started(job_id)
         if self._work[job_id].open_ended:
@@ -313,7 +222,7 @@ class Dispatcher:
         made = self._sched.iterations_done(job_id, iterations, seconds, measure=self._measure)
         if job.done:
             self.version += 1
-        return _placed(made)
+        return placed(made)
 
     # ---- leases -----------------------------------------------------------------------------
     def hold(self, key: LaneKey, job_id: int) -> None:
@@ -336,7 +245,7 @@ class Dispatcher:
             self._sched.jobs[j].state in _LIVE and self._ready(self._sched.jobs[j])
             for ln in self._sched.lanes.lanes(d) for j in ln.residents)]
         if not idle:
-            return _NO_CHANGE
+            return NO_CHANGE
         lanes = self._sched.lanes
         waiting = [job for job in self._sched.jobs.values() if self._waits(job)]
         made: list[Placement] = []

@@ -29,7 +29,7 @@ def test_simulator_run_leaves_torch_out(tmp_path: Path) -> None:
         "import sys\n"
         "import salus.scheduler, salus.scheduler.sim, salus.scheduler.report\n"
         "import salus.scheduler.traces, salus.scheduler.fairshare\n"
-        "from salus.scheduler.sim import main\n"
+        "from salus.scheduler.sim_cli import main\n"
         f"main(['--trace', {str(trace)!r}, '--compare', '--quiet',"
         f" '--plot', {str(tmp_path / 'p.png')!r}])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

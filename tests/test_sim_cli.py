@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from salus.scheduler.policies import POLICIES
-from salus.scheduler.sim import main
+from salus.scheduler.sim_cli import main
 from salus.scheduler.traces import synthetic, to_native_csv
 
 REQUIRED = {"policy", "jobs", "avg_jct_s", "p50_jct_s", "p95_jct_s", "makespan_s",
