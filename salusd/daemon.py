@@ -256,7 +256,10 @@ class Daemon:
                 continue
             log.info("restoring job %d %r of %s (%s, checkpoint at iteration %s)", row.id,
                      row.name, row.owner, row.kind, row.checkpoint_iteration)
-            self.engine.restore(Owner(row.owner, row.uid, row.gid), row.id, row.name,
+            allocation = row.spec.get("allocation")  # a pod's job: its pod's alone
+            owner = Owner(row.owner, row.uid, row.gid,
+                          allocation if isinstance(allocation, str) else None)
+            self.engine.restore(owner, row.id, row.name,
                                 row.iterations_total or 1,
                                 "batch" if row.kind == "batch" else "interactive",
                                 dict(row.spec), float(row.priority), row.checkpoint_iteration,

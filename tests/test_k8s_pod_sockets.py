@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from client_proc import finish, reap
@@ -52,13 +53,15 @@ class Node:
     address: str
     kubelet: FakeKubelet
     pods: FakePodResources
+    daemon: subprocess.Popen[str]
 
-    def allocate(self, units: int) -> Path:
-        """Allocate `units` units as the kubelet does; the directory the grant mounts."""
+    def allocate(self, units: int, first: int = 0) -> Path:
+        """Allocate `units` units from unit `first` on as the kubelet does; the directory the
+        grant mounts."""
         stub = self.kubelet.dial()
+        ids = [f"{GPU}::{i}" for i in range(first, first + units)]
         reply = stub.Allocate(dp.AllocateRequest(container_requests=[
-            dp.ContainerAllocateRequest(devices_ids=[f"{GPU}::{i}" for i in range(units)])]),
-            timeout=10)
+            dp.ContainerAllocateRequest(devices_ids=ids)]), timeout=10)
         (response,) = reply.container_responses
         assert response.envs["SALUS_ADDRESS"] == "unix:///run/salusd/salusd.sock"
         (mount,) = [m for m in response.mounts if m.container_path == "/run/salusd"]
@@ -83,16 +86,21 @@ def node(tmp_path: Path, gib: int) -> Iterator[Node]:
     kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
     pods = FakePodResources(root / "kubelet" / "pod-resources" / "kubelet.sock")
     try:
-        with salusd(tmp_path, "--device-plugin", "--kubelet-dir", str(root / "kubelet"),
-                    "--alloc-root", str(root / "alloc"), "--pod-user", "nobody",
-                    "--device-plugin-test-gpu", f"{GPU}={gib}", "--http", "127.0.0.1:0",
-                    devices=1, memory="3G") as (_, address):
+        with serve(tmp_path, root, gib) as (daemon, address):
             wait(lambda: kubelet.requests, "the plugin's registration")
-            yield Node(root, tmp_path / "state", address, kubelet, pods)
+            yield Node(root, tmp_path / "state", address, kubelet, pods, daemon)
     finally:
         kubelet.stop()
         pods.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def serve(tmp_path: Path, root: Path, gib: int) -> contextlib.AbstractContextManager[Any]:
+    """salusd with its device plugin meeting the fake kubelet under `root`."""
+    return salusd(tmp_path, "--device-plugin", "--kubelet-dir", str(root / "kubelet"),
+                  "--alloc-root", str(root / "alloc"), "--pod-user", "nobody",
+                  "--device-plugin-test-gpu", f"{GPU}={gib}", "--http", "127.0.0.1:0",
+                  devices=1, memory="3G")
 
 
 def client(node: Node, directory: Path, body: str) -> subprocess.Popen[str]:
@@ -228,3 +236,65 @@ def test_a_freed_allocations_socket_goes_and_its_jobs_are_cancelled(tmp_path: Pa
     assert not directory.exists()
     assert (f"job {job_id} was cancelled: its pod's allocation {directory.name} was freed "
             f"(its pod {POD} is gone)") == info["reason"]
+
+
+KEEP = """
+    job = salus.connect(name="keep", iterations=10)
+    remote = job.attach(w=torch.zeros(3))
+    step = remote.iteration(lambda s: s.w.add_(1).sum().item())
+    for _ in range(3 - job.resumed_from):
+        step()
+    print(json.dumps({"job": job.id, "resumed_from": job.resumed_from,
+                      "w": remote.function(lambda s: s.w.tolist())()}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_restart_gives_a_pods_job_back_to_its_pod_alone() -> None:
+    """A pod's job restored after salusd was killed goes back to a client of its own
+    allocation, at its checkpoint; another pod asking for a job of the same name (every pod
+    runs as the same user) gets a new one."""
+    # The daemon's state where the pod user may pass (a checkpoint is written as the pod user)
+    home = Path(tempfile.mkdtemp(prefix="pod-home-", dir="/tmp"))
+    os.chmod(home, 0o755)
+    try:
+        _restart_and_reconnect(home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _restart_and_reconnect(home: Path) -> None:
+    with node(home, gib=2) as n:
+        mine, other = n.allocate(1), n.allocate(1, first=1)
+        n.pods.pods[POD] = [("main", RESOURCE, [f"{GPU}::0"])]
+        n.pods.pods["team-b/other"] = [("main", RESOURCE, [f"{GPU}::1"])]
+        first = client(n, mine, KEEP)
+        try:
+            assert first.stdout is not None
+            line = first.stdout.readline()
+            assert line, finish(first)[1]
+            job_id = json.loads(line)["job"]
+            with rest(n.state) as http:
+                made = http.post(f"/v1/jobs/{job_id}/checkpoint")
+            assert made.status_code == 200, made.text
+            assert made.json()["checkpoint"]["iteration"] == 3
+            n.daemon.kill()  # SIGKILL: nothing of the stop's own saving
+            n.daemon.wait()
+        finally:
+            finish(first, "\n")
+            reap([first])
+        with serve(home, n.root, 2) as (_, address):
+            wait(lambda: (mine / "salusd.sock").exists() and (other / "salusd.sock").exists(),
+                 "the allocations' sockets served again")
+            with Control(address) as control:
+                wait(lambda: control.info(str(job_id))["state"] == "suspended",
+                     "the pod's job restored")
+            seen = []
+            for directory in (other, mine):  # the other pod first: it must not get the job
+                proc = client(n, directory, KEEP)
+                out, err = finish(proc, "\n", timeout_s=180)
+                assert proc.returncode == 0, err
+                seen.append(json.loads(out.splitlines()[0]))
+    assert seen[0]["job"] != job_id and seen[0]["resumed_from"] == 0
+    assert seen[0]["w"] == [3.0, 3.0, 3.0]
+    assert seen[1] == {"job": job_id, "resumed_from": 3, "w": [3.0, 3.0, 3.0]}

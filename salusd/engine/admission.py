@@ -217,3 +217,20 @@ def placed(core: Core, record: JobRecord, reserved: int) -> None:
             f"{_needs(core, reserved, job.ephemeral_bytes)}")))
         return
     core.take(update)
+
+
+def check_memory(core: Core, mem_bytes: int | None) -> None:
+    """BadRequest when no device of this node can hold `mem_bytes` (a `--mem` request)."""
+    largest = max(ledger.capacity for ledger in core.ledgers)
+    if mem_bytes is not None and mem_bytes > largest:
+        raise BadRequest(f"the job needs {format_size(mem_bytes)} (--mem), the largest "
+                         f"device has {format_size(largest)}")
+
+
+def check_devices(core: Core, devices: object) -> int:
+    """`devices` when this node has that many devices; BadRequest says what it has."""
+    count = len(core.ledgers)
+    if type(devices) is not int or not 1 <= devices <= count:
+        raise BadRequest(f"this node has {count} device(s); a job may ask for 1 "
+                         f"to {count}, not {devices!r}")
+    return devices

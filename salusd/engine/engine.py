@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
-from salus.daemon.devices.discovery import format_size
 from salus.daemon.engine import admission, checkpoints, dependencies, script_command, scripts
 from salus.daemon.engine.core import Config, Core, ok_frame
 from salus.daemon.engine.events import EventStream
@@ -155,7 +154,7 @@ class Engine:
             raise ShuttingDown("salusd is shutting down")
         checked, planned = check_name(name), check_iterations(iterations)
         if kind == "interactive" and job_id is None and "command" not in (spec or {}):
-            gang = self.check_devices(devices)
+            gang = admission.check_devices(self.core, devices)
             waiting = next((r for r in core.registry if r.awaiting_client
                             and r.owner.uid == owner.uid and r.name == checked
                             and r.owner.allocation == owner.allocation), None)
@@ -168,6 +167,8 @@ class Engine:
                 waiting.awaiting_client = waiting.held = False
                 core.event("reattach", waiting.job_id, iteration=waiting.resumed_from)
                 return waiting
+        if owner.allocation is not None:  # kept with the job, so a restart gives it back
+            spec = {**(spec or {}), "allocation": owner.allocation}  # to its pod alone
         if job_id is None and core.config.store is not None:
             job_id = core.config.store.new_job(checked, owner.name, owner.uid, owner.gid,
                                                kind, spec or {}, planned, priority)
@@ -198,7 +199,7 @@ class Engine:
         cluster, `devices` on each, and is submitted to each node's daemon alike
         (`salusd/cluster.py`). With `pipeline` ({"placement", "microbatches"}) the replicas
         run the model split into stages instead (`salusd/engine/pipeline_spec.py`)."""
-        self.check_devices(devices)
+        admission.check_devices(self.core, devices)
         policy = self.core.pending_policy or self.core.dispatch.policy
         spec = batch_spec(path, function, str(name), devices, nodes, rendezvous, pipeline,
                           self.core.config.cluster, policy)
@@ -217,11 +218,11 @@ class Engine:
         rank (None: the output goes to the job's log). A torchrun command runs as a gang of
         its ranks, one per device; `devices` (None: as many as its ranks) must be that many.
         With `after` (job ids) it starts once those jobs have finished (`dependencies.py`)."""
-        self.check_devices(script_command.gang_devices(command, devices))
+        admission.check_devices(self.core, script_command.gang_devices(command, devices))
         if frames is not None and len(frames) != command.ranks:
             raise BadRequest(f"the command runs {command.ranks} rank(s) and the client sent "
                              f"{len(frames)} socket(s): one per rank")
-        self.check_memory(command.mem_bytes)
+        admission.check_memory(self.core, command.mem_bytes)
         scripts.pinned_devices(self.core, command)  # a pin naming no GPU here: BadRequest
         waits = () if after is None else dependencies.check(self.core, owner, after)
         spec = scripts.spec(command)
@@ -240,21 +241,6 @@ class Engine:
                       frames: Sequence[RawFrame] | None) -> None:
         scripts.start(self.core, record, command, frames)
         scripts.arm_limits(self.core, record, command, self._after)
-
-    def check_memory(self, mem_bytes: int | None) -> None:
-        """BadRequest when no device of this node can hold `mem_bytes` (a `--mem` request)."""
-        largest = max(ledger.capacity for ledger in self.core.ledgers)
-        if mem_bytes is not None and mem_bytes > largest:
-            raise BadRequest(f"the job needs {format_size(mem_bytes)} (--mem), the largest "
-                             f"device has {format_size(largest)}")
-
-    def check_devices(self, devices: object) -> int:
-        """`devices` when this node has that many devices; BadRequest says what it has."""
-        count = len(self.core.ledgers)
-        if type(devices) is not int or not 1 <= devices <= count:
-            raise BadRequest(f"this node has {count} device(s); a job may ask for 1 "
-                             f"to {count}, not {devices!r}")
-        return devices
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
                 spec: dict[str, Any], priority: float, checkpoint_iteration: int | None,
