@@ -26,14 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from types import FrameType
 
-from salus.daemon.cli.run import (
-    CANNOT_RUN,
-    FORWARDED,
-    INTERRUPT,
-    _Link,
-    final_status,
-    run_request,
-)
+from salus.daemon.cli.control import Control
+from salus.daemon.cli.run import CANNOT_RUN, FORWARDED, INTERRUPT, final_status, run_request
 from salus.daemon.wire.errors import SalusError
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # no more tasks after these
@@ -64,7 +58,7 @@ class Array:
     cancelled: bool = False
 
 
-def run_array(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
+def run_array(channel: Control, command: list[str], args: argparse.Namespace) -> int:
     """Submit a job per index of `args.array` and wait for them all: the highest status."""
     indexes, most = args.array
     array = Array(list(indexes), most or len(indexes))
@@ -95,7 +89,7 @@ def run_array(channel: _Link, command: list[str], args: argparse.Namespace) -> i
     return max(array.statuses.values(), default=CANNOT_RUN)
 
 
-def _loop(channel: _Link, command: list[str], args: argparse.Namespace, array: Array) -> None:
+def _loop(channel: Control, command: list[str], args: argparse.Namespace, array: Array) -> None:
     while array.running or (array.todo and not array.stop):
         while array.todo and not array.stop and len(array.running) < array.most:
             index = array.todo.pop(0)
@@ -125,7 +119,7 @@ def _loop(channel: _Link, command: list[str], args: argparse.Namespace, array: A
                       f"output is in {task.output}", file=sys.stderr)
 
 
-def _submit(channel: _Link, command: list[str], args: argparse.Namespace, array: Array,
+def _submit(channel: Control, command: list[str], args: argparse.Namespace, array: Array,
             index: int) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     request = {**run_request(command, args), "array_index": index}

@@ -1,5 +1,6 @@
-"""A control client for operators: the daemon's status, and suspend / resume / cancel /
-priority / output of jobs the caller owns (root: any job), over the same unix socket as the
+"""The client of the daemon's socket for everything but a job's tensors: an operator's status,
+suspend / resume / cancel / priority / output of jobs the caller owns (root: any job), and the
+requests of `salusd run` (`send` with a descriptor, `reply`), over the same unix socket as the
 data plane.
 
     from salus.daemon.cli.control import Control
@@ -7,25 +8,43 @@ data plane.
         print(ctl.status()["jobs"])
         ctl.suspend("3", swap=True)
 
-Standard library only (no torch): it speaks JSON frames and nothing else.
+Standard library only (no torch, which the wire's tensor codec would import: `salusd run`
+starts in a fraction of a second): it speaks JSON frames and nothing else. Replies come in the
+order of the requests.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections import deque
 from typing import Any
 
 from salus.daemon.wire.address import connect_unix, default_socket_path, parse_address
 from salus.daemon.wire.errors import DaemonUnavailable
-from salus.daemon.wire.frames import VERSION, FrameReader, json_frame, reply_result
+from salus.daemon.wire.frames import (
+    FLAG_SOCKET,
+    VERSION,
+    FrameReader,
+    RawFrame,
+    json_frame,
+    reply_result,
+)
 
 
 class Control:
-    """One connection to salusd for control requests (one caller at a time)."""
+    """One connection to salusd (one caller at a time). `timeout_s` bounds the connection
+    and the wait for each reply; with `wait_forever`, only the connection (`salusd run` waits
+    for its job's end, however long it runs)."""
 
-    def __init__(self, address: str | None = None, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str | None = None, *, timeout_s: float = 30.0,
+                 wait_forever: bool = False) -> None:
         self.path = parse_address(address) if address is not None else default_socket_path()
         self._sock = connect_unix(self.path, timeout_s)
+        if wait_forever:
+            self._sock.settimeout(None)
         self._reader = FrameReader(self._sock)
+        self._frames: deque[RawFrame] = deque()
         hello = self._call("ping")
         if hello.get("version") != VERSION:
             self.close()
@@ -74,23 +93,40 @@ class Control:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def send(self, request: dict[str, Any], fd: int | None = None) -> None:
+        """Send one request; `fd`, a descriptor, goes with it (a socket for the job)."""
+        frame = json_frame(request)
+        if fd is None:
+            self._sock.sendall(b"".join(frame.buffers()))
+            return
+        frame.flags |= FLAG_SOCKET
+        socket.send_fds(self._sock, [b"".join(frame.buffers())], [fd])
+
+    def reply(self) -> Any:
+        """The result of the oldest request not yet answered; SalusError for an error
+        reply, DaemonUnavailable when the connection closed first."""
+        while not self._frames:
+            frames, closed = self._reader.read(0.0)
+            self._frames.extend(frames)
+            if closed and not self._frames:
+                raise DaemonUnavailable(f"salusd at {self.path} closed the connection")
+        frame = self._frames.popleft()
+        frame.close_fd()
+        return reply_result(frame.json())
+
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`request`'s result, as an object ({} for any other result)."""
+        self.send(request)
+        result = self.reply()
+        return result if isinstance(result, dict) else {}
+
     def _call(self, op: str, **fields: Any) -> Any:
         try:
-            unsent: OSError | None = None
-            try:
-                self._sock.sendall(b"".join(json_frame({"op": op, **fields}).buffers()))
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                # salusd may have answered and closed before the request went out (a
-                # connection over its limit is refused at once): read what it said.
-                unsent = exc
-            while True:
-                frames, closed = self._reader.read(0.0)
-                if frames:
-                    reply = frames[0].json()
-                    break
-                if closed:
-                    raise unsent or ConnectionError("salusd closed the connection")
+            # salusd may have answered and closed before the request went out (a connection
+            # over its limit is refused at once): read what it said.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self.send({"op": op, **fields})
+            return self.reply()
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
                                     f"{exc}") from None
-        return reply_result(reply)

@@ -39,10 +39,10 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
 from types import FrameType
 from typing import Any
 
+from salus.daemon.cli.control import Control
 from salus.daemon.cli.relay import Relay
 from salus.daemon.devices.discovery import parse_size
 from salus.daemon.engine import torchrun
@@ -58,9 +58,8 @@ from salus.daemon.limits import (
     check_name,
     check_priority,
 )
-from salus.daemon.wire.address import connect_unix, default_socket_path
+from salus.daemon.wire.address import default_socket_path, format_address
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError, ShuttingDown
-from salus.daemon.wire.frames import FLAG_SOCKET, VERSION, FrameReader, json_frame, reply_result
 
 CANNOT_RUN = 125  # as `env` and container runners say "the command did not run"
 INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py)
@@ -216,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         resolved = resolve(command)
         path = os.path.abspath(args.socket) if args.socket else default_socket_path()
-        with contextlib.closing(_Link(connect_unix(path, 30.0))) as link:
+        with Control(format_address(path), wait_forever=True) as link:
             return _run(link, resolved, args)
     except (SalusError, ValueError, OSError) as exc:
         print(f"salusd run: {exc}", file=sys.stderr)
@@ -247,48 +246,7 @@ def resolve(command: list[str]) -> list[str]:
     return resolved
 
 
-class _Link:
-    """Requests to salusd and their replies, in order, as JSON frames (without torch, which
-    the wire's tensor codec would import: this process starts in a fraction of a second)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.settimeout(None)
-        self.sock = sock
-        self.reader = FrameReader(sock)
-        self.frames: deque[Any] = deque()
-
-    def send(self, request: dict[str, Any], fd: int | None = None) -> None:
-        frame = json_frame(request)
-        if fd is None:
-            self.sock.sendall(b"".join(frame.buffers()))
-            return
-        frame.flags |= FLAG_SOCKET
-        socket.send_fds(self.sock, [b"".join(frame.buffers())], [fd])
-
-    def call(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.send(request)
-        return self.reply()
-
-    def reply(self) -> dict[str, Any]:
-        """The next reply's result; SalusError for an error reply."""
-        while not self.frames:
-            frames, closed = self.reader.read(0.0)
-            self.frames.extend(frames)
-            if closed and not self.frames:
-                raise DaemonUnavailable("salusd closed the connection")
-        frame = self.frames.popleft()
-        frame.close_fd()
-        result = reply_result(frame.json())
-        return result if isinstance(result, dict) else {}
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _run(channel: _Link, command: list[str], args: argparse.Namespace) -> int:
-    hello = channel.call({"op": "ping"})
-    if hello.get("version") != VERSION:
-        raise ValueError("salusd speaks another protocol version: install matching versions")
+def _run(channel: Control, command: list[str], args: argparse.Namespace) -> int:
     launch = torchrun.parse(command)
     if args.array is not None and launch is not None:
         raise ValueError("--array runs one process per index; a torchrun gang cannot be a "
@@ -352,7 +310,7 @@ def _name(command: list[str], launch: torchrun.Launch | None) -> str:
     return "script"
 
 
-def _wait(channel: _Link, ranks: list[socket.socket], job: str, relay: Relay) -> int:
+def _wait(channel: Control, ranks: list[socket.socket], job: str, relay: Relay) -> int:
     """Forward Ctrl-C and `FORWARDED` signals to every rank, and relay their output, until
     each rank's exit status comes (or its socket closes); the status to exit with."""
     interrupts = 0
@@ -390,7 +348,7 @@ def _wait(channel: _Link, ranks: list[socket.socket], job: str, relay: Relay) ->
     return final_status(channel, job, statuses[0])
 
 
-def final_status(channel: _Link, job: str, status: int | None) -> int:
+def final_status(channel: Control, job: str, status: int | None) -> int:
     """What to exit with for `job`, whose script sent exit status `status` (None: none came):
     from the job's `limit`, `exit_status` and `signal` fields once the daemon ended it."""
     try:
@@ -449,7 +407,7 @@ def _statuses(ranks: list[socket.socket], relay: Relay) -> list[int | None]:
     return statuses
 
 
-def _ended_info(channel: _Link, job: str) -> dict[str, Any]:
+def _ended_info(channel: Control, job: str) -> dict[str, Any]:
     """The job's info once the daemon has ended it and its command is over (it learns of an
     exit or a death within moments), or as it stands after ENDED_WAIT_S seconds."""
     for _ in range(int(ENDED_WAIT_S / 0.02)):
