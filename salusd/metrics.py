@@ -54,7 +54,8 @@ from prometheus_client.utils import floatToGoString
 
 from salus.daemon import installed_version
 from salus.daemon.engine.events import Event
-from salus.daemon.engine.jobstate import ENDED, LIVE_STATES, EventState
+from salus.daemon.engine.jobstate import ENDED, EventState
+from salus.daemon.state.store import LIVE_STATES
 
 JOB_STATES = LIVE_STATES
 """A live job's states, as `salusd/engine/jobstate.py` defines them."""

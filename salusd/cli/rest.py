@@ -17,8 +17,9 @@ from rich.text import Text
 from salus.daemon.devices.discovery import format_size
 from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.rest.client import RestClient, RestError, find_token, find_url
+from salus.daemon.state.store import ENDED_STATES
 
-ENDED = ("finished", "cancelled", "failed")
+ENDED = ENDED_STATES
 
 
 def run(args: argparse.Namespace) -> int:

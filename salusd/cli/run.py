@@ -58,6 +58,7 @@ from salus.daemon.limits import (
     check_name,
     check_priority,
 )
+from salus.daemon.state.store import ENDED_STATES
 from salus.daemon.wire.address import default_socket_path, format_address
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError, ShuttingDown
 
@@ -66,7 +67,7 @@ INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py
 # The other signals forwarded to the script, each as one byte on the same socket.
 FORWARDED = {signal.SIGTERM: b"T", signal.SIGHUP: b"H", signal.SIGUSR1: b"1",
              signal.SIGUSR2: b"2"}
-ENDED = ("finished", "failed", "cancelled")
+ENDED = ENDED_STATES
 ENDED_WAIT_S = 10.0
 TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
 SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default

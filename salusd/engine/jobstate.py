@@ -21,12 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from salus.daemon.engine.registry import JobRecord
+from salus.daemon.state.store import ENDED_STATES
 from salus.scheduler.dispatch import JobView
 
 ENDED = {"finish": "finished", "cancelled": "cancelled", "failed": "failed"}
-"""The events that end a job, and the state each leaves it in."""
-LIVE_STATES = ("open", "pending", "running", "suspended")
-"""What `EventState.state` can be."""
+"""The events that end a job, and the state each leaves it in (`ENDED_STATES`)."""
+assert tuple(ENDED.values()) == ENDED_STATES
+# `EventState.state` is one of LIVE_STATES.
 
 
 def live_state(record: JobRecord, job: JobView | None) -> str:

@@ -35,11 +35,12 @@ ADMIN_TOKEN_NAME = "admin.token"
 TOKEN_PREFIX = "salus_"
 MAX_TOKEN_CHARS = 200  # a longer "token" is refused before it is hashed
 JOB_KINDS = ("interactive", "batch")
-# The daemon's job states (`engine/persist.py` maps events onto them); checked on update so
-# that a misspelt end state cannot bring a finished job back at the next start.
-JOB_STATES = ("open", "attached", "pending", "queued", "running", "suspended", "finished",
-              "cancelled", "failed")
+# The daemon's job states, defined here for every layer (`engine/jobstate.py` says what each
+# means and `engine/persist.py` maps events onto them); checked on update so that a misspelt
+# end state cannot bring a finished job back at the next start.
+LIVE_STATES = ("open", "pending", "running", "suspended")
 ENDED_STATES = ("finished", "cancelled", "failed")
+JOB_STATES = LIVE_STATES + ENDED_STATES
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 # Migration i takes the schema from version i to i + 1; only ever append.
@@ -493,5 +494,5 @@ def _read_admin_token(path: Path) -> str:
     return token
 
 
-__all__ = ["ENDED_STATES", "JOB_KINDS", "JOB_STATES", "SCHEMA_VERSION", "JobRow", "Store",
-           "TokenRow", "check_token_name", "ensure_admin_token", "token_hash"]
+__all__ = ["ENDED_STATES", "JOB_KINDS", "JOB_STATES", "LIVE_STATES", "SCHEMA_VERSION", "JobRow",
+           "Store", "TokenRow", "check_token_name", "ensure_admin_token", "token_hash"]
