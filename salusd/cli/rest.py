@@ -19,8 +19,6 @@ from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.rest.client import RestClient, RestError, find_token, find_url
 from salus.daemon.state.store import ENDED_STATES
 
-ENDED = ENDED_STATES
-
 
 def run(args: argparse.Namespace) -> int:
     console = Console(width=max(120, Console().width))
@@ -71,7 +69,7 @@ def _view(client: RestClient, ended_since: float | None = None) -> dict[str, Any
     """Policy, devices, lanes and the live jobs, with those that ended at `ended_since` (unix
     seconds) or later (None: no ended job)."""
     if ended_since is None:
-        jobs = [j for j in client.get("/v1/jobs") if j["state"] not in ENDED]
+        jobs = [j for j in client.get("/v1/jobs") if j["state"] not in ENDED_STATES]
     else:
         jobs = client.get(f"/v1/jobs?ended_since={ended_since!r}")
     return {"policy": client.get("/v1/policy"), "devices": client.get("/v1/devices"),

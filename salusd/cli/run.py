@@ -67,7 +67,6 @@ INTERRUPT = b"I"  # the executor raises SIGINT in the script for each (script.py
 # The other signals forwarded to the script, each as one byte on the same socket.
 FORWARDED = {signal.SIGTERM: b"T", signal.SIGHUP: b"H", signal.SIGUSR1: b"1",
              signal.SIGUSR2: b"2"}
-ENDED = ENDED_STATES
 ENDED_WAIT_S = 10.0
 TIME_LIMIT = 124  # the exit status of a job that hit its --time, as timeout(1) says it
 SIGNAL_BEFORE_S = 60.0  # Slurm's --signal default
@@ -413,7 +412,7 @@ def _ended_info(channel: Control, job: str) -> dict[str, Any]:
     exit or a death within moments), or as it stands after ENDED_WAIT_S seconds."""
     for _ in range(int(ENDED_WAIT_S / 0.02)):
         info = channel.call({"op": "info", "job": job})
-        if info.get("state") in ENDED and not info.get("grace"):
+        if info.get("state") in ENDED_STATES and not info.get("grace"):
             break
         time.sleep(0.02)
     return info
