@@ -1,12 +1,13 @@
 """The one fake executor for engine tests: the engine's `ExecutorPort`, speaking the real
 daemon↔executor protocol (`salusd/wire/executor_ops.py`) without processes.
 
-Every meta the engine sends is decoded with `decode_request`, so a message the protocol does not
-know fails the test where it is sent. Each `FakeExecutor` keeps what it was sent (`sent`) and
-what it has not answered yet (`unanswered`); a test answers the oldest with a typed reply, or
-as a healthy executor would (`answer`, `answer_all`; see `ordinary_reply`), sends unsolicited
-`Ready`/`Ran` (`ready`, `unsolicited`), and kills one (`die`). Replies are
-encoded to the dicts the real executor sends before the engine sees them, and a reply that does
+Every message the engine sends goes through its wire form (`encode`, then `decode_request`),
+so one the protocol cannot carry fails the test where it is sent. Each `FakeExecutor` keeps
+what it was sent (`sent`) and what it has not answered yet (`unanswered`); a test answers the
+oldest with a typed reply, or as a healthy executor would (`answer`, `answer_all`; see
+`ordinary_reply`), sends unsolicited `Ready`/`Ran` (`ready`, `unsolicited`), and kills one
+(`die`). Replies go through their wire
+form too (`encode`, then `decode_reply`, as the supervisor reads them), and a reply that does
 not fit its request (a `CallDone` for a `Load`) fails the test.
 
 Like the real executor, the fake decides whether a call is an iteration itself, with the
@@ -51,6 +52,7 @@ from salus.daemon.wire.executor_ops import (
     StepDone,
     SwapOut,
     Swapped,
+    decode_reply,
     decode_request,
     encode,
 )
@@ -136,10 +138,10 @@ class FakeExecutors:
         self.executors.append(executor)
         return executor
 
-    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+    def send(self, executor: object, msg: Request, frame: RawFrame | None) -> None:
         assert isinstance(executor, FakeExecutor)
-        request = decode_request(meta)
-        assert encode(request) == meta, f"{meta} is not what {request} encodes to"
+        request = decode_request(encode(msg))
+        assert request == msg, f"{msg} does not come through the wire as itself: {request}"
         executor.sent.append(request)
         if isinstance(request, Place):
             executor.device = request.device
@@ -176,7 +178,7 @@ class FakeExecutors:
         if reply.forward and frame is None:
             frame = json_frame({"ok": True, "result": None})
         assert reply.forward == (frame is not None), "a frame goes with forward replies only"
-        self._engine().on_executor_reply(executor, encode(reply), frame)
+        self._engine().on_executor_reply(executor, _wired(reply), frame)
         return request
 
     def answer_all(self, limit: int = 10_000) -> None:
@@ -195,7 +197,7 @@ class FakeExecutors:
         self.unsolicited(executor, Ready(is_iteration(call, executor.kinds), estimate))
 
     def unsolicited(self, executor: FakeExecutor, message: Ready | Ran) -> None:
-        self._engine().on_executor_reply(executor, encode(message), None)
+        self._engine().on_executor_reply(executor, _wired(message), None)
 
     def die(self, executor: FakeExecutor, reason: str, poisoned: bool = False) -> None:
         """The executor process is gone (its death reported, as the supervisor does;
@@ -206,3 +208,10 @@ class FakeExecutors:
     def _engine(self) -> Engine:
         assert self.engine is not None, "set FakeExecutors.engine to the engine using it"
         return self.engine
+
+
+def _wired(reply: Reply) -> Reply:
+    """`reply` as the supervisor reads it off the wire (and the same reply)."""
+    read = decode_reply(encode(reply))
+    assert read == reply, f"{reply} does not come through the wire as itself: {read}"
+    return read

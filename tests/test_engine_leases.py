@@ -46,7 +46,7 @@ def test_a_ready_that_came_with_the_last_report_does_not_keep_the_lease_away(
     port.answer_all()  # placed; its turn granted (`Run`), answered at the next boundary ...
     assert any(isinstance(m, Run) for m in executor.sent)
     # ... where the script reports the step and asks for the next at once, read together
-    engine.on_executor_reply(executor, _encoded(CallDone(True, 0.001, MiB, True, 0.0, 0.001)),
+    engine.on_executor_reply(executor, CallDone(True, 0.001, MiB, True, 0.0, 0.001),
                              None)
     port.unsolicited(executor, Ready(True))
     port.answer_all()
@@ -58,7 +58,7 @@ def test_a_job_moved_to_another_lane_gets_its_lease_only_after_the_old_one_is_ba
         tmp_path: Path) -> None:
     engine, port, record, executor = _script(tmp_path)
     port.answer_all()
-    engine.on_executor_reply(executor, _encoded(CallDone(True, 0.001, MiB, True, 0.0, 0.001)),
+    engine.on_executor_reply(executor, CallDone(True, 0.001, MiB, True, 0.0, 0.001),
                              None)
     port.answer_all()
     assert _leases(executor) == [True]
@@ -70,8 +70,3 @@ def test_a_job_moved_to_another_lane_gets_its_lease_only_after_the_old_one_is_ba
     port.answer_all()  # the revocation acknowledged: the new lane's lease may follow
     assert _leases(executor)[-1] is True
     engine.check_invariants()
-
-
-def _encoded(reply: object) -> dict:
-    from salus.daemon.wire.executor_ops import encode
-    return encode(reply)  # type: ignore[arg-type]

@@ -172,8 +172,9 @@ def test_every_reply_survives_the_wire(msg: Reply) -> None:
     assert encode(decode_reply(sent)) == sent
 
 
-def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
-    """Written out by hand from the daemon's and the executor's code before the types."""
+def test_the_wire_dicts_are_the_messages_fields_under_their_op() -> None:
+    """Written out by hand: each message is its op and its fields, a field holding its default
+    left out."""
     assert encode(Become(7, 8, (9,), "u", "/h", 1)) == {
         "op": "become", "uid": 7, "gid": 8, "groups": [9], "user": "u", "home": "/h",
         "threads": 1}
@@ -183,8 +184,7 @@ def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
         "op": "place", "device": "cpu", "budget_bytes": 5 << 20, "slowdown": 1.0, "lane": 4,
         "lane_bytes": 1 << 20, "shared": True}
     assert encode(HandedOver(False, False, "cannot pickle")) == {
-        "ok": False, "handed_over": True, "channel": False, "message": "cannot pickle",
-        "forward": False}
+        "op": "handed_over", "ok": False, "channel": False, "message": "cannot pickle"}
     assert encode(Run(True, True)) == {"op": "run", "counted": True, "frame": True}
     assert encode(Run(False)) == {"op": "run", "counted": False}  # a gang's call
     assert encode(Estimate(False)) == {"op": "estimate", "frame": False}
@@ -201,44 +201,45 @@ def test_the_wire_dicts_are_the_ones_the_daemon_always_sent() -> None:
         "op": "place", "device": "cuda:1", "budget_bytes": 5 << 20, "slowdown": 1.0,
         "uuid": "GPU-5e7a"}
     assert encode(CallDone(False, 0.0, None, False, None, None, empty=True)) == {
-        "ok": False, "empty": True, "seconds": 0.0, "peak": None, "counted": False,
-        "forward": False}
-    assert encode(Failed(None, forward=True)) == {"ok": False, "forward": True}
+        "op": "call_done", "ok": False, "seconds": 0.0, "peak": None, "counted": False,
+        "began": None, "ended": None, "empty": True}
+    assert encode(Failed(None, forward=True)) == {"op": "failed", "message": None,
+                                                  "forward": True}
+    assert encode(Ack()) == {"op": "ack"}
+    assert encode(Placed(3 * MiB)) == {"op": "placed", "reserved_bytes": 3 * MiB}
     assert "oom" not in encode(CallDone(False, 0.0, 5, True, 1.0, 2.0, "boom"))
     assert "oom" not in encode(StepDone(False, 0.1, 5, True, 1.0, 2.0, 3, message="boom"))
     assert "oom" not in encode(Ran(1, 1, 1, 0.1, 5, 1.0, 2.0))
     assert encode(Ready(True, EstimateFailed("no"))) == {
-        "op": "ready", "unsolicited": True, "counted": True,
-        "estimate": {"ok": False, "reason": "no"}, "forward": False}
+        "op": "ready", "counted": True, "estimate": {"op": "estimate_failed", "reason": "no"}}
     assert encode(Estimated(4096, "fake-tensor")) == {
-        "ok": True, "bytes": 4096, "method": "fake-tensor", "forward": False}
+        "op": "estimated", "bytes": 4096, "method": "fake-tensor"}
     assert encode(Attached(1 << 20, 1)) == {
-        "ok": True, "persistent_bytes": 1 << 20, "threads": 1, "forward": False}
+        "op": "attached", "persistent_bytes": 1 << 20, "threads": 1}
     assert encode(Loaded(1 << 20, 4)) == {
-        "ok": True, "persistent_bytes": 1 << 20, "iteration": 4, "forward": False}
+        "op": "loaded", "persistent_bytes": 1 << 20, "iteration": 4}
 
 
 def test_reserved_figures_are_optional_fields_beside_the_exact_ones() -> None:
-    """An executor that sends no reserved figure speaks the older form, which still decodes;
-    one that does adds a key the daemon reads on CUDA devices."""
+    """An executor that sends no reserved figure (off CUDA) leaves the key out; one that does
+    adds a key the daemon reads on CUDA devices."""
     assert encode(Estimated(4096, "fake-tensor", reserved_bytes=2 * MiB)) == {
-        "ok": True, "bytes": 4096, "method": "fake-tensor", "forward": False,
-        "reserved_bytes": 2 * MiB}
+        "op": "estimated", "bytes": 4096, "method": "fake-tensor", "reserved_bytes": 2 * MiB}
     assert encode(Attached(1 << 20, 1, True, 20 * MiB)) == {
-        "ok": True, "persistent_bytes": 1 << 20, "threads": 1, "forward": True,
+        "op": "attached", "persistent_bytes": 1 << 20, "threads": 1, "forward": True,
         "persistent_reserved_bytes": 20 * MiB}
     assert encode(Loaded(1 << 20, 4, persistent_reserved_bytes=20 * MiB)) == {
-        "ok": True, "persistent_bytes": 1 << 20, "iteration": 4, "forward": False,
+        "op": "loaded", "persistent_bytes": 1 << 20, "iteration": 4,
         "persistent_reserved_bytes": 20 * MiB}
     ready = encode(Ready(True, Estimated(4096, "fake-tensor", reserved_bytes=2 * MiB)))
     assert ready["estimate"]["reserved_bytes"] == 2 * MiB
     assert decode_reply(ready) == Ready(True, Estimated(4096, "fake-tensor",
                                                         reserved_bytes=2 * MiB))
-    old = {"ok": True, "persistent_bytes": 1 << 20, "threads": 1, "forward": False}
-    assert decode_reply(old) == Attached(1 << 20, 1)
-    for wire in (old, {"ok": True, "bytes": 1, "method": "m", "forward": False}):
+    without = {"op": "attached", "persistent_bytes": 1 << 20, "threads": 1}
+    assert decode_reply(without) == Attached(1 << 20, 1)
+    for wire in (without, {"op": "estimated", "bytes": 1, "method": "m"}):
         key = "persistent_reserved_bytes" if "threads" in wire else "reserved_bytes"
-        with pytest.raises(ValueError, match=repr(key)):
+        with pytest.raises(ValueError, match=repr(key)):  # left out, not null
             decode_reply({**wire, key: None})
 
 
@@ -294,7 +295,7 @@ def test_an_out_of_memory_failure_carries_its_flag_and_peak() -> None:
     for wire in (call, step, ran):
         decoded = decode_reply(wire)
         assert isinstance(decoded, CallDone | StepDone | Ran) and decoded.oom
-        with pytest.raises(ValueError, match="field 'oom' must be true"):
+        with pytest.raises(ValueError, match="field 'oom' is left out"):
             decode_reply({**wire, "oom": False})
 
 
@@ -353,8 +354,8 @@ def test_an_unknown_field_is_refused_and_named(msg: Message) -> None:
       "cache": None, "dir": None, "gang": {"rank": 0}}, "'load': gang: field 'world' is missing"),
     ({"op": "become", "uid": 0, "gid": 0, "groups": ["wheel"], "user": "u", "home": "/",
       "threads": 1}, "'groups' must be a list of ints"),
-    ({"op": "teleport"}, "unknown executor op 'teleport'"),
-    ({"op": ["run"]}, "unknown executor op"),
+    ({"op": "teleport"}, "unknown executor request 'teleport'"),
+    ({"op": ["run"]}, "unknown executor request"),
 ])
 def test_malformed_requests_name_what_is_wrong(wire: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
@@ -362,17 +363,21 @@ def test_malformed_requests_name_what_is_wrong(wire: dict[str, Any], field: str)
 
 
 @pytest.mark.parametrize(("wire", "field"), [
-    ({"ok": True, "seconds": 0.1, "peak": None, "counted": "yes", "began": 1.0, "ended": 2.0,
-      "forward": False}, "'run' reply: field 'counted'"),
-    ({"ok": True, "seconds": 0.1, "peak": None, "counted": True, "began": 1.0, "ended": 2.0},
-     "'forward' is missing"),
-    ({"ok": False, "seconds": 0.1, "peak": None, "counted": True, "began": 1.0, "ended": 2.0,
-      "iteration": 3, "loss": 0.5, "forward": False}, "'loss' must be left out"),
-    ({"ok": True, "bytes": 4096, "forward": False}, "unknown field\\(s\\) \\['bytes'\\]"),
-    ({"op": "ready", "unsolicited": True, "counted": True, "forward": True}, "'forward'"),
-    ({"op": "ready", "unsolicited": True, "counted": True, "estimate": 5, "forward": False},
-     "'estimate'"),
-    ({"op": "hello", "unsolicited": True}, "unknown unsolicited executor message 'hello'"),
+    ({"op": "call_done", "ok": True, "seconds": 0.1, "peak": None, "counted": "yes",
+      "began": 1.0, "ended": 2.0}, "'call_done': field 'counted'"),
+    ({"op": "call_done", "ok": True, "seconds": 0.1, "peak": None, "counted": True,
+      "began": 1.0}, "'ended' is missing"),
+    ({"op": "call_done", "ok": True, "seconds": 0.1, "peak": None, "counted": True,
+      "began": 1.0, "ended": 2.0, "forward": False}, "'forward' is left out"),
+    ({"op": "ack", "bytes": 4096}, "unknown field\\(s\\) \\['bytes'\\]"),
+    ({"op": "ready", "counted": True, "forward": True}, "'forward'"),
+    ({"op": "ready", "counted": True, "estimate": 5}, "'estimate'"),
+    ({"op": "ready", "counted": True, "estimate": {"op": "ack"}},
+     "'ready': estimate: field 'op' must be one of"),
+    ({"op": "ready", "counted": True, "estimate": {"op": "estimated", "bytes": 1}},
+     "'ready': estimate: field 'method' is missing"),
+    ({"op": "hello"}, "unknown executor reply 'hello'"),
+    ({"ok": True, "forward": False}, "unknown executor reply None"),
 ])
 def test_malformed_replies_name_what_is_wrong(wire: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -411,17 +416,17 @@ def test_an_executor_answers_a_malformed_message_with_its_reason_and_goes_on(
         daemon.send(encode(Become(me.pw_uid, me.pw_gid, tuple(os.getgroups()), me.pw_name,
                                   me.pw_dir, 1)))
         daemon.send(addressed(encode(Host(str(tmp_path), False)), 1))
-        assert daemon.recv() == {"ok": True, "forward": False, "for_job": 1}
+        assert daemon.recv() == {"op": "ack", "for_job": 1}
         daemon.send(encode(Lease(True)))  # a job's message must name its job
         assert decode_reply(daemon.recv()) == Failed("'lease' must name its job")
         daemon.send(addressed(encode(Lease(True)), 2))
-        assert daemon.recv() == {"ok": False, "message": "this executor hosts no job 2",
-                                 "forward": False, "for_job": 2}
+        assert daemon.recv() == {"op": "failed", "message": "this executor hosts no job 2",
+                                 "for_job": 2}
         daemon.send({"op": "lease", "granted": 1, "for_job": 1})
         assert _reply_for(daemon, 1) == Failed(
             "executor message 'lease': field 'granted' must be true or false, got 1")
         daemon.send({"op": "teleport", "for_job": 1})
-        assert _reply_for(daemon, 1) == Failed("unknown executor op 'teleport'")
+        assert _reply_for(daemon, 1) == Failed("unknown executor request 'teleport'")
         # A request that carries the client's frame: the frame is read, and the client answered.
         daemon.send_many([{"op": "define", "fid": 0, "for_job": 1}, {"op": "define", "fid": 0}])
         failed = _reply_for(daemon, 1)
@@ -512,7 +517,8 @@ BATCH = textwrap.dedent("""
 
 class Wire:
     """What crossed the daemon's executor links: the metas it sent (the supervisor's
-    and its pool's `json_frame` see each) and the metas the executors sent back."""
+    and its pool's `json_frame` see each) and the metas the executors sent back (each as the
+    supervisor decodes it)."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -526,25 +532,19 @@ class Wire:
             self.requests.append(request)
         return self._json_frame(message)
 
-    def tap(self, daemon: Daemon) -> None:
-        on_reply = daemon.supervisor.on_reply
-
-        def record(executor: Any, meta: dict[str, Any], frame: RawFrame | None) -> None:
-            self.replies.append(json.loads(json.dumps(meta)))
-            on_reply(executor, meta, frame)
-
-        daemon.supervisor.on_reply = record
+    def decode_reply(self, meta: object) -> Reply:
+        self.replies.append(json.loads(json.dumps(meta)))
+        return decode_reply(meta)
 
 
 @contextlib.contextmanager
-def running(tmp: Path, wire: Wire) -> Iterator[tuple[Daemon, str]]:
+def running(tmp: Path) -> Iterator[tuple[Daemon, str]]:
     """A real daemon (2 CPU devices, checkpoints in `tmp/state`, first calls estimated) with
-    its loop on a thread of this process and its executor links tapped by `wire`."""
+    its loop on a thread of this process."""
     config = DaemonConfig(str(tmp / "salusd.sock"), cpu_devices(2, 256 * MiB), "pack",
                           threads=1, standby_executors=1, state_dir=tmp / "state",
                           first_call="estimate")
     daemon = Daemon(config)
-    wire.tap(daemon)
     daemon.start()
     thread = threading.Thread(target=daemon.run, name="salusd-loop", daemon=True)
     thread.start()
@@ -572,12 +572,13 @@ def test_what_a_real_daemon_and_its_executors_say_decodes_and_encodes_back(
     wire = Wire()
     monkeypatch.setattr(supervisor_module, "json_frame", wire.json_frame)
     monkeypatch.setattr(pool_module, "json_frame", wire.json_frame)  # `Become`
+    monkeypatch.setattr(supervisor_module, "decode_reply", wire.decode_reply)
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     batch = tmp_path / "jobs" / "batch.py"
     batch.parent.mkdir()
     batch.write_text(BATCH)
-    with running(tmp_path, wire) as (daemon, address):
+    with running(tmp_path) as (daemon, address):
         env = {**os.environ, "SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1"}
         clients = [subprocess.Popen([sys.executable, str(script), name, str(devices)], env=env,
                                     text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -606,7 +607,7 @@ def test_what_a_real_daemon_and_its_executors_say_decodes_and_encodes_back(
     clients[0].wait()
     # A restart brings the single job back from the checkpoint taken when it was suspended.
     before = len(wire.replies)
-    with running(tmp_path, wire):
+    with running(tmp_path):
         wait_until(lambda: any(r.get("iteration") == 6 and "persistent_bytes" in r
                                for r in wire.replies[before:]), 120, "the job to be restored")
 

@@ -18,7 +18,7 @@ from salus.daemon.engine.gang import merge
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.executor.left_behind import device_bytes_left
 from salus.daemon.executor.runtime import JobRuntime
-from salus.daemon.wire.executor_ops import Ack, Attached, Estimated, SwapOut, Swapped, encode
+from salus.daemon.wire.executor_ops import Ack, Attached, Estimated, SwapOut, Swapped
 from salus.daemon.wire.frames import json_frame
 
 MiB = 2**20
@@ -59,10 +59,10 @@ def test_the_daemon_records_what_a_swap_out_left_in_the_jobs_events() -> None:
 
 
 def test_a_gangs_replicas_left_bytes_are_summed() -> None:
-    metas = [encode(Swapped({"device_bytes_left": n})) for n in (5, 7)]
-    assert merge(metas)["swap"] == {"device_bytes_left": 12}
-    script = [encode(Swapped({"device_bytes_left": None, "note": "x"}))] * 2
-    assert merge(script)["swap"] == {"device_bytes_left": None, "note": "x"}
+    replies = [Swapped({"device_bytes_left": n}) for n in (5, 7)]
+    assert merge(replies) == Swapped({"device_bytes_left": 12})
+    script = [Swapped({"device_bytes_left": None, "note": "x"})] * 2
+    assert merge(script) == Swapped({"device_bytes_left": None, "note": "x"})
 
 
 def test_on_a_cpu_device_nothing_is_left() -> None:

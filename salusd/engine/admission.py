@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
 
 from salus.daemon.devices.discovery import format_size
 from salus.daemon.engine import scripts
 from salus.daemon.engine.booking import booked_estimate
 from salus.daemon.engine.core import Core, LaneKey
+from salus.daemon.engine.gang import failure
 from salus.daemon.engine.ledger import aligned
 from salus.daemon.engine.registry import JobRecord, may_share_executor, requested_memory
 from salus.daemon.wire.errors import BadRequest, DoesNotFit
+from salus.daemon.wire.executor_ops import Estimated, EstimateFailed, Reply
 from salus.scheduler import Job
 from salus.scheduler.dispatch import Ready
 
@@ -24,27 +25,27 @@ and includes the allocator's retained memory and torch's lazy start-up (a few Mi
 call); overshoots of a lane below this are noise, not growth."""
 
 
-def estimated(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
-    """The first call's ephemeral size is known (`meta["bytes"]`; on a CUDA device its
-    reserved bytes, `booking.booked_estimate`), or not (`ok` false: the
-    persistent size is the guess and the first call is measured): submit the job. A job that
-    asked for its memory (`--mem`) is submitted with that instead."""
+def estimated(core: Core, record: JobRecord, reply: Reply) -> None:
+    """The first call's ephemeral size is known (`Estimated`; on a CUDA device its reserved
+    bytes, `booking.booked_estimate`), or not (any other reply: the persistent size is the
+    guess and the first call is measured): submit the job. A job that asked for its memory
+    (`--mem`) is submitted with that instead."""
     if not record.live:
         return
     requested = requested_memory(record)
     if requested is not None:  # asked for (`--mem`): its lane, instead of an estimate
         ephemeral = requested
         record.estimate_method = "requested (--mem)"
-    elif meta.get("ok"):
-        ephemeral = booked_estimate(record.device_kind, meta)
-        record.estimate_method = str(meta.get("method", "fake-tensor"))
+    elif isinstance(reply, Estimated):
+        ephemeral = booked_estimate(record.device_kind, reply)
+        record.estimate_method = reply.method
     else:
         # No estimate: admit with a guess; the first real call is measured and the job's lane
         # is then made exactly what it measured (moved, or queued, if that is more).
         ephemeral = first_call_guess(record)
         record.ephemeral_guessed = True
-        record.estimate_method = ("first call measured (no fake-tensor estimate: "
-                                  f"{str(meta.get('reason', ''))[:300]})")
+        why = reply.reason if isinstance(reply, EstimateFailed) else failure(reply)
+        record.estimate_method = f"first call measured (no fake-tensor estimate: {why[:300]})"
     record.estimate_bytes = ephemeral
     job = Job(job_id=record.job_id, submit_s=core.clock(),
               total_iterations=record.planned_iterations,

@@ -9,23 +9,20 @@ is accounted in exact bytes: the reserved figures are ignored there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from salus.daemon.wire.executor_ops import Attached, Estimated, Loaded
 
 
-def booked_bytes(device_kind: str, meta: Mapping[str, Any], exact: str, reserved: str) -> int:
-    """Bytes to book of the executor's reply `meta`: its `reserved` figure on a CUDA device
-    (`device_kind` "cuda") when it sent one, else its `exact` one (0 when absent)."""
-    if device_kind == "cuda" and type(meta.get(reserved)) is int:
-        return int(meta[reserved])
-    return int(meta.get(exact, 0))
+def booked_bytes(device_kind: str, exact: int, reserved: int | None) -> int:
+    """Bytes to book of an executor's figures: the `reserved` one on a CUDA device
+    (`device_kind` "cuda") when it sent one, else the `exact` one."""
+    return reserved if device_kind == "cuda" and reserved is not None else exact
 
 
-def booked_persistent(device_kind: str, meta: Mapping[str, Any]) -> int:
+def booked_persistent(device_kind: str, reply: Attached | Loaded) -> int:
     """The persistent bytes to book of an attach or load reply."""
-    return booked_bytes(device_kind, meta, "persistent_bytes", "persistent_reserved_bytes")
+    return booked_bytes(device_kind, reply.persistent_bytes, reply.persistent_reserved_bytes)
 
 
-def booked_estimate(device_kind: str, meta: Mapping[str, Any]) -> int:
+def booked_estimate(device_kind: str, reply: Estimated) -> int:
     """The ephemeral bytes to book of an estimate that succeeded."""
-    return booked_bytes(device_kind, meta, "bytes", "reserved_bytes")
+    return booked_bytes(device_kind, reply.bytes, reply.reserved_bytes)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from salus.daemon.engine.core import Core
+from salus.daemon.engine.gang import failure, succeeded
 from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.errors import BadRequest, Conflict
-from salus.daemon.wire.executor_ops import Checkpoint
+from salus.daemon.wire.executor_ops import Checkpoint, Checkpointed, Reply, StepDone
 
 log = logging.getLogger("salusd.engine")
 
@@ -33,7 +33,7 @@ def request(core: Core, record: JobRecord, on_done: OnDone | None = None) -> Non
         raise Conflict(f"job {record.job_id} has no state to checkpoint yet")
     record.checkpointing += 1
     record.since_checkpoint, record.since_checkpoint_s = 0, 0.0
-    core.outbox.send_all(record, "checkpoint", [
+    core.outbox.send_all(record, [
         Checkpoint(replica_dir(record, r), record.job_id) for r in range(record.gang)],
         on_done=on_done)
 
@@ -48,32 +48,32 @@ def maybe(core: Core, record: JobRecord) -> None:
         request(core, record)
 
 
-def written(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
+def written(core: Core, record: JobRecord, reply: Reply) -> None:
     """The executors answered a checkpoint."""
     record.checkpointing -= 1
-    if not meta.get("ok"):
-        log.warning("job %d: checkpoint failed: %s", record.job_id, meta.get("message"))
+    if not isinstance(reply, Checkpointed):
+        log.warning("job %d: checkpoint failed: %s", record.job_id, failure(reply))
         return
-    record.checkpoint_iteration = int(meta["iteration"])
-    record.checkpoint_time = float(meta["time"])
-    record.checkpoint_bytes = int(meta["bytes"])
-    core.event("checkpoint", record.job_id, iteration=record.checkpoint_iteration,
-               seconds=float(meta["seconds"]), bytes=record.checkpoint_bytes,
-               path=str(meta.get("path")), time=record.checkpoint_time)
+    record.checkpoint_iteration = reply.iteration
+    record.checkpoint_time = reply.time
+    record.checkpoint_bytes = reply.bytes
+    core.event("checkpoint", record.job_id, iteration=reply.iteration, seconds=reply.seconds,
+               bytes=reply.bytes, path=reply.path, time=reply.time)
 
 
-def batch_step_done(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
+def batch_step_done(core: Core, record: JobRecord, reply: Reply) -> None:
     """After a batch job's iteration: fail it if its code raised, finish it (with a final
     checkpoint) when it ran all its iterations, else checkpoint when due."""
-    if not meta.get("ok"):
-        core.end(record, "failed", f"iteration {int(meta.get('iteration', 0)) + 1} "
-                 f"raised {str(meta.get('message', ''))[:2000]}")
+    if not isinstance(reply, StepDone) or not reply.ok:
+        iteration = reply.iteration if isinstance(reply, StepDone) else 0
+        core.end(record, "failed", f"iteration {iteration + 1} raised "
+                 f"{failure(reply)[:2000]}")
         return
-    record.last_loss = meta.get("loss")
-    if isinstance(meta.get("cache"), dict):
-        record.cache = meta["cache"]
-    if "evaluation" in meta:
-        record.last_evaluation = meta["evaluation"]
+    record.last_loss = reply.loss
+    if reply.cache is not None:
+        record.cache = reply.cache
+    if reply.evaluation is not None:
+        record.last_evaluation = reply.evaluation
     job = core.dispatch.job(record.job_id)
     if job is None or not job.done:
         maybe(core, record)
@@ -83,10 +83,10 @@ def batch_step_done(core: Core, record: JobRecord, meta: dict[str, Any]) -> None
         core.end(record, "finished", reason)
         return
 
-    def finished(meta: dict[str, Any]) -> None:
+    def finished(reply: Reply) -> None:
         if record.live:  # not ended meanwhile (cancelled, an executor died)
-            core.end(record, "finished", reason if meta.get("ok") else (
-                f"{reason}; its final checkpoint failed: {meta.get('message')}"))
+            core.end(record, "finished", reason if succeeded(reply) else (
+                f"{reason}; its final checkpoint failed: {failure(reply)}"))
 
     # Reported finished once its final checkpoint is on disk (a done job is not picked again
     # meanwhile), so whoever reads "finished" finds the state it ended with.

@@ -24,7 +24,7 @@ from salus.daemon.engine.core import Config, Core, ok_frame
 from salus.daemon.engine.events import EventStream
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.ledger import DeviceLedger
-from salus.daemon.engine.outbox import OnDone, Outbox, Sent
+from salus.daemon.engine.outbox import OnDone, Outbox
 from salus.daemon.engine.ports import (
     CheckpointPolicy,
     DataCachePolicy,
@@ -53,7 +53,7 @@ from salus.daemon.wire.errors import (
     JobFailed,
     ShuttingDown,
 )
-from salus.daemon.wire.executor_ops import Define, DirectChannel, Estimate, Pull
+from salus.daemon.wire.executor_ops import Define, DirectChannel, Estimate, Pull, Reply
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler import make_policy
 from salus.scheduler.dispatch import Dispatcher
@@ -293,13 +293,13 @@ class Engine:
     def define(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a function definition (`@remote.iteration` / `@remote.function`)."""
         _require_attached(record)
-        self.core.outbox.send_all(record, "define", [Define()] * record.gang, answer=answer,
+        self.core.outbox.send_all(record, [Define()] * record.gang, answer=answer,
                                   frame=frame)
 
     def pull(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward a request for the job's state; the executor answers after its current call."""
         _require_attached(record)
-        self.core.outbox.send(record, Sent("pull", answer), Pull(), frame)
+        self.core.outbox.send(record, Pull(), frame, answer=answer)
 
     def channel(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Hand the job's executor the client's end of a direct call channel (the descriptor
@@ -311,7 +311,7 @@ class Engine:
             frame.close_fd()
             raise BadRequest(f"job {record.job_id} is a gang of {record.gang} replicas: its "
                              "calls go through salusd to all of them, not on a direct channel")
-        self.core.outbox.send(record, Sent("channel", answer), DirectChannel(), frame)
+        self.core.outbox.send(record, DirectChannel(), frame, answer=answer)
 
     def call(self, record: JobRecord, frame: RawFrame, answer: Answer, counted: bool) -> None:
         """Queue one call; it runs when the policy picks the job in its lane."""
@@ -330,7 +330,7 @@ class Engine:
             if record.gang > 1 or not core.config.estimate_first:
                 admission.measure_first(core, record, "call")
             else:
-                core.outbox.send(record, Sent("estimate"), Estimate(), frame.duplicate())
+                core.outbox.send(record, Estimate(), frame.duplicate())
         self._step()
 
     def close(self, record: JobRecord, reason: str | None = None) -> None:
@@ -434,10 +434,10 @@ class Engine:
         self._step()
 
     # ---- executor events -------------------------------------------------------------------
-    def on_executor_reply(self, executor: object, meta: dict[str, Any],
+    def on_executor_reply(self, executor: object, reply: Reply,
                           frame: RawFrame | None) -> None:
         """The executor answered the oldest message it was sent (or spoke unasked)."""
-        self.replies.reply(executor, meta, frame)
+        self.replies.reply(executor, reply, frame)
         self._step()
 
     def on_executor_died(self, executor: object, reason: str,

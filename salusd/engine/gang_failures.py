@@ -4,23 +4,23 @@ collective it will never join, or returned with states that may now differ."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from salus.daemon.engine.core import Core, LaneKey, error_frame
-from salus.daemon.engine.gang import GangReply
+from salus.daemon.engine.gang import GangReply, failure
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.errors import JobFailed
+from salus.daemon.wire.executor_ops import Reply, StepDone
 from salus.daemon.wire.frames import RawFrame
 
 
-def broke(core: Core, record: JobRecord, sent: Sent, meta: dict[str, Any]) -> None:
+def broke(core: Core, record: JobRecord, sent: Sent, reply: Reply) -> None:
     """A batch gang's replica raised in its iteration: its peers wait in a collective it will
     never join, so the job fails now and every replica is killed (their deaths free the
     lanes)."""
-    message = str(meta.get("message", ""))[:2000]
-    break_gang(core, record, f"iteration {int(meta.get('iteration', 0)) + 1} raised on "
-               f"replica {sent.replica}: {message}", [sent.lane] if sent.lane else [])
+    iteration = reply.iteration if isinstance(reply, StepDone) else 0
+    break_gang(core, record, f"iteration {iteration + 1} raised on replica {sent.replica}: "
+               f"{failure(reply)[:2000]}", [sent.lane] if sent.lane else [])
 
 
 def break_gang(core: Core, record: JobRecord, reason: str, lanes: list[LaneKey]) -> None:
@@ -47,13 +47,13 @@ def peers_late(core: Core, record: JobRecord, gang: GangReply) -> None:
     if gang.complete or gang.abandoned or not record.live:
         return
     gang.abandoned = True
-    missing = [r for r in range(gang.expected) if r not in gang.metas]
+    missing = [r for r in range(gang.expected) if r not in gang.replies]
     reason = (f"{gang.raised()} and replica(s) {missing} did not return within "
               f"{core.config.cancel_grace_s:g} s (waiting in a collective for it?); the gang "
               "cannot go on")
     if gang.frame is not None:
         gang.frame.close_fd()
-    if gang.head is not None and gang.head.answer is not None and 0 in gang.metas:
+    if gang.head is not None and gang.head.answer is not None and 0 in gang.replies:
         gang.head.answer(error_frame(JobFailed(f"job {record.job_id} failed: {reason}")))
     break_gang(core, record, reason, gang.lanes)
 

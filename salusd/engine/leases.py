@@ -10,7 +10,6 @@ back; the calls it ran meanwhile are reported afterwards (`ran`) and accounted t
 from __future__ import annotations
 
 from salus.daemon.engine.core import Core, LaneKey
-from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.executor_ops import Lease
 
@@ -44,7 +43,7 @@ class Leases:
                 record = self.core.registry.live[wanted]
                 self.held[lane.key] = wanted
                 dispatch.hold(lane.key, wanted)
-                self.core.outbox.send(record, Sent("grant"), Lease(granted=True))
+                self.core.outbox.send(record, Lease(granted=True))
         for key in [k for k in self.held if dispatch.lane(k) is None]:
             self._revoke(key, self.held[key])
 
@@ -56,7 +55,7 @@ class Leases:
                 record.executor):
             return
         self.revoking.add(key)
-        self.core.outbox.send(record, Sent("revoke", lane=key), Lease(granted=False))
+        self.core.outbox.send(record, Lease(granted=False), lane=key)
 
     def _candidate(self, key: LaneKey) -> int | None:
         """The job to hold lane `key`'s lease, as the dispatcher decides it

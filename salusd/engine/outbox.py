@@ -10,26 +10,26 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from salus.daemon.engine.gang import GangReply
 from salus.daemon.engine.ports import ExecutorPort
 from salus.daemon.engine.registry import Answer, JobRecord
-from salus.daemon.wire.executor_ops import Request, encode
+from salus.daemon.wire.executor_ops import Reply, Request
 from salus.daemon.wire.frames import RawFrame
 
 LaneKey = tuple[int, int]
-OnDone = Callable[[dict[str, Any]], None]
+OnDone = Callable[[Reply], None]
 
 
 @dataclass(eq=False)
 class Sent:
-    """One message an executor has not answered yet."""
+    """One message an executor has not answered yet: the `request`, who gets the client's
+    answer that comes with the reply, the lane it runs in, and what to call with the reply."""
 
-    kind: str
+    request: Request
     answer: Answer | None = None
     lane: LaneKey | None = None
-    on_done: OnDone | None = None  # gets the executor's reply meta
+    on_done: OnDone | None = None  # gets the executor's reply
     gang: GangReply | None = None  # sent to every replica of a gang: their replies merge
     replica: int = 0
 
@@ -95,34 +95,40 @@ class Outbox:
         for executor in record.replicas:
             self.retire(executor, code, message)
 
-    def send_to(self, executor: object, sent: Sent, msg: Request,
-                frame: RawFrame | None = None) -> None:
-        """Send one message to `executor`; its reply is matched with `sent`."""
+    def send_to(self, executor: object, msg: Request, frame: RawFrame | None = None, *,
+                answer: Answer | None = None, lane: LaneKey | None = None,
+                on_done: OnDone | None = None) -> None:
+        """Send one message to `executor`; its reply goes to `answer` (the client's frame)
+        and `on_done`."""
+        self._queue(executor, Sent(msg, answer, lane, on_done), frame)
+
+    def _queue(self, executor: object, sent: Sent, frame: RawFrame | None) -> None:
         self._sent[id(executor)].append(sent)
-        self.port.send(executor, encode(msg), frame)
+        self.port.send(executor, sent.request, frame)
 
-    def send(self, record: JobRecord, sent: Sent, msg: Request,
-             frame: RawFrame | None = None) -> None:
+    def send(self, record: JobRecord, msg: Request, frame: RawFrame | None = None, *,
+             answer: Answer | None = None, lane: LaneKey | None = None,
+             on_done: OnDone | None = None) -> None:
         """Send one message to the job's executor (a gang's replica 0)."""
-        self.send_to(record.executor, sent, msg, frame)
+        self.send_to(record.executor, msg, frame, answer=answer, lane=lane, on_done=on_done)
 
-    def send_all(self, record: JobRecord, kind: str, msgs: list[Request], *,
+    def send_all(self, record: JobRecord, msgs: list[Request], *,
                  lanes: list[LaneKey] | None = None, on_done: OnDone | None = None,
                  answer: Answer | None = None, frame: RawFrame | None = None) -> None:
         """Send `msgs[r]` (and the client's `frame`, to each) to replica r of the job; their
-        replies come back as one (replica 0's `Sent` with the merged meta; replica 0's reply
+        replies come back as one (replica 0's `Sent` with the merged reply; replica 0's reply
         frame goes to `answer`). A job of one replica gets a plain `send`."""
         if record.gang == 1:
-            self.send(record, Sent(kind, answer, lanes[0] if lanes else None, on_done),
-                      msgs[0], frame)
+            self.send(record, msgs[0], frame, answer=answer, lane=lanes[0] if lanes else None,
+                      on_done=on_done)
             return
         frames = [frame, *(frame.duplicate() for _ in msgs[1:])] if frame is not None else (
             [None] * record.gang)
         gang = GangReply(record.gang, list(lanes or []))
         for replica, (executor, msg) in enumerate(zip(record.replicas, msgs, strict=True)):
-            sent = Sent(kind, answer if replica == 0 else None,
+            sent = Sent(msg, answer if replica == 0 else None,
                         lanes[replica] if lanes else None, on_done if replica == 0 else None,
                         gang, replica)
             if replica == 0:
                 gang.head = sent
-            self.send_to(executor, sent, msg, frames[replica])
+            self._queue(executor, sent, frames[replica])

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from salus.daemon.engine.registry import JobRecord, Owner
+from salus.daemon.wire.executor_ops import Request
 from salus.daemon.wire.frames import RawFrame
 
 
@@ -17,7 +18,7 @@ class ExecutorPort(Protocol):
         """An executor process for replica `replica` of `record`, running as its owner."""
         ...
 
-    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+    def send(self, executor: object, msg: Request, frame: RawFrame | None) -> None:
         """Send one message (and the client frame that goes with it) to the executor."""
         ...
 

@@ -11,11 +11,40 @@ from typing import Any
 from salus.daemon.engine import admission, checkpoints, gang_failures, replace, scripts
 from salus.daemon.engine.booking import booked_persistent
 from salus.daemon.engine.core import Core, LaneKey, error_frame, exit_detail
+from salus.daemon.engine.gang import failure, succeeded
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
-from salus.daemon.wire.executor_ops import Estimate, Lease, Refuse
+from salus.daemon.wire.executor_ops import (
+    UNSOLICITED,
+    Attach,
+    Attached,
+    CallDone,
+    Checkpoint,
+    DirectChannel,
+    Estimate,
+    Estimated,
+    EstimateFailed,
+    Exited,
+    Failed,
+    Lease,
+    Load,
+    Loaded,
+    Place,
+    Placed,
+    Progress,
+    Ran,
+    Ready,
+    Refuse,
+    Reply,
+    Restore,
+    Run,
+    Step,
+    StepDone,
+    SwapOut,
+    Swapped,
+)
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler.dispatch import Finished, RanUnderLease
 
@@ -32,80 +61,79 @@ class Replies:
         self.leases = leases
         self.after = after
 
-    def reply(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+    def reply(self, executor: object, reply: Reply, frame: RawFrame | None) -> None:
         core = self.core
         record = core.outbox.job_of(executor)
-        if record is not None and meta.get("unsolicited"):
-            self._unsolicited(record, executor, meta)
+        if record is not None and isinstance(reply, UNSOLICITED):
+            self._unsolicited(record, executor, reply)
             return
         sent = core.outbox.next_reply(executor) if record is not None else None
         if record is None or sent is None:
-            log.warning("unexpected reply from an executor: %r", meta)
+            log.warning("unexpected reply from an executor: %r", reply)
             if frame is not None:
                 frame.close_fd()
             return
         if sent.gang is not None:
             gang = sent.gang
+            call = isinstance(sent.request, Run | Step)
             # A script gang's ranks fail by exiting (`scripts.exited`); a rank that exited
             # answers its peers' run `empty`.
-            if sent.kind == "run" and not meta.get("ok") and record.live and (
-                    record.script is None):
+            if call and not succeeded(reply) and record.live and record.script is None:
                 if record.kind == "batch":
-                    gang_failures.broke(core, record, sent, meta)
+                    gang_failures.broke(core, record, sent, reply)
                     return
                 gang_failures.await_peers(core, gang, lambda: self.after(
                     lambda: gang_failures.peers_late(core, record, gang)))
-            if not gang.add(sent.replica, meta, frame):
+            if not gang.add(sent.replica, reply, frame):
                 return  # other replicas have yet to answer
-            meta, frame, sent = gang.merged(), gang.frame, gang.head
+            reply, frame, sent = gang.merged(), gang.frame, gang.head
             if gang.abandoned:  # answered and failed when a replica did not return
                 if frame is not None:
                     frame.close_fd()
                 return
-            if sent.kind == "run" and record.live and gang.diverged() and (
-                    record.script is None):
+            if call and record.live and gang.diverged() and record.script is None:
                 frame = gang_failures.diverged(core, record, gang, frame)
-        self._answered(record, sent, meta)
+        self._answered(record, sent, reply)
         if sent.on_done is not None:
-            sent.on_done(meta)
+            sent.on_done(reply)
         if sent.answer is not None and frame is not None:
             sent.answer(frame)
         elif frame is not None:
             frame.close_fd()
 
-    def _answered(self, record: JobRecord, sent: Sent, meta: dict[str, Any]) -> None:
-        core = self.core
-        ok = bool(meta.get("ok"))
-        if sent.kind == "run":
-            self._finished_call(record, sent, meta)
-        elif sent.kind == "revoke" and sent.lane is not None:
+    def _answered(self, record: JobRecord, sent: Sent, reply: Reply) -> None:
+        """The engine's side of the reply to `sent`: what the request's answer changes."""
+        core, request = self.core, sent.request
+        if isinstance(request, Run | Step):
+            self._finished_call(record, sent, reply)
+        elif isinstance(request, Lease) and not request.granted and sent.lane is not None:
             self.leases.revoked(record, sent.lane)
-        elif sent.kind == "channel" and ok:
+        elif isinstance(request, DirectChannel) and succeeded(reply):
             record.direct = True
-        elif sent.kind == "attach" and ok:
-            record.persistent_bytes = booked_persistent(record.device_kind, meta)
+        elif isinstance(request, Attach) and isinstance(reply, Attached):
+            record.persistent_bytes = booked_persistent(record.device_kind, reply)
             record.phase = "attached" if record.live else record.phase
             core.event("attach", record.job_id, persistent_bytes=record.persistent_bytes)
-        elif sent.kind == "attach":
+        elif isinstance(request, Attach):
             # The state did not load (a class the executor cannot import): the client may
             # attach again, to fresh executors.
             core.outbox.drop_replicas(record)
-        elif sent.kind == "estimate":
-            admission.estimated(core, record, meta)
-        elif sent.kind == "load":
-            self._loaded(record, meta)
-        elif sent.kind == "checkpoint":
-            checkpoints.written(core, record, meta)
-        elif sent.kind == "swap_out" and record.script is None and isinstance(
-                meta.get("swap"), dict):
-            self._swapped_out(record, meta["swap"])
-        elif sent.kind in ("swap_out", "place") and isinstance(meta.get("swap"), dict):
-            scripts.swapped(core, record, meta["swap"])
-        elif sent.kind == "place" and ok and type(meta.get("placed_reserved_bytes")) is int:
-            admission.placed(self.core, record, meta["placed_reserved_bytes"])
-        elif sent.kind == "place" and not ok and record.live:
+        elif isinstance(request, Estimate):
+            admission.estimated(core, record, reply)
+        elif isinstance(request, Load | Restore):
+            self._loaded(record, reply)
+        elif isinstance(request, Checkpoint):
+            checkpoints.written(core, record, reply)
+        elif isinstance(request, SwapOut) and record.script is None and isinstance(
+                reply, Swapped):
+            self._swapped_out(record, reply.swap)
+        elif isinstance(request, SwapOut | Place) and isinstance(reply, Swapped):
+            scripts.swapped(core, record, reply.swap)
+        elif isinstance(request, Place) and isinstance(reply, Placed):
+            admission.placed(self.core, record, reply.reserved_bytes)
+        elif isinstance(request, Place) and not succeeded(reply) and record.live:
             core.end(record, "failed", f"job {record.job_id} could not be placed: "
-                     f"{str(meta.get('message', 'no reason given'))[:2000]}")
+                     f"{failure(reply)[:2000]}")
 
     def _swapped_out(self, record: JobRecord, swap: dict[str, Any]) -> None:
         """A contract job's executor moved its state to host memory: what it left allocated on
@@ -118,57 +146,56 @@ class Replies:
             log.info("job %d swapped out, leaving %d bytes allocated on its device",
                      record.job_id, left)
 
-    def _unsolicited(self, record: JobRecord, executor: object, meta: dict[str, Any]) -> None:
-        """`ready`: a direct call waits in the executor for its turn; `ran`: calls ran under
-        the job's lease and are accounted now."""
+    def _unsolicited(self, record: JobRecord, executor: object, message: Reply) -> None:
+        """`Ready`: a direct call waits in the executor for its turn; `Ran`: calls ran under
+        the job's lease and are accounted now; `Exited`, `Progress`: a script's."""
         core = self.core
-        op = meta.get("op")
         rank = _rank(record, executor)
-        if op == "ready":
+        if isinstance(message, Ready):
             if not record.live and record.grace and not core.stopping:
                 # A cancelled script in its grace (`Core.end`): it runs on to its handler's
                 # end, its memory no longer booked, as a terminating pod does.
-                core.outbox.send_to(executor, Sent("lease"), Lease(True))
+                core.outbox.send_to(executor, Lease(True))
                 return
             if not record.live or core.stopping:
-                core.outbox.send_to(executor, Sent("refuse"), Refuse(
+                core.outbox.send_to(executor, Refuse(
                     "shutting_down" if core.stopping else "job_cancelled",
                     record.reason or "salusd is shutting down"))
                 return
             if record.gang > 1 and record.script is not None and not scripts.rank_ready(
                     record, rank):
                 return  # a script gang's turn is asked for once all its ranks wait
-            self._wants_turn(record, bool(meta.get("counted")), meta.get("estimate"))
-            return
-        if op == "exited":  # a script job's command ended
-            scripts.exited(core, record, meta, rank)
+            self._wants_turn(record, message.counted, message.estimate)
+        elif isinstance(message, Exited):  # a script job's command ended
+            scripts.exited(core, record, message.code, rank)
             if record.live and scripts.turn_due(record):  # its peers waited for it
                 self._wants_turn(record, True, None)
-            return
-        if op == "progress":
-            scripts.progress(core, record, meta)
-            return
-        if op != "ran":
-            return
+        elif isinstance(message, Progress):
+            scripts.progress(core, record, message)
+        elif isinstance(message, Ran):
+            self._ran(record, message)
+
+    def _ran(self, record: JobRecord, ran: Ran) -> None:
+        """Calls ran under the job's lease: account them."""
+        core = self.core
         lane = self.leases.lane_of(record.job_id)
         if record.live and (record.phase != "submitted" or lane is None):
             return
-        calls, iterations = int(meta.get("calls", 0)), int(meta.get("iterations", 0))
-        seconds = float(meta.get("seconds", 0.0))
-        record.calls_done += calls
+        record.calls_done += ran.calls
         if record.live:
-            record.calls_failed += int(meta.get("failed", 0))
-        core.take(core.dispatch.apply(RanUnderLease(record.job_id, iterations, seconds)))
+            record.calls_failed += ran.failed
+        core.take(core.dispatch.apply(RanUnderLease(record.job_id, ran.iterations, ran.seconds)))
         if record.live and lane is not None:
-            self._accounted(record, lane, iterations, seconds, meta)
-            core.event("ran", record.job_id, *lane, calls=calls, iterations=iterations,
-                       seconds=seconds, began=meta.get("began"), ended=meta.get("ended"),
+            self._accounted(record, lane, ran.iterations, ran.seconds, ran.peak, ran.oom)
+            core.event("ran", record.job_id, *lane, calls=ran.calls, iterations=ran.iterations,
+                       seconds=ran.seconds, began=ran.began, ended=ran.ended,
                        done=core.done_iterations(record))
         else:  # calls that ran under the lease before the job ended, reported after
-            core.event("ran", record.job_id, calls=calls, iterations=iterations,
-                       seconds=seconds)
+            core.event("ran", record.job_id, calls=ran.calls, iterations=ran.iterations,
+                       seconds=ran.seconds)
 
-    def _wants_turn(self, record: JobRecord, counted: bool, estimate: object) -> None:
+    def _wants_turn(self, record: JobRecord, counted: bool,
+                    estimate: Estimated | EstimateFailed | None) -> None:
         """A direct call (a script's next iteration) waits for its turn; the job's first one
         submits it to the scheduler, with the executor's `estimate` of it."""
         core = self.core
@@ -177,58 +204,60 @@ class Replies:
             admission.measure_first(core, record, "call")
         elif record.phase == "attached":
             # The job's first call: the executor estimated it before asking.
-            admission.estimated(core, record, estimate if isinstance(estimate, dict) else {
-                "ok": False, "reason": "the executor sent no estimate"})
+            admission.estimated(core, record, estimate or EstimateFailed(
+                "the executor sent no estimate"))
 
-    def _finished_call(self, record: JobRecord, sent: Sent, meta: dict[str, Any]) -> None:
+    def _finished_call(self, record: JobRecord, sent: Sent, reply: Reply) -> None:
         core = self.core
         assert sent.lane is not None
         lanes = tuple(sent.gang.lanes) if sent.gang is not None else (sent.lane,)
-        seconds = float(meta.get("seconds", 0.0))
+        done = reply if isinstance(reply, CallDone | StepDone) else None
+        seconds = done.seconds if done is not None else 0.0
+        empty = isinstance(done, CallDone) and done.empty
+        ok = done is not None and done.ok
         # The executor says what it ran: the call asked for may have run under a lease
         # meanwhile, and the next queued call (maybe of the other kind) in its place.
-        counted = 0 if meta.get("empty") or meta.get("oom") else int(bool(meta.get("counted")))
-        if not meta.get("empty"):
+        counted = int(done is not None and done.counted and not empty and not done.oom)
+        if not empty:
             record.calls_done += 1
-            record.calls_failed += 0 if meta.get("ok") else 1
-        if isinstance(meta.get("comm"), dict):
-            record.comm = meta["comm"]
+            record.calls_failed += 0 if ok else 1
+        if done is not None and done.comm is not None:
+            record.comm = done.comm
         core.take(core.dispatch.apply(Finished(record.job_id, lanes, counted, seconds)))
-        if record.live and record.phase == "submitted":
-            self._accounted(record, sent.lane, counted, seconds, meta)
+        if record.live and record.phase == "submitted" and done is not None:
+            self._accounted(record, sent.lane, counted, seconds, done.peak, done.oom)
         elif not record.live:
             # The client had its result (on its direct channel) and closed the job before
             # this reply reached the daemon.
             core.finalize(record)
+        cache = done.cache if done is not None else None
         core.event("end", record.job_id, *sent.lane, seconds=seconds, iterations=counted,
-                   ok=bool(meta.get("ok")), began=meta.get("began"), ended=meta.get("ended"),
+                   ok=ok, began=done.began if done else None, ended=done.ended if done else None,
                    **({"done": core.done_iterations(record)} if record.live else {}),
-                   **({"cache": meta["cache"]} if isinstance(meta.get("cache"), dict) else {}))
+                   **({"cache": cache} if cache is not None else {}))
         if record.live and record.kind == "batch":
-            checkpoints.batch_step_done(core, record, meta)
+            checkpoints.batch_step_done(core, record, reply)
 
     def _accounted(self, record: JobRecord, lane: LaneKey, iterations: int, seconds: float,
-                   meta: dict[str, Any]) -> None:
+                   peak: int | None, oom: bool) -> None:
         """After the scheduler accounted a live job's calls: checkpoint when due, and check
-        the measured peak against the job's lane."""
+        the measured `peak` against the job's lane."""
         if iterations:
             record.since_checkpoint += iterations
             record.since_checkpoint_s += seconds
             if record.kind == "interactive":
                 checkpoints.maybe(self.core, record)
-        peak = meta.get("peak")
-        if isinstance(peak, int):
-            admission.check_peak(self.core, record, lane, peak, oom=bool(meta.get("oom")))
+        if peak is not None:
+            admission.check_peak(self.core, record, lane, peak, oom=oom)
 
-    def _loaded(self, record: JobRecord, meta: dict[str, Any]) -> None:
+    def _loaded(self, record: JobRecord, reply: Reply) -> None:
         """A batch job's entrypoint, or a restored job's checkpoint, was loaded."""
         core = self.core
-        if not meta.get("ok"):
-            core.end(record, "failed", "the job could not be loaded: "
-                     f"{str(meta.get('message', 'no reason given'))[:2000]}")
+        if not isinstance(reply, Loaded):
+            core.end(record, "failed", f"the job could not be loaded: {failure(reply)[:2000]}")
             return
-        record.persistent_bytes = booked_persistent(record.device_kind, meta)
-        iteration = int(meta.get("iteration", 0))
+        record.persistent_bytes = booked_persistent(record.device_kind, reply)
+        iteration = reply.iteration
         if record.resumed_from and not iteration and record.live:
             # The registry recorded a checkpoint that the executor found none of: going on from
             # iteration 0 would throw the recorded progress away without a word.
@@ -255,7 +284,7 @@ class Replies:
         if record.gang > 1 or record.nodes > 1 or not core.config.estimate_first:
             admission.measure_first(core, record, "iteration")
         else:
-            core.outbox.send(record, Sent("estimate"), Estimate(frame=False))
+            core.outbox.send(record, Estimate(frame=False))
 
     def died(self, executor: object, reason: str, exit_code: int | None = None,
              started: bool = True, poisoned: bool = False) -> None:
@@ -272,7 +301,7 @@ class Replies:
         scripts.died(record, exit_code)
         if not record.live and exit_detail(record) != before:  # it died in its grace
             core.event("exit", record.job_id, **exit_detail(record))
-        running = next((s.lane for s in queue if s.kind == "run"), None)
+        running = next((s.lane for s in queue if isinstance(s.request, Run | Step)), None)
         leased = self.leases.lane_of(record.job_id)
         if running:
             where = f"while running job {record.job_id} in lane {running[0]}.{running[1]}"
@@ -311,10 +340,10 @@ class Replies:
                 core.dispatch.release(sent.lane, record.job_id)
             if sent.answer is not None:
                 sent.answer(error_frame(error))
-            if sent.kind == "checkpoint":
+            if isinstance(sent.request, Checkpoint):
                 record.checkpointing -= 1
             if sent.on_done is not None:
-                sent.on_done({"ok": False, "message": str(error)})
+                sent.on_done(Failed(str(error)))
         core.event("executor_died", record.job_id, reason=reason)
         if again:
             scripts.rerun(core, record)

@@ -41,7 +41,8 @@ from typing import Any
 from salus.daemon.devices.discovery import pinned_gpus
 from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core, exit_detail
-from salus.daemon.engine.outbox import OnDone, Sent
+from salus.daemon.engine.gang import failure, succeeded
+from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.engine.script_command import ScriptCommand, with_array, with_grace, with_limits
 from salus.daemon.limits import (
@@ -49,7 +50,7 @@ from salus.daemon.limits import (
     MAX_RESTARTS,
 )
 from salus.daemon.wire.errors import BadRequest
-from salus.daemon.wire.executor_ops import RESTARTING, Script
+from salus.daemon.wire.executor_ops import RESTARTING, Progress, Reply, Script
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
 
 log = logging.getLogger("salusd.engine")
@@ -134,10 +135,10 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
               else os.path.join(record.checkpoint_dir, "resume"))
 
     def started(rank: int) -> OnDone:
-        def done(meta: dict[str, Any]) -> None:
+        def done(reply: Reply) -> None:
             if not record.live:
                 return
-            if meta.get("ok"):
+            if succeeded(reply):
                 # Its boundaries come from its executor, as direct calls; a gang's through the
                 # daemon (its ranks' turns are one).
                 record.direct = record.gang == 1
@@ -146,7 +147,7 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
                 who = f"rank {rank}: " if record.gang > 1 else ""
                 record.exit_status = CANNOT_START
                 core.end(record, "failed", f"the script could not start: {who}"
-                         f"{str(meta.get('message', 'no reason given'))[:2000]}")
+                         f"{failure(reply)[:2000]}")
         return done
 
     # The job's id and name in its environment, as Slurm's SLURM_JOB_ID and SLURM_JOB_NAME.
@@ -162,8 +163,8 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
             argv, ranked = launch.argv, {**env, **launch.rank_env(rank, port, command.env)}
         script = Script(command.command[0], argv, ranked, resume,
                         None if frames is not None else False, state.restarts)
-        core.outbox.send_to(executor, Sent("script", on_done=started(rank)), script,
-                            frames[rank] if frames is not None else None)
+        core.outbox.send_to(executor, script, frames[rank] if frames is not None else None,
+                            on_done=started(rank))
 
 
 def _store_port(launch: torchrun.Launch) -> int:
@@ -179,11 +180,10 @@ def _store_port(launch: torchrun.Launch) -> int:
         return int(sock.getsockname()[1])
 
 
-def exited(core: Core, record: JobRecord, meta: dict[str, Any], rank: int = 0) -> None:
-    """The job's command exited with `meta["code"]` (a gang's, on `rank`): the job ends, or
+def exited(core: Core, record: JobRecord, code: int, rank: int = 0) -> None:
+    """The job's command exited with status `code` (a gang's, on `rank`): the job ends, or
     with `on-failure` and reruns left a non-zero status lets its executor go, and the command
     runs again once it is gone (`executor_gone`)."""
-    code = int(meta.get("code", 1))
     if record.gang > 1:
         _rank_exited(core, record, rank, code)
         return
@@ -415,17 +415,15 @@ def failed_reason(record: JobRecord, why: str) -> str:
     return f"{why} (after {state.restarts} of at most {state.command.max_restarts} restarts)"
 
 
-def progress(core: Core, record: JobRecord, meta: dict[str, Any]) -> None:
+def progress(core: Core, record: JobRecord, report: Progress) -> None:
     """A framework callback's report: its step, planned steps (the job's planned iterations,
     which SRTF reads) and last logged loss."""
-    loss = meta.get("loss")
-    if isinstance(loss, int | float):
-        record.last_loss = float(loss)
-    step = meta.get("step")
-    core.event("progress", record.job_id, step=step if isinstance(step, int) else None,
-               max_steps=meta.get("max_steps"), loss=record.last_loss)
-    max_steps = meta.get("max_steps")
-    if (isinstance(max_steps, int) and 0 < max_steps <= MAX_ITERATIONS
+    if report.loss is not None:
+        record.last_loss = report.loss
+    core.event("progress", record.job_id, step=report.step, max_steps=report.max_steps,
+               loss=record.last_loss)
+    max_steps = report.max_steps
+    if (max_steps is not None and 0 < max_steps <= MAX_ITERATIONS
             and max_steps != record.planned_iterations):
         record.planned_iterations = max_steps
         if core.dispatch.job(record.job_id) is not None:

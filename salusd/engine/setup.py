@@ -53,7 +53,7 @@ def load(core: Core, record: JobRecord, restore: bool,
     places = gang_places(record.spec, record.gang, record.owner.name, core.config.cluster)
     if attach is not None:
         frame, answer = attach
-        core.outbox.send_all(record, "attach", [Attach(p) for p in places or [None]],
+        core.outbox.send_all(record, [Attach(p) for p in places or [None]],
                              answer=answer, frame=frame)
         return
     gangs: list[GangPlace | None] = list(places) if places else [None]
@@ -69,7 +69,7 @@ def load(core: Core, record: JobRecord, restore: bool,
                      replica_dir(record, r), gangs[r], at) for r in range(record.gang)]
     else:
         msgs = [Restore(replica_dir(record, r), gangs[r], at) for r in range(record.gang)]
-    core.outbox.send_all(record, "load", msgs)
+    core.outbox.send_all(record, msgs)
 
 
 def _cache_for(core: Core, owner: Owner) -> CachePlace | None:

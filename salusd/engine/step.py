@@ -17,7 +17,6 @@ import logging
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.ledger import aligned
-from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.wire.executor_ops import Place, Run, Step, SwapOut
 from salus.scheduler.dispatch import Start
@@ -62,7 +61,7 @@ class Stepper:
         record.swap_requested = False
         record.swapped = True
         for executor in record.replicas:
-            self.core.outbox.send_to(executor, Sent("swap_out"), SwapOut())
+            self.core.outbox.send_to(executor, SwapOut())
         self.core.event("swap_out", record.job_id)
         self.core.take(self.core.dispatch.swap_out(record.job_id))
 
@@ -95,7 +94,7 @@ class Stepper:
             # A job that asked for its memory (--mem) is capped at that in a larger lane.
             requested = requested_memory(record)
             lane = p.lane_bytes if requested is None else min(p.lane_bytes, aligned(requested))
-            core.outbox.send_to(record.replicas[replica], Sent("place"), Place(
+            core.outbox.send_to(record.replicas[replica], Place(
                 core.config.torch_devices[p.device], job.persistent_bytes + lane,
                 core.config.compute_slowdowns[p.device], lane=p.lane_id,
                 lane_bytes=lane, workspace_bytes=workspace or None))
@@ -129,14 +128,14 @@ class Stepper:
         record = core.registry.live[start.job_id]
         lanes = list(start.lanes)
         if record.kind == "batch":  # the daemon drives the loop: the next batch, in its lanes
-            core.outbox.send_all(record, "run", [Step()] * record.gang, lanes=lanes)
+            core.outbox.send_all(record, [Step()] * record.gang, lanes=lanes)
             return
         call = record.calls.popleft()
         # A gang's client frame goes to every replica (`frame` left out); a direct call (a
         # script gang's iteration) waits in each executor (False).
         run = Run(call.counted, False if call.frame is None else
                   True if record.gang == 1 else None)
-        core.outbox.send_all(record, "run", [run] * record.gang, lanes=lanes,
+        core.outbox.send_all(record, [run] * record.gang, lanes=lanes,
                              answer=call.answer, frame=call.frame)
         if call.frame is not None and record.gang == 1:
             call.frame.close_fd()

@@ -24,6 +24,7 @@ from salus.daemon.engine.registry import JobRecord
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.loop import Link
 from salus.daemon.supervisor.zygotes import Zygote, inherited
+from salus.daemon.wire.executor_ops import Place, Reply, Request
 from salus.daemon.wire.frames import RawFrame
 
 ISOLATIONS = ("lane", "job")  # `--isolation`: an owner's jobs of a lane in one process, or not
@@ -63,9 +64,9 @@ class ExecutorHandle:
     sharable: bool  # may move into its owner's process of its lane
     why_alone: str | None = None  # why it keeps a process of its own, when it is sharable
     owed: deque[str] = field(default_factory=deque)  # who reads each reply: "engine" or ours
-    held: list[tuple[dict[str, Any], RawFrame | None]] | None = None  # while it moves
+    held: list[tuple[Request, RawFrame | None]] | None = None  # while it moves
     lane: int | None = None  # the lane id where it was placed
-    place: dict[str, Any] | None = None  # the last place sent
+    place: Place | None = None  # the last place sent
 
     @property
     def pid(self) -> int | None:
@@ -98,7 +99,7 @@ class Pending:
     """A reply whose frames follow: for `handle`, with `count` frames still to come."""
 
     handle: ExecutorHandle | None
-    meta: dict[str, Any]
+    reply: Reply
     count: int
     frames: list[RawFrame] = field(default_factory=list)
 

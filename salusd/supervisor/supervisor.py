@@ -36,10 +36,10 @@ The environment every executor starts with, on a GPU host and off it, is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from salus.daemon.devices.mps import thread_percentage
 from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
@@ -57,13 +57,22 @@ from salus.daemon.supervisor.processes import (
 )
 from salus.daemon.supervisor.zygotes import other_interpreter
 from salus.daemon.wire.executor_ops import (
+    UNSOLICITED,
     Adopt,
     Exit,
+    Failed,
+    HandedOver,
     Handover,
     Host,
+    Place,
+    Poisoned,
+    Reply,
+    Request,
     address_of,
     addressed,
+    decode_reply,
     encode,
+    frames_after,
 )
 from salus.daemon.wire.frames import RawFrame, json_frame
 
@@ -88,7 +97,7 @@ class Supervisor:
         self.retire_after_s = retire_after_s
         self.estimate_first = estimate_first  # executors estimate a job's first call
         self.isolation = isolation
-        self.on_reply: Callable[[ExecutorHandle, dict[str, Any], RawFrame | None], None] = (
+        self.on_reply: Callable[[ExecutorHandle, Reply, RawFrame | None], None] = (
             lambda *_: None)
         #: a job's executor is gone: why, its exit code (-N: signal N; None: unknown), and
         #: whether its process ever ran, and whether a call poisoned its CUDA context (its
@@ -152,54 +161,52 @@ class Supervisor:
         proc.jobs[record.job_id] = handle
         log_file = (None if record.checkpoint_dir is None
                     else output_path(record.checkpoint_dir, replica))
-        self._to_process(handle, encode(Host(cwd, self.estimate_first, log_file)), None, "host")
+        self._to_process(handle, Host(cwd, self.estimate_first, log_file), None, "host")
         return handle
 
-    def send(self, executor: object, meta: dict[str, Any], frame: RawFrame | None) -> None:
+    def send(self, executor: object, msg: Request, frame: RawFrame | None) -> None:
         assert isinstance(executor, ExecutorHandle)
-        meta = self._with_uuid(meta, executor)
+        if isinstance(msg, Place):
+            msg = self._on_gpu(msg, executor)
         if executor.held is not None:  # moving: sent once the new process has the job
-            executor.held.append((meta, frame))
+            executor.held.append((msg, frame))
         else:
-            self._forward(executor, meta, frame)
+            self._forward(executor, msg, frame)
 
-    def _forward(self, handle: ExecutorHandle, meta: dict[str, Any],
-                 frame: RawFrame | None) -> None:
+    def _forward(self, handle: ExecutorHandle, msg: Request, frame: RawFrame | None) -> None:
         """An engine message (or our `Exit` for the job) to the handle's process."""
-        if meta.get("op") == "place":
-            self._place(handle, meta, frame)
+        if isinstance(msg, Place):
+            self._place(handle, msg, frame)
         else:
-            self._to_process(handle, meta, frame, "exit" if meta.get("op") == "exit" else
-                             "engine")
+            self._to_process(handle, msg, frame, "exit" if isinstance(msg, Exit) else "engine")
 
-    def _to_process(self, handle: ExecutorHandle, meta: dict[str, Any], frame: RawFrame | None,
+    def _to_process(self, handle: ExecutorHandle, msg: Request, frame: RawFrame | None,
                     reader: str | None) -> None:
-        """Send `meta` (and `frame`) to the handle's process for its job; its reply goes to
+        """Send `msg` (and `frame`) to the handle's process for its job; its reply goes to
         `reader` ("engine", or the supervisor's own step; None: no reply comes)."""
         if reader is not None:
             handle.owed.append(reader)
-        self.loop.send(handle.process.link, json_frame(addressed(meta, handle.job)))
+        self.loop.send(handle.process.link, json_frame(addressed(encode(msg), handle.job)))
         if frame is not None:
             self.loop.send(handle.process.link, frame)
 
-    def _with_uuid(self, meta: dict[str, Any], handle: ExecutorHandle) -> dict[str, Any]:
+    def _on_gpu(self, place: Place, handle: ExecutorHandle) -> Place:
         """A `place` on a GPU with that GPU's UUID and memory added (the engine names devices
         by index), and its MPS server's pipe where the GPU has one (`_mps_client`)."""
-        device = meta.get("device")
-        if meta.get("op") != "place" or not isinstance(device, str) or not (
-                device.startswith("cuda:") and device[5:].isdigit()):
-            return meta
+        device = place.device
+        if not (device.startswith("cuda:") and device[5:].isdigit()):
+            return place
         index = int(device[5:])
         if index < len(self.gpu_uuids):
-            meta = {**meta, "uuid": self.gpu_uuids[index]}
+            place = dataclasses.replace(place, uuid=self.gpu_uuids[index])
         if index < len(self.gpu_total_bytes) and self.gpu_total_bytes[index]:
-            meta = {**meta, "total_bytes": self.gpu_total_bytes[index]}
+            place = dataclasses.replace(place, total_bytes=self.gpu_total_bytes[index])
         if index in self.mps_clients:
             self._mps_client(index, handle.process)
             pipe, context = self.mps_clients[index]
-            meta = {**meta, "mps": pipe, "mps_limit_bytes": context,
-                    "mps_threads": thread_percentage(handle.record.priority)}
-        return meta
+            place = dataclasses.replace(place, mps=pipe, mps_limit_bytes=context,
+                                        mps_threads=thread_percentage(handle.record.priority))
+        return place
 
     def _mps_client(self, index: int, proc: ExecutorProcess) -> None:
         """`proc` becomes a client of GPU `index`'s MPS server (its CUDA starts there). Legacy
@@ -231,7 +238,7 @@ class Supervisor:
         of it as of a death, with its calls still owed answered); a process left without
         jobs exits."""
         assert isinstance(executor, ExecutorHandle)
-        self.send(executor, encode(Exit(code, message)), None)
+        self.send(executor, Exit(code, message), None)
 
     def _release(self, handle: ExecutorHandle, proc: ExecutorProcess) -> None:
         """`handle`'s job left `proc`: a process without jobs is told to exit."""
@@ -248,29 +255,28 @@ class Supervisor:
             self.pool.kill(proc)
 
     # ---- placement: an owner's jobs of one lane in one process --------------------------------
-    def _place(self, handle: ExecutorHandle, meta: dict[str, Any], frame: RawFrame | None) -> None:
-        lane = meta.get("lane")
-        handle.lane = lane if type(lane) is int else None
+    def _place(self, handle: ExecutorHandle, place: Place, frame: RawFrame | None) -> None:
+        handle.lane = place.lane
         own = handle.process
         if handle.sharable and handle.lane is not None and own.uid is not None:
             key = (own.uid, handle.lane)
             serving = self._serving.get(key)
             if (serving is None or serving.closed) and len(own.jobs) == 1 and own.device in (
-                    None, meta.get("device")):
+                    None, place.device):
                 self._serve(own, key)  # alone in its process: that process serves the lane
             elif self._lane_process(handle.record.owner, key) is not own:
-                handle.held = [(meta, frame)]
-                self._to_process(handle, encode(Handover()), None, "handover")
+                handle.held = [(place, frame)]
+                self._to_process(handle, Handover(), None, "handover")
                 return
-        self._send_place(handle, meta, frame)
+        self._send_place(handle, place, frame)
 
-    def _send_place(self, handle: ExecutorHandle, meta: dict[str, Any],
-                    frame: RawFrame | None) -> None:
+    def _send_place(self, handle: ExecutorHandle, place: Place, frame: RawFrame | None) -> None:
         """Send the engine's `place` to the process the job is in, marked shared where other
         processes run in its lane (and those told so too)."""
         proc = handle.process
-        handle.place = {**meta, "shared": True} if self._lane_shared(handle, proc) else meta
-        proc.device = proc.device or meta.get("device")
+        handle.place = (dataclasses.replace(place, shared=True)
+                        if self._lane_shared(handle, proc) else place)
+        proc.device = proc.device or place.device
         self._to_process(handle, handle.place, frame, "engine")
         self._tell_lane(handle)
 
@@ -314,18 +320,19 @@ class Supervisor:
                 continue
             for other in proc.jobs.values():
                 if other.lane == handle.lane and other.held is None and (
-                        other.place is not None and not other.place.get("shared")):
-                    other.place = {**other.place, "shared": True}
+                        other.place is not None and not other.place.shared):
+                    other.place = dataclasses.replace(other.place, shared=True)
                     self._to_process(other, other.place, None, "replace")
 
-    def _moved(self, handle: ExecutorHandle, meta: dict[str, Any], frames: list[RawFrame]) -> None:
+    def _moved(self, handle: ExecutorHandle, reply: Reply, frames: list[RawFrame]) -> None:
         """The old process answered `Handover`: hand the job to its lane's process (`ok`), or
         leave it where it is (its state could not be pickled again)."""
         held, handle.held = handle.held or [], None
         source = handle.process
-        if not meta.get("ok"):
+        if not isinstance(reply, HandedOver) or not reply.ok:
             handle.sharable = False
-            handle.why_alone = f"its state could not move: {meta.get('message')}"
+            why = reply.message if isinstance(reply, HandedOver | Failed) else reply
+            handle.why_alone = f"its state could not move: {why}"
             log.info("job %d keeps its own executor: %s", handle.job, handle.why_alone)
             for frame in frames:
                 frame.close_fd()
@@ -338,12 +345,11 @@ class Supervisor:
         handle.process = target
         target.jobs[handle.job] = handle
         self.moves += 1
-        channel, pool = bool(meta.get("channel")), bool(meta.get("pool"))
-        self._to_process(handle, encode(Adopt(channel, pool)), frames[0], "adopt")
+        self._to_process(handle, Adopt(reply.channel, reply.pool), frames[0], "adopt")
         for frame in frames[1:]:
             self.loop.send(target.link, frame)
         for m, f in held:
-            if m.get("op") == "place":
+            if isinstance(m, Place):
                 self._send_place(handle, m, f)
             else:
                 self._forward(handle, m, f)
@@ -359,57 +365,59 @@ class Supervisor:
             pending.frames.append(frame)
             if len(pending.frames) == pending.count:
                 proc.pending = None
-                self._reply(proc, pending.handle, pending.meta, pending.frames)
+                self._reply(proc, pending.handle, pending.reply, pending.frames)
             return
         meta = frame.json()
         frame.close_fd()
         try:
             job = address_of(meta) if isinstance(meta, dict) else None
-        except ValueError:
-            job = None
-        if not isinstance(meta, dict) or job is None:
+            reply = decode_reply(meta)
+        except ValueError as exc:
+            log.error("executor pid %s sent a message that is not one: %s; killing it",
+                      proc.pid, exc)
+            self.pool.kill(proc)
+            return
+        if job is None:
             log.error("executor pid %s sent a message for no job: killing it", proc.pid)
             self.pool.kill(proc)
             return
         handle = proc.jobs.get(job)
-        if meta.get("op") == "poisoned" and meta.get("unsolicited") is True:
+        if isinstance(reply, Poisoned):
             # Its jobs fail once it has ended, with this as the reason.
             proc.poisoned = (f"its CUDA context was poisoned by a call of job {job} "
-                             f"({str(meta.get('message'))[:1000]}), so it ended")
+                             f"({reply.message[:1000]}), so it ended")
             return
-        count = (int(bool(meta.get("ok"))) + int(bool(meta.get("channel")))
-                 + int(bool(meta.get("pool"))) if meta.get("handed_over")
-                 else int(bool(meta.get("forward"))))
+        count = frames_after(reply)
         if count:
-            proc.pending = Pending(handle, meta, count)
+            proc.pending = Pending(handle, reply, count)
         else:
-            self._reply(proc, handle, meta, [])
+            self._reply(proc, handle, reply, [])
 
-    def _reply(self, proc: ExecutorProcess, handle: ExecutorHandle | None,
-               meta: dict[str, Any], frames: list[RawFrame]) -> None:
+    def _reply(self, proc: ExecutorProcess, handle: ExecutorHandle | None, reply: Reply,
+               frames: list[RawFrame]) -> None:
         """One reply (or unsolicited message) of `proc` for `handle`'s job, with its frames."""
         if handle is None or handle.process is not proc:
             for frame in frames:
                 frame.close_fd()
             return
-        if meta.get("unsolicited"):
-            self.on_reply(handle, meta, frames[0] if frames else None)
+        if isinstance(reply, UNSOLICITED):
+            self.on_reply(handle, reply, frames[0] if frames else None)
             return
         reader = handle.owed.popleft() if handle.owed else "engine"
         if reader == "engine":
-            self.on_reply(handle, meta, frames[0] if frames else None)
+            self.on_reply(handle, reply, frames[0] if frames else None)
         elif reader == "handover":
-            self._moved(handle, meta, frames)
+            self._moved(handle, reply, frames)
         elif reader == "exit":
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: "
                                  "it ended", None)
-        elif not meta.get("ok"):  # host, adopt, replace
+        elif isinstance(reply, Failed):  # host, adopt, replace
             for frame in frames:
                 frame.close_fd()
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) could not {reader} job "
-                                 f"{handle.job}: {meta.get('message')}", None)
+                                 f"{handle.job}: {reply.message}", None)
 
     def _executor_closed(self, link: Link, reason: str) -> None:
         proc = self.pool.by_link.get(id(link))

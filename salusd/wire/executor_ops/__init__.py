@@ -52,11 +52,19 @@ for floats) and refuse unknown fields, raising ValueError that names the message
 durations seconds, `began`/`ended` the executor's `time.monotonic()`.
 """
 
-from salus.daemon.wire.executor_ops.decoding import decode_reply, decode_request
-from salus.daemon.wire.executor_ops.encoding import client_frame_follows, encode
+from salus.daemon.wire.executor_ops.codec import (
+    client_frame_follows,
+    decode_reply,
+    decode_request,
+    encode,
+    frames_after,
+)
 from salus.daemon.wire.executor_ops.envelope import address_of, addressed
 from salus.daemon.wire.executor_ops.messages import (
+    REPLIES,
+    REQUESTS,
     RESTARTING,
+    UNSOLICITED,
     Ack,
     Adopt,
     Attach,
@@ -110,6 +118,10 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode",
+    "frames_after",
+    "REPLIES",
+    "REQUESTS",
+    "UNSOLICITED",
     "Ack",
     "Adopt",
     "Attach",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -270,6 +271,11 @@ class Script:
     frame: bool | None = None
     restart: int = 0
 
+    def __post_init__(self) -> None:
+        if self.restart < 0:
+            raise ValueError(f"executor message 'script': field 'restart' must be a "
+                             f"non-negative integer, got {self.restart}")
+
 
 RESTARTING = "restarting"  # the `Exit` code that lets a script job's failed run go: it reruns
 
@@ -295,6 +301,7 @@ class Ack:
     """Done (`lease`, `refuse`, `define`, `pull`, `channel`, `place`, `swap_out`). `forward`:
     the client's answer follows (in every reply type alike)."""
 
+    op: ClassVar[str] = "ack"
     forward: bool = False
 
 
@@ -302,6 +309,7 @@ class Ack:
 class Failed:
     """The request failed: `message` says why (None: the forwarded answer says it)."""
 
+    op: ClassVar[str] = "failed"
     message: str | None
     forward: bool = False
 
@@ -311,6 +319,7 @@ class Estimated:
     """The call's peak ephemeral `bytes`, found by `method` ("fake-tensor"), and the CUDA
     caching allocator's `reserved_bytes` for them (None, left out of the wire: not sent)."""
 
+    op: ClassVar[str] = "estimated"
     bytes: int
     method: str
     forward: bool = False
@@ -321,6 +330,7 @@ class Estimated:
 class EstimateFailed:
     """The call cannot run on fake tensors (`reason`): its first real run is measured."""
 
+    op: ClassVar[str] = "estimate_failed"
     reason: str
     forward: bool = False
 
@@ -331,6 +341,7 @@ class Attached:
     caching allocator's units; None, left out of the wire: not sent); the executor runs
     `threads` intra-op threads."""
 
+    op: ClassVar[str] = "attached"
     persistent_bytes: int
     threads: int
     forward: bool = False
@@ -343,6 +354,7 @@ class Loaded:
     (`persistent_reserved_bytes` as in `Attached`) and the iteration it stands at (0: from the
     start)."""
 
+    op: ClassVar[str] = "loaded"
     persistent_bytes: int
     iteration: int
     forward: bool = False
@@ -354,6 +366,7 @@ class Checkpointed:
     """A checkpoint of `iteration` was written to `path`: `bytes` on disk in `seconds`, at
     wall-clock `time` (seconds since the epoch)."""
 
+    op: ClassVar[str] = "checkpointed"
     iteration: int
     bytes: int
     seconds: float
@@ -371,6 +384,7 @@ class CallDone:
     and `ended` are None). `oom`: the call failed out of device memory; `peak` is then what it
     reached, at least its cap (it needs more), left out of the wire when False."""
 
+    op: ClassVar[str] = "call_done"
     ok: bool
     seconds: float
     peak: int | None
@@ -392,6 +406,7 @@ class StepDone:
     iterations, a number or text) and, when its code raised, the `message` and `traceback`;
     `oom` as in `CallDone`."""
 
+    op: ClassVar[str] = "step_done"
     ok: bool
     seconds: float
     peak: int | None
@@ -414,6 +429,7 @@ class Ready:
     """Unsolicited: a direct call waits for a `Run`; whether it is an iteration (`counted`)
     and, for a job's first call where the executor estimates, its estimate."""
 
+    op: ClassVar[str] = "ready"
     counted: bool
     estimate: Estimated | EstimateFailed | None = None
 
@@ -425,6 +441,7 @@ class Ran:
     measured); the first `began` and the last `ended`; `oom`: one of them failed out of device
     memory (`peak` is then at least its cap; left out of the wire when False)."""
 
+    op: ClassVar[str] = "ran"
     calls: int
     iterations: int
     failed: int
@@ -441,6 +458,7 @@ class HandedOver:
     `channel`, then its channel's pool when `pool`) or stays here (`message` says why: its
     state cannot be pickled again). `pool` False is left out of the wire."""
 
+    op: ClassVar[str] = "handed_over"
     ok: bool
     channel: bool
     message: str | None = None
@@ -453,6 +471,7 @@ class Exited:
     """Unsolicited: a script job's command ended with exit status `code` (a signal N that
     the script died of in its own process is 128 + N, as a shell reports it)."""
 
+    op: ClassVar[str] = "exited"
     code: int
 
 
@@ -462,6 +481,7 @@ class Placed:
     `reserved_bytes` more (measured: `torch.cuda.memory_reserved`), which the daemon books
     where it is more than its model of the allocator gave."""
 
+    op: ClassVar[str] = "placed"
     reserved_bytes: int
     forward: bool = False
 
@@ -471,6 +491,7 @@ class Poisoned:
     """Unsolicited: a call of the job hit a sticky CUDA error (`message`), which leaves the
     process's CUDA context unusable; the executor ends right after it (its jobs fail)."""
 
+    op: ClassVar[str] = "poisoned"
     message: str
 
 
@@ -480,6 +501,7 @@ class Progress:
     `salus.hf`): its own `step` count, its planned `max_steps` (None: unknown) and the last
     logged `loss` (None: none)."""
 
+    op: ClassVar[str] = "progress"
     step: int
     max_steps: int | None
     loss: float | None
@@ -490,6 +512,7 @@ class Swapped:
     """Done (a script job's `swap_out`, or its `place` after one): what the move reached and
     what it left (`salusd/executor/script_swap.py`: counts, bytes, a note)."""
 
+    op: ClassVar[str] = "swapped"
     swap: dict[str, int | str | None]
     forward: bool = False
 
@@ -497,3 +520,8 @@ class Swapped:
 Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loaded | Checkpointed
          | CallDone | StepDone | Ready | Ran | Exited | Placed | Poisoned | Progress | Swapped)
 Message = Request | Reply
+
+REQUESTS: tuple[type[Request], ...] = typing.get_args(Request)
+REPLIES: tuple[type[Reply], ...] = typing.get_args(Reply)
+#: what the executor sends unasked, between its replies (it answers no request)
+UNSOLICITED: tuple[type[Reply], ...] = (Ready, Ran, Exited, Poisoned, Progress)
