@@ -23,8 +23,9 @@ Daemon → executor, in the order a job meets them:
 Every request but `Become` and `Exit` gets exactly one reply, in order (the daemon matches it
 with the oldest unanswered request): `Ack` or `Failed` for most, `CallDone` for `Run`,
 `StepDone` for `Step`, `Estimated` or `EstimateFailed`, `Attached`, `Loaded` (for `Load` and
-`Restore`), `Checkpointed`. A reply with `forward` true is followed by the frame the daemon hands
-to the client as its answer. The executor also speaks unasked (`unsolicited`), between replies:
+`Restore`), `Checkpointed`, `Placed` or `Swapped` for some `Place`s, `HandedOver`. A reply with
+`forward` true is followed by the frame the daemon hands to the client as its answer
+(`frames_after`). The executor also speaks unasked (`UNSOLICITED`), between replies:
 
 - `Ready`: a call came on the job's direct channel while it holds no lease; the daemon queues it
   for the job and answers `Run` (without a frame) when the policy picks the job in its lane. The
@@ -46,10 +47,12 @@ Whether a call is one of the job's iterations is decided by the executor (`is_it
 `salusd/executor/runtime.py`), which says so in each `CallDone`, `StepDone`, `Ready` and `Ran`;
 `Run.counted` is the daemon's own reading, used only until the reply comes.
 
-`decode_request` and `decode_reply` check every field's type (bools are not ints, ints are taken
-for floats) and refuse unknown fields, raising ValueError that names the message and the field;
-`encode(decode_…(d)) == d` for every dict the daemon and the executor send. Sizes are bytes,
-durations seconds, `began`/`ended` the executor's `time.monotonic()`.
+Every message, reply or request, is its `op` and its fields (`codec.py`: one codec read off
+the types, a field holding its default left out); `decode_request` and `decode_reply` check
+every field's type (bools are not ints, ints are taken for floats), refuse unknown fields and
+fields sent holding their default, and raise ValueError naming the message and the field, so
+`encode(decode_…(d)) == d` for every dict that decodes. Sizes are bytes, durations seconds,
+`began`/`ended` the executor's `time.monotonic()`.
 """
 
 from salus.daemon.wire.executor_ops.codec import (

@@ -1,33 +1,11 @@
-"""One codec for every message of the executor protocol, read off the message types themselves.
-
-A message is a frozen dataclass with an `op` tag (`messages.py`). Its wire form is the JSON
-object `{"op": op, field: value, …}`:
-
-- a field without a default is always there (null where its type allows None);
-- a field with a default is left out while it holds that default;
-- a nested value is the object of its own fields (with its `op` where it is a message, as
-  `Ready.estimate` is); a tuple is a list.
-
-Decoding checks every field against its annotation: an `int` is an int and never a bool, a
-`float` takes an int, a `str` a string, a `tuple[X, ...]` a list of X, a `dict[str, X]` an object
-of X; a union takes the first of its arms that fits; a field that is not the type's, or a
-missing field without a default, is refused with a ValueError naming the message and the field.
-So `decode(encode(m)) == m` for every message, and the checks live here once.
-
-This is written on the standard library rather than on a serialization library (msgspec, which
-vLLM uses, or pydantic) because the executor side runs in the job's own interpreter (any venv,
-any framework), which has the standard library and torch and nothing we may assume beyond them.
-The dataclass specs are read once per type, so a message costs a few microseconds each way
-(`bench/executor_codec.py` measures it).
-"""
+"""The executor protocol's messages on the wire: each is its `op` and its fields, in the one
+typed codec (`salusd/wire/typed.py`); a request is told from another, and a reply from another,
+by its op."""
 
 from __future__ import annotations
 
-import dataclasses
-import types
 import typing
-from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 from salus.daemon.wire.executor_ops.messages import (
     REPLIES,
@@ -38,186 +16,7 @@ from salus.daemon.wire.executor_ops.messages import (
     Request,
     Wire,
 )
-
-_MISSING: Any = object()
-Check = Callable[[Any, str], Any]  # (value, what holds it) -> the value decoded
-
-
-class _Wrong(Exception):
-    """A value that is not of a field's type (the field's check says what it should be)."""
-
-
-def _kind(hint: Any) -> tuple[Check, str]:
-    """How to check a value against the annotation `hint`, and what it should be (in words).
-    A check raises `_Wrong`, or (inside a nested object) a ValueError that names the field."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return (lambda v, what: v), "anything"
-    if hint in _SCALARS:
-        return _exact(hint), _SCALARS[hint]
-    if hint is float:
-        def number(v: Any, what: str) -> float:
-            if type(v) is float:
-                return v
-            if type(v) is int:
-                return float(v)
-            raise _Wrong
-        return number, "a number"
-    if origin in (Union, types.UnionType):
-        return _union(args)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        item, want = _kind(args[0])
-
-        def sequence(v: Any, what: str) -> tuple[Any, ...]:
-            if type(v) is not list:
-                raise _Wrong
-            return tuple(item(x, what) for x in v)
-        return sequence, f"a list of {_plural(want)}"
-    if origin is dict and args and args[0] is str:
-        value, want = _kind(args[1])
-
-        def mapping(v: Any, what: str) -> dict[str, Any]:
-            if type(v) is not dict:
-                raise _Wrong
-            return {k: value(x, what) for k, x in v.items()}
-        return mapping, "an object" if args[1] is Any else f"an object of {_plural(want)}"
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        def nested(v: Any, what: str) -> Any:
-            if type(v) is not dict:
-                raise _Wrong
-            return _spec(hint).decode(v, what)
-        return nested, "an object"
-    raise TypeError(f"no wire form for {hint!r}")
-
-
-_SCALARS: dict[Any, str] = {type(None): "null", bool: "true or false", int: "an int",
-                            str: "a string"}
-
-
-def _exact(cls: type) -> Check:
-    def check(v: Any, what: str) -> Any:
-        if type(v) is not cls:
-            raise _Wrong
-        return v
-    return check
-
-
-def _union(args: tuple[Any, ...]) -> tuple[Check, str]:
-    """A union: an object is decoded as its one dataclass arm (or the arm its `op` names), any
-    other value as the first of the other arms that takes it."""
-    nested = {getattr(a, "op", a.__name__): _kind(a)[0] for a in args
-              if isinstance(a, type) and dataclasses.is_dataclass(a)}
-    plain = [_kind(a) for a in args if not (isinstance(a, type) and dataclasses.is_dataclass(a))]
-
-    def check(v: Any, what: str) -> Any:
-        if nested and type(v) is dict:
-            if len(nested) == 1:
-                return next(iter(nested.values()))(v, what)
-            op = v.get("op")
-            if type(op) is not str or op not in nested:
-                raise ValueError(f"executor message {what}: field 'op' must be one of "
-                                 f"{sorted(nested)}, got {op!r:.100}")
-            return nested[op](v, what)
-        for arm, _ in plain:
-            try:
-                return arm(v, what)
-            except _Wrong:
-                continue
-        raise _Wrong
-    wants = [w for _, w in plain] + (["an object"] if nested else [])
-    return check, " or ".join(wants)
-
-
-def _plural(what: str) -> str:
-    return {"an int": "ints", "a string": "strings", "a number": "numbers"}.get(what, what)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Field:
-    name: str
-    default: Any  # _MISSING: none
-    check: Check
-    want: str
-    nested: bool  # a dataclass value (or a union holding one): encoded field by field
-
-
-def _field(f: dataclasses.Field[Any], hint: Any) -> _Field:
-    check, want = _kind(hint)
-    default = _MISSING if f.default is dataclasses.MISSING else f.default
-    if default is None and want.startswith("null or "):
-        want = f"{want.removeprefix('null or ')}, or left out"
-    return _Field(f.name, default, check, want, _holds_dataclass(hint))
-
-
-class _Spec:
-    """One message type's fields, read once from its annotations."""
-
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
-        self.op: str | None = getattr(cls, "op", None)
-        hints = typing.get_type_hints(cls)
-        self.fields = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls))
-        self.keys = frozenset(f.name for f in self.fields) | ({"op"} if self.op else set())
-
-    def encode(self, msg: Any) -> Wire:
-        out: Wire = {"op": self.op} if self.op else {}
-        for f in self.fields:
-            value = getattr(msg, f.name)
-            if f.default is not _MISSING and value == f.default:
-                continue
-            out[f.name] = _value(value) if f.nested or isinstance(value, tuple | dict) else value
-        return out
-
-    def decode(self, d: Wire, what: str) -> Any:
-        """The message `d` is; `what` names it in errors."""
-        if not d.keys() <= self.keys:
-            unknown = sorted(set(d) - self.keys)
-            raise ValueError(f"executor message {what}: unknown field(s) {unknown}; it has "
-                             f"{sorted(self.keys)}")
-        values = {}
-        for f in self.fields:
-            v = d.get(f.name, _MISSING)
-            if v is _MISSING:
-                if f.default is _MISSING:
-                    raise ValueError(f"executor message {what}: field {f.name!r} is missing "
-                                     f"({f.want})")
-                continue
-            try:
-                values[f.name] = f.check(v, f"{what}: {f.name}")
-            except _Wrong:
-                raise ValueError(f"executor message {what}: field {f.name!r} must be "
-                                 f"{f.want}, got {v!r:.100}") from None
-            if f.default is not _MISSING and values[f.name] == f.default:
-                # one wire form per message: a field holding its default is left out
-                raise ValueError(f"executor message {what}: field {f.name!r} is left out, not "
-                                 f"sent, when it is {f.default!r}")
-        return self.cls(**values)
-
-
-def _holds_dataclass(hint: Any) -> bool:
-    return (isinstance(hint, type) and dataclasses.is_dataclass(hint)) or any(
-        _holds_dataclass(a) for a in typing.get_args(hint))
-
-
-def _value(v: Any) -> Any:
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return _spec(type(v)).encode(v)
-    if isinstance(v, tuple):
-        return [_value(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _value(x) for k, x in v.items()}
-    return v
-
-
-_SPECS: dict[type, _Spec] = {}
-
-
-def _spec(cls: type) -> _Spec:
-    spec = _SPECS.get(cls)
-    if spec is None:
-        spec = _SPECS[cls] = _Spec(cls)
-    return spec
-
+from salus.daemon.wire.typed import from_wire, to_wire
 
 _BY_OP_REQUEST = {cls.op: cls for cls in REQUESTS}
 _BY_OP_REPLY = {cls.op: cls for cls in REPLIES}
@@ -225,7 +24,7 @@ _BY_OP_REPLY = {cls.op: cls for cls in REPLIES}
 
 def encode(msg: Message) -> Wire:
     """The wire dict of `msg`."""
-    return _spec(type(msg)).encode(msg)
+    return to_wire(msg)
 
 
 def _decode(d: object, by_op: dict[str, type], side: str) -> Any:
@@ -235,7 +34,7 @@ def _decode(d: object, by_op: dict[str, type], side: str) -> Any:
     cls = by_op.get(op) if type(op) is str else None
     if cls is None:
         raise ValueError(f"unknown executor {side} {op!r}")
-    return _spec(cls).decode(d, repr(op))
+    return from_wire(cls, d, f"executor message {op!r}")
 
 
 def decode_request(d: object) -> Request:
