@@ -54,19 +54,21 @@ gpu-wheels:
 	$(PYTHON) bench/gpu/install.py --check
 	du -sh .whl
 
-# The Python modules of the kubelet APIs the device plugin speaks (salusd/k8s/*.proto), committed
-# beside them. The protos are compiled as salus/daemon/k8s/<name>.proto so the gRPC modules
-# import their messages by package name; a newer grpcio-tools raises the grpcio and protobuf
-# floors of the `k8s` extra in pyproject.toml to the versions its output names.
+# The Python modules of the kubelet APIs the device plugin speaks (salusd/k8s/third_party/*.proto),
+# committed beside them (salusd/k8s/third_party/README.md). The protos are compiled as
+# salus/daemon/k8s/third_party/<name>.proto so the gRPC modules import their messages by package
+# name; a newer grpcio-tools raises the grpcio and protobuf floors of the `k8s` extra in
+# pyproject.toml to the versions its output names.
 GRPC_TOOLS ?= grpcio-tools==1.85.1
+K8S_API := salusd/k8s/third_party
 
 k8s-stubs: $(PY)
 	$(PY) -m pip install --quiet "$(GRPC_TOOLS)"
 	rm -rf build/k8s-stubs && mkdir -p build/k8s-stubs
-	$(PY) -m grpc_tools.protoc --proto_path=salus/daemon/k8s=salusd/k8s \
+	$(PY) -m grpc_tools.protoc --proto_path=salus/daemon/k8s/third_party=$(K8S_API) \
 		--python_out=build/k8s-stubs --pyi_out=build/k8s-stubs --grpc_python_out=build/k8s-stubs \
-		salusd/k8s/deviceplugin.proto salusd/k8s/podresources.proto
-	cp build/k8s-stubs/salus/daemon/k8s/*_pb2*.py* salusd/k8s/
+		$(K8S_API)/deviceplugin.proto $(K8S_API)/podresources.proto
+	cp build/k8s-stubs/salus/daemon/k8s/third_party/*_pb2*.py* $(K8S_API)/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

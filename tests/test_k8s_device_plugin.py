@@ -23,11 +23,11 @@ import pytest
 from daemon_proc import wait_until
 
 from salus.daemon.devices.discovery import DeviceSpec
-from salus.daemon.k8s import deviceplugin_pb2 as dp
-from salus.daemon.k8s import deviceplugin_pb2_grpc as dp_grpc
-from salus.daemon.k8s import podresources_pb2 as pr
-from salus.daemon.k8s import podresources_pb2_grpc as pr_grpc
 from salus.daemon.k8s.plugin import GpuMemPlugin, PluginConfig, for_devices
+from salus.daemon.k8s.third_party import deviceplugin_pb2 as dp
+from salus.daemon.k8s.third_party import deviceplugin_pb2_grpc as dp_grpc
+from salus.daemon.k8s.third_party import podresources_pb2 as pr
+from salus.daemon.k8s.third_party import podresources_pb2_grpc as pr_grpc
 from salus.daemon.k8s.units import GpuShare
 
 GIB = 2**30

@@ -32,7 +32,7 @@ from rest_client import connect as rest
 from test_k8s_device_plugin import FakeKubelet, FakePodResources
 
 from salus.daemon.cli.control import Control
-from salus.daemon.k8s import deviceplugin_pb2 as dp
+from salus.daemon.k8s.third_party import deviceplugin_pb2 as dp
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="a pod's jobs run as the pod user "

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -35,6 +35,7 @@ SAFETY_FRACTION = 0.9  # of what others leave on a GPU: room for the driver and 
 PROBE_TIMEOUT_S = 120.0  # importing torch and starting CUDA on 8 GPUs takes tens of seconds
 
 log = logging.getLogger("salusd.devices")
+T = TypeVar("T")
 
 
 def parse_size(text: str | int) -> int:
@@ -175,6 +176,22 @@ def _import_nvml() -> Any | None:
     return pynvml
 
 
+def with_nvml(nvml: Any, call: Callable[[], T], without: T, instead: str,
+              logger: logging.Logger | None = None) -> T:
+    """`call()` with NVML started (`nvml`: the pynvml module or a stand-in), shut down after it
+    whatever happens; `without` when NVML does not start (no driver), which `logger` (default:
+    this module's) notes at info level with `instead`: what the caller does without it."""
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        (logger or log).info("NVML did not start (%s): %s", exc, instead)
+        return without
+    try:
+        return call()
+    finally:
+        nvml.nvmlShutdown()
+
+
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)  # bytes before 11.515
 
@@ -230,24 +247,22 @@ def nvml_devices(nvml: Any, fraction: float, visible: str | None,
     by UUID: device i is the i-th GPU that `CUDA_VISIBLE_DEVICES` (`visible`) shows. None when
     NVML does not start (no driver), fails on a GPU, or cannot resolve `visible` (see
     `visible_uuids`)."""
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        log.info("NVML did not start (%s): no CUDA devices through NVML", exc)
-        return None
-    try:
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-        uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
-        chosen = visible_uuids(visible, uuids, pci_order=order == "PCI_BUS_ID")
-        if chosen is None:
+
+    def describe() -> list[DeviceSpec] | None:
+        try:
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i)
+                       for i in range(nvml.nvmlDeviceGetCount())]
+            uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
+            chosen = visible_uuids(visible, uuids, pci_order=order == "PCI_BUS_ID")
+            if chosen is None:
+                return None
+            return [_nvml_spec(nvml, i, uuid, handles[uuids.index(uuid)], fraction)
+                    for i, uuid in enumerate(chosen)]
+        except nvml.NVMLError as exc:
+            log.warning("NVML could not describe the GPUs (%s): asking torch.cuda instead", exc)
             return None
-        return [_nvml_spec(nvml, i, uuid, handles[uuids.index(uuid)], fraction)
-                for i, uuid in enumerate(chosen)]
-    except nvml.NVMLError as exc:
-        log.warning("NVML could not describe the GPUs (%s): asking torch.cuda instead", exc)
-        return None
-    finally:
-        nvml.nvmlShutdown()
+
+    return with_nvml(nvml, describe, None, "no CUDA devices through NVML")
 
 
 def _nvml_spec(nvml: Any, index: int, uuid: str, handle: Any, fraction: float) -> DeviceSpec:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from salus.daemon.devices.discovery import DeviceSpec, _import_nvml
+from salus.daemon.devices.discovery import DeviceSpec, _import_nvml, with_nvml
 from salus.daemon.k8s.units import GpuShare
 
 log = logging.getLogger("salusd.k8s")
@@ -42,22 +42,18 @@ def minors_from_proc(root: Path = PROC_GPUS) -> dict[str, int]:
 def minors_from_nvml(uuids: Sequence[str], nvml: Any) -> dict[str, int]:
     """GPU uuid -> minor number through NVML (`nvml`: the pynvml module or a stand-in); the
     GPUs NVML cannot answer for are left out."""
-    found: dict[str, int] = {}
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        log.info("NVML did not start (%s): GPU minor numbers from /proc instead", exc)
-        return found
-    try:
+
+    def minors() -> dict[str, int]:
+        found: dict[str, int] = {}
         for uuid in uuids:
             try:
                 handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
                 found[uuid] = int(nvml.nvmlDeviceGetMinorNumber(handle))
             except nvml.NVMLError as exc:
                 log.warning("NVML gives no minor number for %s: %s", uuid, exc)
-    finally:
-        nvml.nvmlShutdown()
-    return found
+        return found
+
+    return with_nvml(nvml, minors, {}, "GPU minor numbers from /proc instead", log)
 
 
 def shares(devices: Sequence[DeviceSpec], nvml: Any | None = None,

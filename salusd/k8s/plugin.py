@@ -28,12 +28,12 @@ from typing import Any, Protocol
 import grpc
 
 from salus.daemon.devices.discovery import DeviceSpec
-from salus.daemon.k8s import deviceplugin_pb2 as pb
-from salus.daemon.k8s import deviceplugin_pb2_grpc as pb_grpc
 from salus.daemon.k8s.allocations import FILE_NAME, Allocation, AllocationTable
 from salus.daemon.k8s.gpus import PROC_GPUS, node_present, shares
 from salus.daemon.k8s.grants import Grant, grant
 from salus.daemon.k8s.podresources import DEFAULT_SOCKET, PodResourcesClient
+from salus.daemon.k8s.third_party import deviceplugin_pb2 as pb
+from salus.daemon.k8s.third_party import deviceplugin_pb2_grpc as pb_grpc
 from salus.daemon.k8s.units import (
     RESOURCE,
     UNIT_BYTES,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from salus.daemon.k8s import podresources_pb2 as pb
-from salus.daemon.k8s import podresources_pb2_grpc as pb_grpc
+from salus.daemon.k8s.third_party import podresources_pb2 as pb
+from salus.daemon.k8s.third_party import podresources_pb2_grpc as pb_grpc
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 

@@ -6,13 +6,12 @@ shards, each shard's top-k crosses nodes, and what a rank did not send stays in 
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
 
-from salus.daemon.services.collectives.execute import Work
+from salus.daemon.services.collectives.execute import SerialWorker, Work
 from salus.daemon.services.sparse_allreduce import (
     NodeLayout,
     all_finite,
@@ -24,7 +23,7 @@ from salus.daemon.services.sparse_allreduce import (
 from salus.daemon.services.topk import DENSE_BELOW_NUMEL, FLOAT_CODES, METHODS, Method, topk
 
 __all__ = ["hitopk_allreduce", "hitopk_shard"]
-_async_worker: ThreadPoolExecutor | None = None
+_async_worker = SerialWorker("salus-hitopk")
 
 
 def hitopk_shard(numel: int, density: float, local_size: int) -> tuple[int, int]:
@@ -139,13 +138,8 @@ def hitopk_allreduce(
     def run() -> None:
         _hitopk(tensor, density, residual, local_size, group, method, dense_below)
 
-    if not async_op:
-        run()
-        return tensor
-    global _async_worker
-    if _async_worker is None:
-        _async_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="salus-hitopk")
-    return Work(_async_worker.submit(run))
+    work = _async_worker.launch(run, async_op)
+    return tensor if work is None else work
 
 
 def _hitopk(

@@ -31,7 +31,7 @@ import torch
 
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.frames import ALIGN, FrameError
-from salus.daemon.wire.refs import DTYPE_NAMES, MAX_DIMS, check_aligned, part_offset
+from salus.daemon.wire.refs import DTYPE_NAMES, check_aligned, part_offset, tensor_spec
 
 _PAD = bytes(ALIGN)
 Segment = mmap.mmap | bytearray | memoryview  # received: mapped, copied or lent out of a pool
@@ -282,13 +282,7 @@ class _Decoder:
                            nbytes)
 
     def tensor(self, ref: dict[str, Any]) -> torch.Tensor:
-        name, shape = ref.get("dtype"), ref.get("shape")
-        dtype = DTYPES.get(name) if isinstance(name, str) else None
-        if dtype is None:
-            raise FrameError(f"unknown tensor dtype {name!r}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
-                and all(type(d) is int and d >= 0 for d in shape)):
-            raise FrameError(f"tensor shape must be a list of non-negative ints, got {shape!r}")
+        dtype, shape = tensor_spec(ref, DTYPES)
         numel = math.prod(shape)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)

@@ -41,7 +41,6 @@ import torch
 from salus.daemon.wire.codec import (
     DTYPE_CODES,
     DTYPES_BY_CODE,
-    MAX_DIMS,
     Encoded,
     FrameError,
     Segment,
@@ -57,7 +56,7 @@ from salus.daemon.wire.frames import (
     OP_CALL,
     OP_RESULT,
 )
-from salus.daemon.wire.refs import dense_permutation
+from salus.daemon.wire.refs import MAX_DIMS, dense_permutation
 
 REVISION = COMPACT_REVISION
 OP_NAMES = {OP_CALL: "call", OP_RESULT: "result"}

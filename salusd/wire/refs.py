@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.frames import ALIGN, COMPACT_HEAD, OP_CALL, OP_RESULT, FrameError
@@ -30,6 +31,7 @@ DTYPE_NAMES = tuple(DTYPE_ITEMSIZES)
 MAX_DIMS = 64
 STRIDED = 0x1
 TENSOR = struct.Struct("<BBBBIQ")  # dtype code, ndim, segment, flags, reserved, offset
+D = TypeVar("D")
 
 
 def part_offset(seg: object, off: object, nbytes: int, body_bytes: int,
@@ -94,7 +96,7 @@ def _check_ref(ref: dict[str, Any], body_bytes: int, segment_bytes: int | None) 
     if kind is None:
         return
     if kind == "t":
-        itemsize, shape = _tensor_spec(ref)
+        itemsize, shape = tensor_spec(ref, DTYPE_ITEMSIZES)
         numel = math.prod(shape)
         if numel:
             check_aligned(part_offset(ref.get("seg"), ref.get("off"), numel * itemsize,
@@ -116,15 +118,17 @@ def _check_ref(ref: dict[str, Any], body_bytes: int, segment_bytes: int | None) 
         raise FrameError(f"unknown reference kind {kind!r}")
 
 
-def _tensor_spec(ref: dict[str, Any]) -> tuple[int, list[int]]:
+def tensor_spec(ref: dict[str, Any], dtypes: Mapping[str, D]) -> tuple[D, list[int]]:
+    """A JSON tensor reference's dtype, looked up by name in `dtypes` (item sizes here, torch
+    dtypes in `codec`), and its shape; FrameError naming what is wrong."""
     name, shape = ref.get("dtype"), ref.get("shape")
-    itemsize = DTYPE_ITEMSIZES.get(name) if isinstance(name, str) else None
-    if itemsize is None:
+    dtype = dtypes.get(name) if isinstance(name, str) else None
+    if dtype is None:
         raise FrameError(f"unknown tensor dtype {name!r}")
     if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
             and all(type(d) is int and d >= 0 for d in shape)):
         raise FrameError(f"tensor shape must be a list of non-negative ints, got {shape!r}")
-    return itemsize, shape
+    return dtype, shape
 
 
 def check_compact(header: bytes, body_bytes: int, segment_bytes: int | None) -> None:

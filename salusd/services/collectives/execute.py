@@ -12,7 +12,7 @@ the transfers of a step. With `async_op=True` the collective runs on a worker th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,7 +21,6 @@ from .plan import TreePlan
 from .schedule import Pipeline, Transfer
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # bytes per chunk of the heaviest tree
-_worker: ThreadPoolExecutor | None = None
 
 
 class Work:
@@ -39,6 +38,28 @@ class Work:
     def is_completed(self) -> bool:
         """True once the collective has finished (or failed)."""
         return self._future.done()
+
+
+class SerialWorker:
+    """Runs a module's asynchronous collectives one after another, in call order, on a thread
+    of its own (named `thread_name`), started at the first one."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._thread_name = thread_name
+        self._pool: ThreadPoolExecutor | None = None
+
+    def launch(self, run: Callable[[], None], async_op: bool) -> Work | None:
+        """Call `run` now and return None; with `async_op`, queue it on the worker thread and
+        return its `Work` handle."""
+        if not async_op:
+            run()
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
+        return Work(self._pool.submit(run))
+
+
+_worker = SerialWorker("salus-collective")
 
 
 def check_tensors(tensors: Sequence[torch.Tensor], plan: TreePlan) -> list[torch.Tensor]:
@@ -76,13 +97,7 @@ def _launch(steps: list[list[Transfer]], flat: list[torch.Tensor], async_op: boo
         for step in steps:
             run_transfers(flat, step)
 
-    if not async_op:
-        run()
-        return None
-    global _worker
-    if _worker is None:
-        _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="salus-collective")
-    return Work(_worker.submit(run))
+    return _worker.launch(run, async_op)
 
 
 def _flat_pipeline(tensors: Sequence[torch.Tensor], plan: TreePlan,

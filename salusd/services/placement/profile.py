@@ -10,7 +10,25 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+
+class _JsonProfile:
+    """`to_json` and `from_json` of a profile dataclass; each one rebuilds itself from the
+    parsed JSON object in `_from_dict`."""
+
+    def to_json(self) -> str:
+        """The profile as a JSON object."""
+        return json.dumps(asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        """Inverse of `to_json`."""
+        return cls._from_dict(json.loads(text))
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -52,23 +70,14 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
-class ModelProfile:
+class ModelProfile(_JsonProfile):
     """The layers of a model, in execution order, profiled at `batch_size` samples."""
 
     layers: tuple[LayerProfile, ...]
     batch_size: int
 
-    def to_json(self) -> str:
-        """The profile as a JSON object."""
-        return json.dumps(asdict(self))
-
     @classmethod
-    def from_json(cls, text: str) -> ModelProfile:
-        """Inverse of `to_json`."""
-        return cls._from_dict(json.loads(text))
-
-    @classmethod
-    def _from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
         return cls(tuple(LayerProfile(**layer) for layer in data["layers"]), data["batch_size"])
 
 
@@ -100,7 +109,7 @@ class LinkProfile:
 
 
 @dataclass(frozen=True)
-class ClusterProfile:
+class ClusterProfile(_JsonProfile):
     """The devices a job may use, in pipeline order, and the links between them."""
 
     devices: tuple[DeviceProfile, ...]
@@ -113,17 +122,8 @@ class ClusterProfile:
             if len(matrix) != n or any(len(row) != n for row in matrix):
                 raise ValueError(f"links.{label} must be {n}x{n} for {n} devices")
 
-    def to_json(self) -> str:
-        """The profile as a JSON object."""
-        return json.dumps(asdict(self))
-
     @classmethod
-    def from_json(cls, text: str) -> ClusterProfile:
-        """Inverse of `to_json`."""
-        return cls._from_dict(json.loads(text))
-
-    @classmethod
-    def _from_dict(cls, data: dict[str, Any]) -> ClusterProfile:
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
         links = data["links"]
         return cls(
             tuple(DeviceProfile(**d) for d in data["devices"]),
@@ -135,20 +135,15 @@ class ClusterProfile:
 
 
 @dataclass(frozen=True)
-class Profile:
-    """A model profile and a cluster profile: everything an allocator needs."""
+class Profile(_JsonProfile):
+    """A model profile and a cluster profile: everything an allocator needs. As JSON, an object
+    with keys "model" and "cluster"."""
 
     model: ModelProfile
     cluster: ClusterProfile
 
-    def to_json(self) -> str:
-        """The profile as a JSON object with keys "model" and "cluster"."""
-        return json.dumps({"model": asdict(self.model), "cluster": asdict(self.cluster)})
-
     @classmethod
-    def from_json(cls, text: str) -> Profile:
-        """Inverse of `to_json`."""
-        data = json.loads(text)
+    def _from_dict(cls, data: dict[str, Any]) -> Self:
         return cls(ModelProfile._from_dict(data["model"]),
                    ClusterProfile._from_dict(data["cluster"]))
 
