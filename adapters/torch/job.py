@@ -20,6 +20,7 @@ from salus.adapters.torch.pickling import pickled, unpicklable
 from salus.adapters.torch.remote import Remote
 from salus.adapters.torch.transport import Connection, connect_retrying
 from salus.daemon.wire import compact
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.address import default_socket_path, parse_address
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError
@@ -97,8 +98,8 @@ class Job(Connection):
         check_registered(objects)
         payload = pickled(objects)
         try:
-            future = self._request({"op": "attach", "job": self._require_id(),
-                                    "objects": payload, "rng": self._rng_to_send()})
+            future = self._request(ops.Attach(self._require_id(), payload,
+                                              self._rng_to_send()))
         except TypeError as exc:
             self._rng_synced = None
             raise unpicklable(objects, exc) from exc
@@ -147,8 +148,7 @@ class Job(Connection):
         deadline = time.monotonic() + INFO_WAIT_S
         asked = False
         while True:
-            result: dict[str, Any] = self._request({"op": "info",
-                                                    "job": self._require_id()}).result()
+            result: dict[str, Any] = self._request(ops.Info(self._require_id())).result()
             if (int(result.get("calls_done") or 0) >= self._calls_answered
                     or result.get("state") in ("finished", "cancelled", "failed")
                     or time.monotonic() > deadline):
@@ -191,7 +191,7 @@ class Job(Connection):
             super().close()
 
     def ping(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._request({"op": "ping"}).result()
+        result: dict[str, Any] = self._request(ops.Ping()).result()
         return result
 
     def __enter__(self) -> Job:
@@ -207,8 +207,7 @@ class Job(Connection):
     def _hello(self) -> None:
         """Check the protocol version and open the job (its id, owner, threads)."""
         try:
-            reply = self._request({"op": "ping", "max_frame_bytes":
-                                   self._channel.max_frame_bytes}).result()
+            reply = self._request(ops.Ping(self._channel.max_frame_bytes)).result()
         except DaemonUnavailable:
             # salusd may have refused the connection (over its limit) and closed it before
             # the ping went out: its refusal is still there to read.
@@ -224,8 +223,7 @@ class Job(Connection):
         self._channel.peer_max_frame_bytes = int(reply["max_frame_bytes"])
         self.owner = reply.get("owner")
         self._compact = reply.get("compact") == compact.REVISION
-        opened = self._request({"op": "open", "name": self.name, "iterations": self.iterations,
-                                "cwd": os.getcwd(), "devices": self.devices,
-                                "python": sys.executable}).result()
+        opened = self._request(ops.Open(self.name, self.iterations, os.getcwd(), self.devices,
+                                        sys.executable)).result()
         self.id, self.threads = str(opened["job"]), opened.get("threads")
         self.resumed_from = int(opened.get("resumed_from") or 0)

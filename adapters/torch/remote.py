@@ -15,6 +15,7 @@ from salus.adapters.torch.pickling import pickled
 from salus.adapters.torch.replies import pickled_result
 from salus.adapters.torch.transport import Future
 from salus.daemon.wire import compact
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.codec import PickledPayload
 from salus.daemon.wire.errors import CallFailed
 from salus.daemon.wire.replicas import PerReplica, Whole
@@ -59,18 +60,17 @@ class Remote:
         job = self.job
         self._changes.check()
         self.changed = True
-        return job._request({"op": "call", "job": job._require_id(),
-                             "fn": pickled(fn, "function"),
-                             "args": pickled((args, kwargs), "call arguments"),
-                             "rng": job._rng_to_send()}, self._decode_result).result()
+        return job._request(ops.Call(job._require_id(),
+                                     pickled((args, kwargs), "call arguments"),
+                                     fn=pickled(fn, "function"), rng=job._rng_to_send()),
+                            self._decode_result).result()
 
     def fetch(self, *names: str) -> dict[str, Any]:
         """The daemon-side state of the named objects (all when none are named): a
         `state_dict()` for objects that have one, the tensor or object itself otherwise."""
         job = self.job
         result: dict[str, Any] = job._request(
-            {"op": "pull", "job": job._require_id(), "names": list(names) or None},
-            pickled_result).result()
+            ops.Pull(job._require_id(), list(names) or None), pickled_result).result()
         return result
 
     def pull(self, *names: str) -> dict[str, Any]:
@@ -83,8 +83,7 @@ class Remote:
         self._changes.check(modules=True)
         job = self.job
         fetched, modules = job._request(
-            {"op": "pull", "job": job._require_id(), "names": list(names) or None},
-            _pulled).result()
+            ops.Pull(job._require_id(), list(names) or None), _pulled).result()
         for name, value in fetched.items():
             obj = self.objects[name]
             if isinstance(obj, torch.Tensor):
@@ -108,9 +107,9 @@ class Remote:
         job = self.job
         fid = self._next_fid
         self._next_fid += 1
-        job._request({"op": "define", "job": job._require_id(), "fid": fid, "kind": kind,
-                      "fn": pickled(fn, f"function {getattr(fn, '__name__', fn)!r}"),
-                      **({"inference": True} if inference else {})}).result()
+        job._request(ops.Define(job._require_id(), fid, kind,
+                                pickled(fn, f"function {getattr(fn, '__name__', fn)!r}"),
+                                inference)).result()
         return RemoteFunction(self, fid, fn, kind)
 
     def _decode_result(self, reply: Any) -> Any:
@@ -200,8 +199,9 @@ class RemoteFunction:
                 tensors = (*args, rng)
             message: Any = compact.Message(compact.OP_CALL, job._require_id(), tensors, aux)
         else:
-            message = {"op": "call", "job": job._require_id(), "fid": self.fid,
-                       "args": pickled((args, kwargs), "call arguments"), "rng": rng}
+            message = ops.encode(ops.Call(job._require_id(),
+                                          pickled((args, kwargs), "call arguments"),
+                                          fid=self.fid, rng=rng))
         return job._request(message, remote._decode_result, direct=True)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from salus.adapters.torch.replies import Raised, json_result
 from salus.adapters.torch.waiting import ReplyWait, spin_s
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.address import connect_unix
 from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
 from salus.daemon.wire.errors import DaemonUnavailable, JobCancelled, JobFailed, SalusError
@@ -119,7 +120,7 @@ class Connection:
             try:
                 self._drain_direct()
                 if self.id is not None and self._line.broken is None:
-                    self._request({"op": "close", "job": self.id}).result()
+                    self._request(ops.Close(self.id)).result()
             except (DaemonUnavailable, SalusError):
                 pass
             finally:
@@ -133,7 +134,7 @@ class Connection:
         to itself they skip the daemon (which is told afterwards)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._request({"op": "channel", "job": self._require_id()},
+            self._request(ops.Channel(self._require_id()),
                           fd=theirs.fileno()).result()
         except BaseException:
             ours.close()
@@ -162,7 +163,10 @@ class Connection:
     def _request(self, message: Any, decode: Callable[[Any], Any] | None = None, *,
                  direct: bool = False, fd: int | None = None) -> Future:
         """Send one request, to the daemon or (`direct`) straight to the job's executor; its
-        Future resolves when its reply arrives (replies on a line come in order)."""
+        Future resolves when its reply arrives (replies on a line come in order). A request of
+        the daemon's socket is typed (`control_ops`); one on the direct line is its frame."""
+        if isinstance(message, ops.REQUESTS):
+            message = ops.encode(message)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"job {self.name!r} is closed")
@@ -234,7 +238,7 @@ class Connection:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                info = self._request({"op": "info", "job": self._require_id()}).result()
+                info = self._request(ops.Info(self._require_id())).result()
             except SalusError as error:
                 return error
             if info.get("state") in ("failed", "cancelled", "finished"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import select
@@ -28,6 +29,7 @@ from types import FrameType
 
 from salus.daemon.cli.control import Control
 from salus.daemon.cli.run import CANNOT_RUN, FORWARDED, INTERRUPT, final_status, run_request
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.errors import SalusError
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # no more tasks after these
@@ -104,7 +106,7 @@ def _loop(channel: Control, command: list[str], args: argparse.Namespace, array:
             print(f"\nsalusd run: cancelling array job {array.array_job}", file=sys.stderr)
             for task in array.running.values():
                 with contextlib.suppress(SalusError):
-                    channel.call({"op": "cancel", "job": task.job})
+                    channel.call(ops.Cancel(task.job))
         if not array.running:
             continue
         readable, _, _ = select.select(list(array.running), [], [], 0.5)
@@ -122,9 +124,9 @@ def _loop(channel: Control, command: list[str], args: argparse.Namespace, array:
 def _submit(channel: Control, command: list[str], args: argparse.Namespace, array: Array,
             index: int) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    request = {**run_request(command, args), "array_index": index}
-    if array.array_job is not None:
-        request["array_job"] = int(array.array_job)
+    request = dataclasses.replace(
+        run_request(command, args), array_index=index,
+        array_job=None if array.array_job is None else int(array.array_job))
     try:
         channel.send(request, theirs.fileno())
         theirs.close()

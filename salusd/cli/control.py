@@ -20,6 +20,7 @@ import socket
 from collections import deque
 from typing import Any
 
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.address import connect_unix, default_socket_path, parse_address
 from salus.daemon.wire.errors import DaemonUnavailable
 from salus.daemon.wire.frames import (
@@ -45,7 +46,7 @@ class Control:
             self._sock.settimeout(None)
         self._reader = FrameReader(self._sock)
         self._frames: deque[RawFrame] = deque()
-        hello = self._call("ping")
+        hello = self._call(ops.Ping())
         if hello.get("version") != VERSION:
             self.close()
             raise DaemonUnavailable(f"salusd at {self.path} speaks another protocol version")
@@ -58,29 +59,29 @@ class Control:
 
     def status(self) -> dict[str, Any]:
         """Devices (budget, lanes) and jobs (state, progress, memory)."""
-        result: dict[str, Any] = self._call("status")
+        result: dict[str, Any] = self._call(ops.Status())
         return result
 
     def info(self, job_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._call("info", job=str(job_id))
+        result: dict[str, Any] = self._call(ops.Info(str(job_id)))
         return result
 
     def suspend(self, job_id: str, *, swap: bool = False) -> None:
-        self._call("suspend", job=str(job_id), swap=swap)
+        self._call(ops.Suspend(str(job_id), swap))
 
     def resume(self, job_id: str) -> None:
-        self._call("resume", job=str(job_id))
+        self._call(ops.Resume(str(job_id)))
 
     def cancel(self, job_id: str) -> None:
-        self._call("cancel", job=str(job_id))
+        self._call(ops.Cancel(str(job_id)))
 
     def priority(self, job_id: str, priority: float) -> None:
-        self._call("priority", job=str(job_id), priority=priority)
+        self._call(ops.Priority(str(job_id), priority))
 
     def logs(self, job_id: str, offset: int | None = None) -> dict[str, Any]:
         """At most 64 KiB of what the job printed from byte `offset` of its output file (None:
         its last 64 KiB): {"text", "offset" (to go on from), "ended" (the job ended)}."""
-        result: dict[str, Any] = self._call("logs", job=str(job_id), offset=offset)
+        result: dict[str, Any] = self._call(ops.Logs(str(job_id), offset))
         return result
 
     def close(self) -> None:
@@ -93,9 +94,9 @@ class Control:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def send(self, request: dict[str, Any], fd: int | None = None) -> None:
+    def send(self, request: ops.Request, fd: int | None = None) -> None:
         """Send one request; `fd`, a descriptor, goes with it (a socket for the job)."""
-        frame = json_frame(request)
+        frame = json_frame(ops.encode(request))
         if fd is None:
             self._sock.sendall(b"".join(frame.buffers()))
             return
@@ -114,18 +115,18 @@ class Control:
         frame.close_fd()
         return reply_result(frame.json())
 
-    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+    def call(self, request: ops.Request) -> dict[str, Any]:
         """`request`'s result, as an object ({} for any other result)."""
         self.send(request)
         result = self.reply()
         return result if isinstance(result, dict) else {}
 
-    def _call(self, op: str, **fields: Any) -> Any:
+    def _call(self, request: ops.Request) -> Any:
         try:
             # salusd may have answered and closed before the request went out (a connection
             # over its limit is refused at once): read what it said.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                self.send({"op": op, **fields})
+                self.send(request)
             return self.reply()
         except (TimeoutError, ConnectionError, OSError) as exc:
             raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "

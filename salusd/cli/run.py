@@ -59,6 +59,7 @@ from salus.daemon.limits import (
     check_priority,
 )
 from salus.daemon.state.store import ENDED_STATES
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.address import default_socket_path, format_address
 from salus.daemon.wire.errors import DaemonUnavailable, SalusError, ShuttingDown
 
@@ -265,7 +266,7 @@ def _run(channel: Control, command: list[str], args: argparse.Namespace) -> int:
             stack.enter_context(theirs)
             socket.send_fds(ours, [b"stdio"], relay.stdio(rank))
         for _, theirs in pairs[1:]:  # ranks 1, 2...: the run's own is rank 0's
-            channel.send({"op": "socket"}, theirs.fileno())
+            channel.send(ops.Socket(), theirs.fileno())
             theirs.close()
             channel.reply()
         channel.send(run_request(command, args), pairs[0][1].fileno())
@@ -275,26 +276,16 @@ def _run(channel: Control, command: list[str], args: argparse.Namespace) -> int:
         return _wait(channel, [ours for ours, _ in pairs], str(reply["job"]), relay)
 
 
-def run_request(command: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def run_request(command: list[str], args: argparse.Namespace) -> ops.Run:
     """The `run` request of `command` with the options in `args`."""
-    request = {"op": "run", "command": command, "cwd": os.getcwd(), "env": dict(os.environ),
-               "name": args.name or _name(command, torchrun.parse(command)),
-               "iterations": args.iterations or MAX_ITERATIONS,
-               "priority": args.priority, "restart": args.restart,
-               "max_restarts": args.max_restarts}
-    if args.devices is not None:
-        request["devices"] = args.devices
-    if args.time is not None:
-        request["time_limit_s"] = args.time
-    if args.signal is not None:
-        request["signal"], request["signal_before_s"] = args.signal
-    if args.grace is not None:
-        request["grace_s"] = args.grace
-    if args.mem is not None:
-        request["mem_bytes"] = args.mem
-    if args.after:
-        request["after"] = [job for ids in args.after for job in ids]
-    return request
+    signum, before = args.signal if args.signal is not None else (None, None)
+    return ops.Run(tuple(command), os.getcwd(), dict(os.environ),
+                   name=args.name or _name(command, torchrun.parse(command)),
+                   iterations=args.iterations or MAX_ITERATIONS, priority=args.priority,
+                   devices=args.devices, restart=args.restart, max_restarts=args.max_restarts,
+                   time_limit_s=args.time, signal=signum, signal_before_s=before,
+                   grace_s=args.grace, mem_bytes=args.mem,
+                   after=tuple(job for ids in args.after for job in ids) if args.after else None)
 
 
 def _name(command: list[str], launch: torchrun.Launch | None) -> str:
@@ -331,7 +322,7 @@ def _wait(channel: Control, ranks: list[socket.socket], job: str, relay: Relay) 
         elif interrupts == 2:
             print(f"\nsalusd run: cancelling job {job}", file=sys.stderr)
             with contextlib.suppress(OSError):
-                channel.send({"op": "cancel", "job": job})
+                channel.send(ops.Cancel(job))
 
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint),
                 signal.SIGWINCH: signal.signal(signal.SIGWINCH, lambda *_: relay.resize())}
@@ -411,7 +402,7 @@ def _ended_info(channel: Control, job: str) -> dict[str, Any]:
     """The job's info once the daemon has ended it and its command is over (it learns of an
     exit or a death within moments), or as it stands after ENDED_WAIT_S seconds."""
     for _ in range(int(ENDED_WAIT_S / 0.02)):
-        info = channel.call({"op": "info", "job": job})
+        info = channel.call(ops.Info(job))
         if info.get("state") in ENDED_STATES and not info.get("grace"):
             break
         time.sleep(0.02)

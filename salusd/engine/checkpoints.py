@@ -7,11 +7,17 @@ import logging
 import os
 
 from salus.daemon.engine.core import Core
-from salus.daemon.engine.gang import failure, succeeded
 from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.errors import BadRequest, Conflict
-from salus.daemon.wire.executor_ops import Checkpoint, Checkpointed, Reply, StepDone
+from salus.daemon.wire.executor_ops import (
+    Checkpoint,
+    Checkpointed,
+    Reply,
+    StepDone,
+    failure,
+    succeeded,
+)
 
 log = logging.getLogger("salusd.engine")
 

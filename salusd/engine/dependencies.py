@@ -37,7 +37,7 @@ class Waiting:
 def check(core: Core, owner: Owner, after: object) -> tuple[int, ...]:
     """The job ids of a request's `after` (a list of 1 to MAX_AFTER ids of jobs `owner` may
     see); BadRequest, UnknownJob or NotOwner says what is wrong."""
-    if (not isinstance(after, list) or not 1 <= len(after) <= MAX_AFTER
+    if (not isinstance(after, list | tuple) or not 1 <= len(after) <= MAX_AFTER
             or not all(type(a) in (int, str) for a in after)):
         raise BadRequest(f"'after' must be a list of 1 to {MAX_AFTER} job ids")
     ids = tuple(dict.fromkeys(parse_id(a) for a in after))

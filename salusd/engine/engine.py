@@ -218,6 +218,7 @@ class Engine:
         rank (None: the output goes to the job's log). A torchrun command runs as a gang of
         its ranks, one per device; `devices` (None: as many as its ranks) must be that many.
         With `after` (job ids) it starts once those jobs have finished (`dependencies.py`)."""
+        priority = check_priority(priority)
         admission.check_devices(self.core, script_command.gang_devices(command, devices))
         if frames is not None and len(frames) != command.ranks:
             raise BadRequest(f"the command runs {command.ranks} rank(s) and the client sent "

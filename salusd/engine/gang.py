@@ -16,18 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from salus.daemon.counters import sum_counters
-from salus.daemon.wire.executor_ops import Failed, Reply
+from salus.daemon.wire.executor_ops import Failed, Reply, failure, succeeded
 from salus.daemon.wire.frames import RawFrame
-
-
-def succeeded(reply: Reply) -> bool:
-    """Whether `reply` says its request was done (`Failed`, or `ok` false, says not)."""
-    return not isinstance(reply, Failed) and getattr(reply, "ok", True)
-
-
-def failure(reply: Reply) -> str:
-    """What a reply that did not succeed says of why."""
-    return str(getattr(reply, "message", None) or "no reason given")
 
 
 @dataclass(eq=False)

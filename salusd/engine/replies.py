@@ -11,7 +11,6 @@ from typing import Any
 from salus.daemon.engine import admission, checkpoints, gang_failures, replace, scripts
 from salus.daemon.engine.booking import booked_persistent
 from salus.daemon.engine.core import Core, LaneKey, error_frame, exit_detail
-from salus.daemon.engine.gang import failure, succeeded
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.outbox import Sent
 from salus.daemon.engine.registry import Call, JobRecord
@@ -44,6 +43,8 @@ from salus.daemon.wire.executor_ops import (
     StepDone,
     SwapOut,
     Swapped,
+    failure,
+    succeeded,
 )
 from salus.daemon.wire.frames import RawFrame
 from salus.scheduler.dispatch import Finished, RanUnderLease

@@ -22,6 +22,7 @@ from salus.daemon.limits import (
     MAX_RESTARTS_LIMIT,
     MAX_TIME_LIMIT_S,
 )
+from salus.daemon.wire.control_ops import Run
 from salus.daemon.wire.errors import BadRequest
 
 RESTART_POLICIES = ("never", "on-failure")
@@ -68,7 +69,7 @@ class ScriptCommand:
 def check(command: object, cwd: object, env: object, restart: object,
           max_restarts: object = MAX_RESTARTS) -> ScriptCommand:
     """A `ScriptCommand` from a request's fields; BadRequest names what is wrong."""
-    if (not isinstance(command, list) or not 2 <= len(command) <= MAX_ARGS
+    if (not isinstance(command, list | tuple) or not 2 <= len(command) <= MAX_ARGS
             or not all(isinstance(a, str) and "\0" not in a and _encodable(a)
                        for a in command)):
         raise BadRequest(f"'command' must be a list of 2 to {MAX_ARGS} strings (without NUL, "
@@ -103,6 +104,16 @@ def check(command: object, cwd: object, env: object, restart: object,
         raise BadRequest("--restart on-failure reruns one process; a torchrun gang of "
                          f"{checked.ranks} ranks is not rerun")
     return checked
+
+
+def from_run(run: Run) -> ScriptCommand:
+    """The command of a `run` request (the socket's, or REST's body made one), with its
+    limits, grace, memory and array place; BadRequest names what is wrong."""
+    command = check(run.command, run.cwd, run.env, run.restart, run.max_restarts)
+    command = with_limits(command, run.time_limit_s, run.signal, run.signal_before_s)
+    command = with_grace(command, run.grace_s)
+    command = with_memory(command, run.mem_bytes)
+    return with_array(command, run.array_index, run.array_job)
 
 
 def gang_devices(command: ScriptCommand, devices: object) -> object:

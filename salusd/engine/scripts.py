@@ -41,7 +41,6 @@ from typing import Any
 from salus.daemon.devices.discovery import pinned_gpus
 from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core, exit_detail
-from salus.daemon.engine.gang import failure, succeeded
 from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.engine.script_command import ScriptCommand, with_array, with_grace, with_limits
@@ -50,7 +49,7 @@ from salus.daemon.limits import (
     MAX_RESTARTS,
 )
 from salus.daemon.wire.errors import BadRequest
-from salus.daemon.wire.executor_ops import RESTARTING, Progress, Reply, Script
+from salus.daemon.wire.executor_ops import RESTARTING, Progress, Reply, Script, failure, succeeded
 from salus.daemon.wire.frames import FLAG_SOCKET, RawFrame, json_frame
 
 log = logging.getLogger("salusd.engine")

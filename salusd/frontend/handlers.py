@@ -58,10 +58,11 @@ from salus.daemon.engine.core import ok_frame
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.registry import JobRecord, parse_id
 from salus.daemon.engine.report import job_info, snapshot
-from salus.daemon.limits import MAX_PATH_CHARS, MAX_RESTARTS, check_priority
+from salus.daemon.limits import MAX_PATH_CHARS
 from salus.daemon.owners import as_caller
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.supervisor.zygotes import other_interpreter
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.errors import BadRequest, Conflict, NotOwner, ShuttingDown, UnknownJob
 from salus.daemon.wire.frames import (
     COMPACT_REVISION,
@@ -83,7 +84,6 @@ if TYPE_CHECKING:
 
 Answer = Callable[[RawFrame], None]
 MAX_FUNCTIONS = 1024
-_FORWARDED = frozenset({"attach", "define", "call", "pull", "channel"})
 # What a stopping salusd still answers; a job request gets `salusd is shutting down` (a client
 # whose executor exited asks `info` why, and learns it that way).
 _WHILE_STOPPING = frozenset({"ping", "status", "close"})
@@ -114,10 +114,11 @@ class Handlers:
         self.store = store  # the durable registry: jobs that ended before the last restart
         self.max_frame_bytes = max_frame_bytes
         self.state_dir = state_dir  # said in `ping`: where the operator's CLI finds the REST API
-        self._ops: dict[str, Callable[[Client, dict[str, Any]], Any]] = {
-            "ping": self._ping, "open": self._open, "info": self._info, "close": self._close,
-            "status": self._status, "suspend": self._suspend, "resume": self._resume,
-            "cancel": self._cancel, "priority": self._priority, "logs": self._logs,
+        self._ops: dict[type[ops.Request], Callable[[Client, Any], Any]] = {
+            ops.Ping: self._ping, ops.Open: self._open, ops.Info: self._info,
+            ops.Close: self._close, ops.Status: self._status, ops.Suspend: self._suspend,
+            ops.Resume: self._resume, ops.Cancel: self._cancel, ops.Priority: self._priority,
+            ops.Logs: self._logs,
         }
 
     def handle(self, client: Client, frame: RawFrame, answer: Answer) -> None:
@@ -131,31 +132,32 @@ class Handlers:
             counted = record.functions.get(aux & FUNCTION_MASK) == "iteration"
             self.engine.call(record, frame, answer, counted)
             return
-        request = frame.json()
-        if not isinstance(request, dict):
+        wire = frame.json()
+        if not isinstance(wire, dict):
             raise BadRequest("a request must be a JSON object with an 'op' field")
-        op = request.get("op")
+        op = wire.get("op")
         if not isinstance(op, str):
             raise BadRequest("a request needs an 'op' string")
         self._check_allowed(client, op)
+        if op not in ops.OPS:
+            raise BadRequest(f"unknown op {op[:40]!r}; expected one of {sorted(ops.OPS)}")
         if self.engine.stopping and op not in _WHILE_STOPPING:
             raise ShuttingDown("salusd is shutting down")
-        if op in _FORWARDED:
-            self._forward(client, op, request, frame, answer)
-            return
-        if op == "run":
+        try:
+            request = ops.decode_control(wire)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if op in ops.FORWARDED:
+            check_json(wire, len(frame.body), _segment_bytes(frame, op))
+            self._forward(client, request, frame, answer)
+        elif isinstance(request, ops.Run):
             self._run(client, request, frame, answer)
-            return
-        if op == "socket":
+        elif isinstance(request, ops.Socket):
             self._socket(client, frame)
             answer(ok_frame(None))
-            return
-        frame.close_fd()
-        fn = self._ops.get(op)
-        if fn is None:
-            raise BadRequest(f"unknown op {op[:40]!r}; expected one of "
-                             f"{sorted([*self._ops, *_FORWARDED])}")
-        answer(ok_frame(fn(client, request)))
+        else:
+            frame.close_fd()
+            answer(ok_frame(self._ops[type(request)](client, request)))
 
     def client_gone(self, client: Client, why: str) -> None:
         """The connection closed (`why`) with jobs its client never closed: they end, with a
@@ -170,26 +172,25 @@ class Handlers:
             client.sockets.pop().close_fd()
 
     # ---- forwarded to the job's executor -----------------------------------------------------
-    def _forward(self, client: Client, op: str, request: dict[str, Any], frame: RawFrame,
+    def _forward(self, client: Client, request: ops.Request, frame: RawFrame,
                  answer: Answer) -> None:
+        assert isinstance(request, ops.Attach | ops.Define | ops.Call | ops.Pull | ops.Channel)
         record = self._record(client, request)
-        check_json(request, len(frame.body), _segment_bytes(frame, op))
-        if op == "attach":
+        if isinstance(request, ops.Attach):
             self.engine.attach(record, frame, answer)
-        elif op == "define":
-            fid, kind = request.get("fid"), request.get("kind")
-            if type(fid) is not int or not 0 <= fid < MAX_FUNCTIONS:
+        elif isinstance(request, ops.Define):
+            if not 0 <= request.fid < MAX_FUNCTIONS:
                 raise BadRequest(f"'define' needs 'fid', an int in 0..{MAX_FUNCTIONS - 1}")
-            if kind not in ("iteration", "function"):
+            if request.kind not in ("iteration", "function"):
                 raise BadRequest("'define' needs 'kind': 'iteration' or 'function'")
-            record.functions[fid] = kind
-            record.inference = record.inference or request.get("inference") is True
+            record.functions[request.fid] = request.kind
+            record.inference = record.inference or request.inference
             self.engine.define(record, frame, answer)
-        elif op == "call":
-            fid = request.get("fid")
-            counted = type(fid) is int and record.functions.get(fid) == "iteration"
+        elif isinstance(request, ops.Call):
+            counted = (request.fid is not None
+                       and record.functions.get(request.fid) == "iteration")
             self.engine.call(record, frame, answer, counted)
-        elif op == "channel":
+        elif isinstance(request, ops.Channel):
             if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'channel' carries the client's end of a socket pair")
             self.engine.channel(record, frame, answer)
@@ -206,8 +207,7 @@ class Handlers:
                              "device(s): a torchrun gang runs one rank per device")
         client.sockets.append(frame)
 
-    def _run(self, client: Client, request: dict[str, Any], frame: RawFrame,
-             answer: Answer) -> None:
+    def _run(self, client: Client, request: ops.Run, frame: RawFrame, answer: Answer) -> None:
         """A script job (`salusd run`): the frame carries the client's end of a socket pair,
         on which the client sends its stdin, stdout and stderr to the job's executor; a
         torchrun gang's ranks 1, 2... get the sockets of the `socket` requests before it."""
@@ -222,21 +222,10 @@ class Handlers:
             if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'run' carries the client's end of a socket pair, on which "
                                  "it sends its stdin, stdout and stderr")
-            command = script_command.check(request.get("command"), request.get("cwd"),
-                                    request.get("env"), request.get("restart", "never"),
-                                    request.get("max_restarts", MAX_RESTARTS))
-            command = script_command.with_limits(command, request.get("time_limit_s"),
-                                          request.get("signal"),
-                                          request.get("signal_before_s"))
-            command = script_command.with_grace(command, request.get("grace_s"))
-            command = script_command.with_memory(command, request.get("mem_bytes"))
-            command = script_command.with_array(command, request.get("array_index"),
-                                         request.get("array_job"))
-            command = as_caller(client.owner, command)
+            command = as_caller(client.owner, script_command.from_run(request))
             record = self.engine.run_script(
-                client.owner, request.get("name"), request.get("iterations"), command, ranks,
-                priority=check_priority(request.get("priority", 1.0)),
-                devices=request.get("devices"), after=request.get("after"))
+                client.owner, request.name, request.iterations, command, ranks,
+                priority=request.priority, devices=request.devices, after=request.after)
         except BaseException:
             for rank in ranks[1:]:  # the server closes the run frame's own
                 rank.close_fd()
@@ -254,43 +243,42 @@ class Handlers:
         if client.refused and op != "ping":
             raise NotOwner(client.refused)
 
-    def _record(self, client: Client, request: dict[str, Any]) -> JobRecord:
-        return self.engine.registry.get(request.get("job"), client.owner)
+    def _record(self, client: Client, request: Any) -> JobRecord:
+        """The job `request.job` names, if the client may act on it."""
+        return self.engine.registry.get(request.job, client.owner)
 
-    def _ping(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+    def _ping(self, client: Client, request: ops.Ping) -> dict[str, Any]:
         return {"version": VERSION, "max_frame_bytes": self.max_frame_bytes,
                 "owner": client.owner.name, "compact": COMPACT_REVISION,
                 "refused": client.refused or None, "state_dir": self.state_dir}
 
-    def _open(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
-        cwd = request.get("cwd")
-        if cwd is not None and not (isinstance(cwd, str) and len(cwd) <= MAX_PATH_CHARS):
+    def _open(self, client: Client, request: ops.Open) -> dict[str, Any]:
+        cwd, python = request.cwd, request.python
+        if cwd is not None and len(cwd) > MAX_PATH_CHARS:
             raise BadRequest(f"'cwd' must be a path of at most {MAX_PATH_CHARS} characters")
-        python = request.get("python")
-        if python is not None and not (isinstance(python, str) and os.path.isabs(python)
-                                       and len(python) <= MAX_PATH_CHARS
+        if python is not None and not (os.path.isabs(python) and len(python) <= MAX_PATH_CHARS
                                        and "\0" not in python):
             raise BadRequest("'python' must be the client's interpreter, an absolute path of "
                              f"at most {MAX_PATH_CHARS} characters")
-        if client.allocation is not None and request.get("devices", 1) != 1:
+        if client.allocation is not None and request.devices != 1:
             raise BadRequest("a pod's job runs on its allocation's one GPU: 'devices' must be 1")
         other = other_interpreter(python, {}) if python is not None else None
-        record = self.engine.open(client.owner, request.get("name"), request.get("iterations"),
-                                  cwd, devices=request.get("devices", 1),
+        record = self.engine.open(client.owner, request.name, request.iterations, cwd,
+                                  devices=request.devices,
                                   spec={"python": other} if other is not None else None)
         client.jobs.add(record.job_id)
         return {"job": str(record.job_id), "threads": record.threads,
                 "resumed_from": record.resumed_from, "devices": record.gang}
 
-    def _info(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+    def _info(self, client: Client, request: ops.Info) -> dict[str, Any]:
         return job_info(self.engine, self._record(client, request))
 
-    def _close(self, client: Client, request: dict[str, Any]) -> None:
+    def _close(self, client: Client, request: ops.Close) -> None:
         record = self._record(client, request)
         self.engine.close(record)
         client.jobs.discard(record.job_id)
 
-    def _status(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
+    def _status(self, client: Client, request: ops.Status) -> dict[str, Any]:
         """The node's devices and lanes, and the jobs the caller may see: its own, or every
         job for root and the daemon's own user (as REST lists an owner token's jobs only)."""
         snap = snapshot(self.engine)
@@ -301,16 +289,16 @@ class Handlers:
             snap["jobs"] = [j for j in snap["jobs"] if j["job_id"] in own]
         return snap
 
-    def _logs(self, client: Client, request: dict[str, Any]) -> dict[str, Any]:
-        offset = request.get("offset")
-        if offset is not None and (type(offset) is not int or offset < 0):
+    def _logs(self, client: Client, request: ops.Logs) -> dict[str, Any]:
+        offset = request.offset
+        if offset is not None and offset < 0:
             raise BadRequest("'logs' field 'offset' must be a byte offset (an int >= 0)")
         try:
             record = self._record(client, request)
             job_id, folder, uid = record.job_id, record.checkpoint_dir, record.owner.uid
             ended = not record.live
         except UnknownJob:
-            job_id, folder, uid = self._stored_output(client, request.get("job"))
+            job_id, folder, uid = self._stored_output(client, request.job)
             ended = True
         if folder is None:
             raise BadRequest(f"job {job_id} has no output file: salusd keeps them in "
@@ -333,18 +321,15 @@ class Handlers:
             raise NotOwner(f"job {row.id} belongs to {row.owner}, not {client.owner.name}")
         return row.id, os.path.join(policy.root, str(row.id)), row.uid
 
-    def _suspend(self, client: Client, request: dict[str, Any]) -> None:
-        swap = request.get("swap", False)
-        if not isinstance(swap, bool):
-            raise BadRequest("'suspend' field 'swap' must be true or false")
-        self.engine.suspend(self._record(client, request), swap)
+    def _suspend(self, client: Client, request: ops.Suspend) -> None:
+        self.engine.suspend(self._record(client, request), request.swap)
 
-    def _resume(self, client: Client, request: dict[str, Any]) -> None:
+    def _resume(self, client: Client, request: ops.Resume) -> None:
         self.engine.resume(self._record(client, request))
 
-    def _cancel(self, client: Client, request: dict[str, Any]) -> None:
+    def _cancel(self, client: Client, request: ops.Cancel) -> None:
         self.engine.cancel(self._record(client, request))
 
-    def _priority(self, client: Client, request: dict[str, Any]) -> None:
-        self.engine.set_priority(self._record(client, request), request.get("priority"))
+    def _priority(self, client: Client, request: ops.Priority) -> None:
+        self.engine.set_priority(self._record(client, request), request.priority)
 

@@ -30,7 +30,9 @@ from salus.daemon.rest.models import (
 from salus.daemon.rest.views import job_out, row_out
 from salus.daemon.state.job_output import output_path, read_output, writer_uid
 from salus.daemon.state.store import JobRow
+from salus.daemon.wire.control_ops import Run
 from salus.daemon.wire.errors import BadRequest, Conflict, UnknownJob
+from salus.daemon.wire.executor_ops import Checkpointed, failure
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERRORS)
 JobId = Path(ge=1, le=2**63 - 1, description="the job id")
@@ -128,13 +130,13 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     per device (data-parallel); with `nodes` > 1 the gang spans that many nodes of the
     cluster (submitted to each)."""
     if body.command is not None:
-        command = script_command.check(body.command, body.cwd, _script_env(who, body.env),
-                                body.restart, body.max_restarts)
-        command = script_command.with_limits(command, body.time_limit_s, body.signal,
-                                      body.signal_before_s)
-        command = script_command.with_grace(command, body.grace_s)
-        command = script_command.with_memory(command, body.mem_bytes)
-        command = await run_in_threadpool(as_caller, who.owner, command)
+        # The socket's `run` request, so one check serves both (`script_command.from_run`).
+        request = Run(tuple(body.command), body.cwd, _script_env(who, body.env),
+                      restart=body.restart, max_restarts=body.max_restarts,
+                      time_limit_s=body.time_limit_s, signal=body.signal,
+                      signal_before_s=body.signal_before_s, grace_s=body.grace_s,
+                      mem_bytes=body.mem_bytes)
+        command = await run_in_threadpool(as_caller, who.owner, script_command.from_run(request))
 
         # A torchrun command runs its ranks as a gang, one per device (`devices`: as many).
         devices = body.devices if "devices" in body.model_fields_set else None
@@ -227,10 +229,9 @@ async def checkpoint(job_id: int = JobId, who: Principal = Depends(principal),
     """Answers once the checkpoint is on disk (after the job's running iteration)."""
     def start(done: Callable[[Any], None]) -> None:
         ctx.engine.checkpoint(ctx.find(job_id, who), done)
-    meta = await ctx.bridge.later(start, ctx.checkpoint_timeout_s)
-    if not meta.get("ok"):
-        raise Conflict(f"job {job_id}'s checkpoint was not written: {meta.get('message')}")
+    reply = await ctx.bridge.later(start, ctx.checkpoint_timeout_s)
+    if not isinstance(reply, Checkpointed):
+        raise Conflict(f"job {job_id}'s checkpoint was not written: {failure(reply)}")
     await asyncio.sleep(0)
     return CheckpointDone(id=job_id, checkpoint=Checkpoint(
-        iteration=int(meta["iteration"]), time=float(meta["time"]), bytes=int(meta["bytes"]),
-        path=meta.get("path")))
+        iteration=reply.iteration, time=reply.time, bytes=reply.bytes, path=reply.path))

@@ -5,8 +5,8 @@ A message is a frozen dataclass, with an `op` tag (a `ClassVar`) when it travels
 wire form is the JSON object `{"op": op, field: value, …}`:
 
 - a field without a default is always there (null where its type allows None);
-- a field with a default is left out while it holds that default (and refused when sent
-  holding it: each message has one wire form);
+- a field with a default is left out while it holds that default (and, where the protocol
+  is canonical, refused when sent holding it: each message has one wire form);
 - a nested value is the object of its own fields (with its `op` where it is a message, as
   `Ready.estimate` is); a tuple is a list.
 
@@ -139,7 +139,8 @@ class _Field:
 
 def _field(f: dataclasses.Field[Any], hint: Any) -> _Field:
     check, want = _kind(hint)
-    default = _MISSING if f.default is dataclasses.MISSING else f.default
+    default = (f.default if f.default is not dataclasses.MISSING else
+               f.default_factory() if f.default_factory is not dataclasses.MISSING else _MISSING)
     if default is None and want.startswith("null or "):
         want = f"{want.removeprefix('null or ')}, or left out"
     return _Field(f.name, default, check, want, _holds_dataclass(hint))
@@ -164,8 +165,9 @@ class _Spec:
             out[f.name] = _value(value) if f.nested or isinstance(value, tuple | dict) else value
         return out
 
-    def decode(self, d: Wire, what: str) -> Any:
-        """The message `d` is; `what` names it in errors."""
+    def decode(self, d: Wire, what: str, canonical: bool = True) -> Any:
+        """The message `d` is; `what` names it in errors. `canonical`: refuse a field sent
+        holding its default (each message has one wire form)."""
         if not d.keys() <= self.keys:
             unknown = sorted(set(d) - self.keys)
             raise ValueError(f"{what}: unknown field(s) {unknown}; it has "
@@ -183,7 +185,7 @@ class _Spec:
             except _Wrong:
                 raise ValueError(f"{what}: field {f.name!r} must be "
                                  f"{f.want}, got {v!r:.100}") from None
-            if f.default is not _MISSING and values[f.name] == f.default:
+            if canonical and f.default is not _MISSING and values[f.name] == f.default:
                 # one wire form per message: a field holding its default is left out
                 raise ValueError(f"{what}: field {f.name!r} is left out, not "
                                  f"sent, when it is {f.default!r}")
@@ -220,6 +222,7 @@ def to_wire(msg: Any) -> Wire:
     return _spec(type(msg)).encode(msg)
 
 
-def from_wire(cls: type, d: Wire, what: str) -> Any:
-    """The `cls` that `d` is; `what` names it in errors ("executor message 'run'")."""
-    return _spec(cls).decode(d, what)
+def from_wire(cls: type, d: Wire, what: str, *, canonical: bool = True) -> Any:
+    """The `cls` that `d` is; `what` names it in errors ("executor message 'run'").
+    `canonical` False takes a field sent holding its default (a protocol of many clients)."""
+    return _spec(cls).decode(d, what, canonical)

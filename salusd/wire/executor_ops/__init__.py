@@ -112,6 +112,8 @@ from salus.daemon.wire.executor_ops.messages import (
     SwapOut,
     Swapped,
     Wire,
+    failure,
+    succeeded,
 )
 
 __all__ = [
@@ -121,6 +123,8 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode",
+    "failure",
+    "succeeded",
     "frames_after",
     "REPLIES",
     "REQUESTS",

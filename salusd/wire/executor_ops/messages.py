@@ -521,6 +521,16 @@ Reply = (Ack | Failed | HandedOver | Estimated | EstimateFailed | Attached | Loa
          | CallDone | StepDone | Ready | Ran | Exited | Placed | Poisoned | Progress | Swapped)
 Message = Request | Reply
 
+def succeeded(reply: Reply) -> bool:
+    """Whether `reply` says its request was done (`Failed`, or `ok` false, says not)."""
+    return not isinstance(reply, Failed) and getattr(reply, "ok", True)
+
+
+def failure(reply: Reply) -> str:
+    """What a reply that did not succeed says of why."""
+    return str(getattr(reply, "message", None) or "no reason given")
+
+
 REQUESTS: tuple[type[Request], ...] = typing.get_args(Request)
 REPLIES: tuple[type[Reply], ...] = typing.get_args(Reply)
 #: what the executor sends unasked, between its replies (it answers no request)
