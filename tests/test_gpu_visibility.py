@@ -48,15 +48,15 @@ def test_the_executors_environment_lists_the_daemons_gpus_in_its_order() -> None
 
 def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object], uid: int = 1000,
           priority: float = 1.0, token: int = 1) -> dict[str, object]:
-    """What an executor (of owner `uid`) receives when the engine sends it `meta` through
-    `supervisor`; the process stays registered with the supervisor as open."""
+    """What an executor (of owner `uid`) receives when the engine sends it the request `meta`
+    is through `supervisor`; the process stays registered with the supervisor as open."""
     ours, theirs = socket.socketpair()
     link = loop.add(Link(ours, lambda *_: None, lambda *_: None))
     record = JobRecord(3, Owner("ada", uid, uid), "j", 10, 0.0, priority=priority)
     process = ExecutorProcess(token, link, uid=uid)
     supervisor.pool.by_token[token] = process
     handle = ExecutorHandle(process, record, 0, sharable=False)
-    supervisor.send(handle, meta, None)
+    supervisor.send(handle, decode_request(meta), None)
     loop.run_once(0.0)
     reader = FrameReader(theirs)
     frames: list[object] = []

@@ -22,6 +22,7 @@ from rest_client import connect, job, wait_for
 from salus.daemon.cli.control import Control
 from salus.daemon.executor import checkpoint
 from salus.daemon.state import checkpoint_files
+from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.errors import StateDiskFull
 
 
@@ -169,7 +170,7 @@ def test_a_full_state_disk_is_a_clear_error_on_rest_and_the_socket(tmp_path: Pat
             assert body["detail"].startswith("salusd's state disk is full: ")
             with Control(address) as ctl, pytest.raises(StateDiskFull,
                                                         match="state disk is full"):
-                ctl._call("open", name="full", iterations=5)
+                ctl.call(ops.Open("full", 5))
             filler.unlink()
             reply = client.post("/v1/jobs", json={"name": "roomy", "iterations": 5,
                                                   "entrypoint": "shuffled.py:make_job"})

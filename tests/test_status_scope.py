@@ -19,6 +19,7 @@ from client_proc import finish
 from daemon_proc import salusd
 
 from salus.daemon.cli.control import Control
+from salus.daemon.wire import control_ops as ops
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +28,14 @@ pytestmark = pytest.mark.slow
 OPENER = textwrap.dedent("""
     import json, os, sys
     from salus.daemon.cli.control import Control
+    from salus.daemon.wire import control_ops as ops
 
     uid, gid, group = (int(v) for v in sys.argv[3:6])
     os.setgroups([gid, group])
     os.setgid(gid)
     os.setuid(uid)
     with Control(sys.argv[1]) as ctl:
-        ctl._call("open", name=sys.argv[2], iterations=3)
+        ctl.call(ops.Open(sys.argv[2], 3))
         print(json.dumps(sorted(j["name"] for j in ctl.status()["jobs"])), flush=True)
         sys.stdin.readline()
 """)
@@ -45,7 +47,7 @@ def _names(ctl: Control) -> list[str]:
 
 def test_the_daemons_own_user_sees_its_jobs(tmp_path: Path) -> None:
     with salusd(tmp_path, devices=1) as (_, address), Control(address) as ctl:
-        ctl._call("open", name="mine", iterations=3)
+        ctl.call(ops.Open("mine", 3))
         assert _names(ctl) == ["mine"]
 
 
@@ -65,7 +67,7 @@ def test_another_user_sees_only_its_own_jobs_and_root_sees_all() -> None:
         entry = pwd.getpwnam(user)
         with salusd(tmp, "--group", group, devices=1) as (_, address), \
                 Control(address) as root:
-            root._call("open", name="root-job", iterations=3)
+            root.call(ops.Open("root-job", 3))
             other = subprocess.Popen(
                 [sys.executable, str(tmp / "opener.py"), address, "their-job",
                  str(entry.pw_uid), str(entry.pw_gid), str(grp.getgrnam(group).gr_gid)],

@@ -134,7 +134,7 @@ def measure_first(core: Core, record: JobRecord, what: str) -> None:
     reason = (f"a gang job is measured on its first {what}"
               if record.gang > 1 or record.nodes > 1 else
               f"this daemon measures a job's first {what} (--first-call measure)")
-    estimated(core, record, {"ok": False, "reason": reason})
+    estimated(core, record, EstimateFailed(reason))
 
 
 def check_peak(core: Core, record: JobRecord, key: LaneKey, peak: int, *,
