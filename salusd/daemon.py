@@ -41,7 +41,7 @@ from salus.daemon.state.checkpoint_files import job_has_checkpoint
 from salus.daemon.state.store import Store, ensure_admin_token
 from salus.daemon.supervisor.supervisor import Supervisor
 from salus.daemon.wire.errors import StateDiskFull
-from salus.scheduler.policies import POLICIES
+from salus.scheduler.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
     from salus.daemon.k8s.plugin import GpuMemPlugin
@@ -314,9 +314,10 @@ class Daemon:
             return given
         kept = self.store.setting("policy") if self.store is not None else None
         if kept is not None and kept not in POLICIES:
-            log.warning("the registry's policy %r is unknown to this salusd: using pack", kept)
+            log.warning("the registry's policy %r is unknown to this salusd: using %s", kept,
+                        DEFAULT_POLICY)
             kept = None
-        return kept or "pack"
+        return kept or DEFAULT_POLICY
 
     def _retire_executors(self, timeout_s: float = 3.0) -> None:
         """Ask every job's executor to exit, refusing the direct calls it holds with `salusd is

@@ -131,6 +131,9 @@ POLICIES: dict[str, Policy] = {
 }
 
 
+DEFAULT_POLICY = "pack"  # what a daemon started without --policy runs (Salus's default)
+
+
 def make_policy(name: str) -> Policy:
     """The policy called `name` (one of `POLICIES`); ValueError names the choices."""
     try:

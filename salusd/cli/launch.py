@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from salus.scheduler.policies import DEFAULT_POLICY
+
 
 class DaemonProcess(NamedTuple):
     address: str  # unix:///path
@@ -21,7 +23,7 @@ def running_daemon(
     socket: Path,
     *,
     state_dir: Path,
-    policy: str = "pack",
+    policy: str = DEFAULT_POLICY,
     cpu_devices: int = 1,
     cpu_memory: str = "2G",
     cpu_threads: int | None = None,
