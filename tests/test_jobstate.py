@@ -54,9 +54,10 @@ def test_a_live_jobs_state_from_its_record_and_its_scheduler_view() -> None:
     assert live_state(record, _view(JobState.RUNNING)) == "running"
     # ran its iterations, its final checkpoint not yet on disk: not finished yet
     assert live_state(record, _view(JobState.FINISHED)) == "finishing"
-    record.held = True  # suspended before it was ever submitted: still suspended
+    record.life.suspend(swap=False)  # suspended before it was ever submitted: still suspended
     assert live_state(record, None) == "suspended"
-    record.held, record.awaiting_client = False, True  # restored, its client not back yet
+    record.life.resume()
+    record.life.await_client()  # restored, its client not back yet
     assert live_state(record, _view(JobState.ADMITTED)) == "suspended"
-    record.phase, record.end_state = "ended", "failed"
+    record.life.end("failed", "it raised", 1.0, 2.0)
     assert live_state(record, _view(JobState.CANCELLED)) == "failed"

@@ -69,7 +69,7 @@ def estimated(core: Core, record: JobRecord, reply: Reply) -> None:
         core.end(record, "failed", str(DoesNotFit(f"job {record.job_id} can never fit: "
                                                   f"{needs}")))
         return
-    record.phase = "submitted"
+    record.life.submitted()
     for call in record.calls:
         core.dispatch.apply(Ready(record.job_id, call.counted))
     if record.held:

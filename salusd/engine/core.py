@@ -17,10 +17,11 @@ from typing import Any
 from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.events import Event, EventStream
 from salus.daemon.engine.ledger import DeviceLedger
+from salus.daemon.engine.lifecycle import EndState
 from salus.daemon.engine.outbox import Outbox
 from salus.daemon.engine.pod_grants import PodGrants
 from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy, JobStore, Timers
-from salus.daemon.engine.registry import Call, EndState, JobRecord, Registry
+from salus.daemon.engine.registry import Call, JobRecord, Registry
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
 from salus.daemon.wire.frames import RawFrame, json_frame
 from salus.scheduler import JobState, Placement, Policy
@@ -124,7 +125,7 @@ class Core:
             # checkpoint and exit (then `scripts.exited` lets it go), SIGKILL after the grace.
             # A gang's ranks that exited already are let go now (their clients hear their
             # statuses); a signal would run their handlers again.
-            record.grace = True
+            record.life.grace_begins()
             for rank, executor in enumerate(record.replicas):
                 if rank not in record.script.exits:
                     self.outbox.signal(executor, signal.SIGTERM)
@@ -136,7 +137,7 @@ class Core:
                                    lambda: self.outbox.kill_all(record))
             return
         if self.dispatch.running(record.job_id):
-            record.cancel_requested = True
+            record.life.cancelling()
             self.timers.call_later(self.config.cancel_grace_s,
                                    lambda: self.kill_if_running(record))
         else:

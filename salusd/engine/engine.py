@@ -164,7 +164,7 @@ class Engine:
                                  f"{waiting.gang} to go on with it")
             spec = {**(spec or {}), **({"devices": gang} if gang > 1 else {})}
             if waiting is not None:
-                waiting.awaiting_client = waiting.held = False
+                waiting.life.client_back()
                 core.event("reattach", waiting.job_id, iteration=waiting.resumed_from)
                 return waiting
         if owner.allocation is not None:  # kept with the job, so a restart gives it back
@@ -272,7 +272,7 @@ class Engine:
             self.core.end(record, "failed", f"salusd restarted before job {job_id}'s first "
                           "checkpoint, so its state was lost; connect a new job")
         else:
-            record.awaiting_client = record.held = True
+            record.life.await_client()
             load(self.core, record, restore=True)
         self._step()
 
@@ -327,7 +327,7 @@ class Engine:
                        "for results before submitting more")
         core.queue_call(record, Call(frame, answer, counted))
         if record.phase == "attached":
-            record.phase = "estimating"
+            record.life.estimating()
             if record.gang > 1 or not core.config.estimate_first:
                 admission.measure_first(core, record, "call")
             else:
@@ -353,10 +353,9 @@ class Engine:
 
     def suspend(self, record: JobRecord, swap: bool) -> None:
         _require_live(record)
-        record.held = True
+        record.life.suspend(swap)
         if record.phase == "submitted":
             self.core.dispatch.suspend(record.job_id)
-            record.swap_requested = record.swap_requested or swap
         self.core.event("suspend", record.job_id, swap=swap)
         self._step()
         if record.phase == "submitted" and self.core.config.checkpoints is not None:
@@ -366,9 +365,8 @@ class Engine:
         _require_live(record)
         if not record.held:
             raise Conflict(f"job {record.job_id} is not suspended")
-        record.held = record.swap_requested = False
+        record.life.resume()
         if record.phase == "submitted":
-            record.swapped = False
             self.core.take(self.core.dispatch.resume(record.job_id))
         self.core.event("resume", record.job_id)
         self._step()

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from salus.daemon.engine.lifecycle import EndState, Lifecycle, Phase
 from salus.daemon.limits import check_iterations, check_name
 from salus.daemon.wire.errors import NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
@@ -27,8 +28,6 @@ from salus.daemon.wire.frames import RawFrame
 if TYPE_CHECKING:
     from salus.daemon.engine.scripts import ScriptState
 
-Phase = Literal["open", "attached", "estimating", "submitted", "ended"]
-EndState = Literal["finished", "cancelled", "failed"]
 JobKind = Literal["interactive", "batch"]
 Answer = Callable[[RawFrame], None]
 
@@ -76,7 +75,7 @@ class JobRecord:
     opened_s: float
     replicas: list[Any] = field(default_factory=list)  # its executors, by replica rank
     cwd: str | None = None
-    phase: Phase = "open"
+    life: Lifecycle = field(default_factory=Lifecycle)  # its phase and flags: the writers
     calls: deque[Call] = field(default_factory=deque)
     persistent_bytes: int = 0
     threads: int = 1
@@ -85,15 +84,6 @@ class JobRecord:
     ephemeral_guessed: bool = False  # admitted with a guess that its next measured call sets
     measured_peak: int | None = None
     priority: float = 1.0
-    held: bool = False
-    swap_requested: bool = False
-    swapped: bool = False
-    cancel_requested: bool = False
-    grace: bool = False  # a cancelled script's command runs on after SIGTERM (`Core.end`)
-    end_state: EndState | None = None
-    reason: str = ""
-    ended_s: float | None = None  # on the engine's clock
-    ended_at: float | None = None  # unix seconds, as the durable registry's `ended_at`
     calls_done: int = 0
     calls_failed: int = 0
     device_kind: str = "cpu"
@@ -110,7 +100,6 @@ class JobRecord:
     since_checkpoint: int = 0  # iterations run since the last checkpoint
     checkpointing: int = 0  # checkpoints asked of the executor and not answered yet
     resumed_from: int | None = None  # restored after a restart at this iteration
-    awaiting_client: bool = False  # restored interactive job: suspended until its client is back
     done_before: int = 0  # iterations done before the last restart
     replacements: int = 0  # times placed again after its executor's context was poisoned
     last_loss: float | None = None  # batch jobs: what the last iteration returned
@@ -124,9 +113,54 @@ class JobRecord:
     signal: int | None = None
     after: tuple[int, ...] = ()  # jobs it still waits for (--after: engine/dependencies.py)
 
+    # ---- its lifecycle, read here and written by `self.life`'s transitions ----------------
     @property
     def live(self) -> bool:
-        return self.phase != "ended"
+        return self.life.live
+
+    @property
+    def phase(self) -> Phase:
+        return self.life.phase
+
+    @property
+    def held(self) -> bool:
+        return self.life.held
+
+    @property
+    def awaiting_client(self) -> bool:
+        return self.life.awaiting_client
+
+    @property
+    def swap_requested(self) -> bool:
+        return self.life.swap_requested
+
+    @property
+    def swapped(self) -> bool:
+        return self.life.swapped
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self.life.cancel_requested
+
+    @property
+    def grace(self) -> bool:
+        return self.life.grace
+
+    @property
+    def end_state(self) -> EndState | None:
+        return self.life.end_state
+
+    @property
+    def reason(self) -> str:
+        return self.life.reason
+
+    @property
+    def ended_s(self) -> float | None:
+        return self.life.ended_s
+
+    @property
+    def ended_at(self) -> float | None:
+        return self.life.ended_at
 
     @property
     def gang(self) -> int:
@@ -216,11 +250,7 @@ class Registry:
         """Move a live record to the ended ones."""
         if not record.live:
             return
-        record.phase = "ended"
-        record.end_state = state
-        record.reason = reason
-        record.ended_s = self.clock()
-        record.ended_at = self.wall()
+        record.life.end(state, reason, self.clock(), self.wall())
         self.live.pop(record.job_id, None)
         self.ended[record.job_id] = record
         self.expire()

@@ -49,11 +49,10 @@ def again(core: Core, record: JobRecord, reason: str) -> None:
     record.replacements += 1
     record.calls.clear()  # the daemon's own iteration requests: nobody waits on them
     record.replicas = []
-    record.phase = "open"
+    record.life.reopened()  # not swapped any more either
     record.persistent_bytes = 0
     record.estimate_bytes, record.estimate_method = None, ""
     record.ephemeral_guessed, record.measured_peak = False, None
-    record.swapped = record.swap_requested = False
     record.since_checkpoint, record.since_checkpoint_s, record.checkpointing = 0, 0.0, 0
     record.resumed_from = record.done_before = record.checkpoint_iteration or 0
     log.warning("job %d goes on from its checkpoint at iteration %d in a fresh executor "

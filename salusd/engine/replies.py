@@ -113,7 +113,8 @@ class Replies:
             record.direct = True
         elif isinstance(request, Attach) and isinstance(reply, Attached):
             record.persistent_bytes = booked_persistent(record.device_kind, reply)
-            record.phase = "attached" if record.live else record.phase
+            if record.live:
+                record.life.attached()
             core.event("attach", record.job_id, persistent_bytes=record.persistent_bytes)
         elif isinstance(request, Attach):
             # The state did not load (a class the executor cannot import): the client may
@@ -273,7 +274,7 @@ class Replies:
                      iteration)
         if not record.live:
             return
-        record.phase = "attached"
+        record.life.attached()
         core.event("attach", record.job_id, persistent_bytes=record.persistent_bytes,
                    resumed_from=record.resumed_from)
         if record.kind != "batch":
@@ -281,7 +282,7 @@ class Replies:
         if iteration >= record.planned_iterations:
             core.end(record, "finished", f"ran its {iteration} iterations")
             return
-        record.phase = "estimating"
+        record.life.estimating()
         if record.gang > 1 or record.nodes > 1 or not core.config.estimate_first:
             admission.measure_first(core, record, "iteration")
         else:

@@ -41,6 +41,7 @@ from typing import Any
 from salus.daemon.devices.discovery import pinned_gpus
 from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core, exit_detail
+from salus.daemon.engine.lifecycle import Phase
 from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.engine.script_command import ScriptCommand, with_array, with_grace, with_limits
@@ -141,7 +142,8 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
                 # Its boundaries come from its executor, as direct calls; a gang's through the
                 # daemon (its ranks' turns are one).
                 record.direct = record.gang == 1
-                record.phase = "attached" if record.phase == "open" else record.phase
+                if record.phase is Phase.OPEN:
+                    record.life.attached()
             else:
                 who = f"rank {rank}: " if record.gang > 1 else ""
                 record.exit_status = CANNOT_START
@@ -188,7 +190,7 @@ def exited(core: Core, record: JobRecord, code: int, rank: int = 0) -> None:
         return
     record.exit_status, record.signal = code, None
     if not record.live:  # cancelled: its command ended within its grace
-        record.grace = False
+        record.life.grace_over()
         core.event("exit", record.job_id, **exit_detail(record))
         core.finalize(record)
         return
@@ -235,7 +237,7 @@ def settle_grace(core: Core, record: JobRecord) -> None:
     state = record.script
     if state is not None and all(rank in state.exits or not core.outbox.alive(executor)
                                  for rank, executor in enumerate(record.replicas)):
-        record.grace = False
+        record.life.grace_over()
 
 
 def rank_ready(record: JobRecord, rank: int) -> bool:
@@ -333,7 +335,7 @@ def died(record: JobRecord, exit_code: int | None) -> None:
         record.exit_status = 128 - exit_code if exit_code < 0 else exit_code
     elif not record.direct:
         record.exit_status = CANNOT_START
-    record.grace = False  # its command is over
+    record.life.grace_over()  # its command is over
 
 
 def may_rerun(core: Core, record: JobRecord) -> bool:

@@ -58,8 +58,7 @@ class Stepper:
         log.info("policy switched from %s to %s", old, policy.name)
 
     def _swap_out(self, record: JobRecord) -> None:
-        record.swap_requested = False
-        record.swapped = True
+        record.life.swapped_out()
         for executor in record.replicas:
             self.core.outbox.send_to(executor, SwapOut())
         self.core.event("swap_out", record.job_id)
