@@ -18,15 +18,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from salus.daemon.engine.lifecycle import EndState, Lifecycle, Phase
+from salus.daemon.engine.script_state import ScriptState
 from salus.daemon.limits import check_iterations, check_name
 from salus.daemon.wire.errors import NotOwner, UnknownJob
 from salus.daemon.wire.frames import RawFrame
-
-if TYPE_CHECKING:
-    from salus.daemon.engine.scripts import ScriptState
 
 JobKind = Literal["interactive", "batch"]
 Answer = Callable[[RawFrame], None]
@@ -106,7 +104,7 @@ class JobRecord:
     last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
     cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
     comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
-    script: ScriptState | None = None  # a script job's reruns and client (engine/scripts.py)
+    script: ScriptState | None = None  # a script job's reruns and client
     limit: Literal["time", "memory"] | None = None  # what ended it: its --time or its --mem
     # A script job's command's end, as a shell reports it (engine/scripts.py `died`)
     exit_status: int | None = None

@@ -35,7 +35,6 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from salus.daemon.devices.discovery import pinned_gpus
@@ -45,6 +44,7 @@ from salus.daemon.engine.lifecycle import Phase
 from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.engine.script_command import ScriptCommand, with_array, with_grace, with_limits
+from salus.daemon.engine.script_state import ScriptState
 from salus.daemon.limits import (
     MAX_ITERATIONS,
     MAX_RESTARTS,
@@ -59,24 +59,6 @@ CANNOT_START = 125  # a command that could not start, as env(1) and container ru
 # A job array's task: its index and the array's job id, as Slurm's SLURM_ARRAY_TASK_ID and
 # SLURM_ARRAY_JOB_ID.
 ARRAY_INDEX_ENV, ARRAY_JOB_ENV = "SALUS_ARRAY_INDEX", "SALUS_ARRAY_JOB_ID"
-
-
-@dataclass(eq=False)
-class ScriptState:
-    """A live script job's runs: how many reruns it had, why the next one starts (set once
-    its failed run's executor is asked to go), and a duplicate of its client's socket (a
-    descriptor, kept for reruns while the job may be rerun). A gang's: the ranks at a
-    boundary waiting for the gang's next iteration (`ready`), and the exit statuses of the
-    ranks whose command ended (`exits`, by rank)."""
-
-    command: ScriptCommand
-    restarts: int = 0
-    restarting: str = ""
-    client_fd: int | None = None
-    last_failure: str = ""
-    swap: dict[str, Any] = field(default_factory=dict)
-    ready: set[int] = field(default_factory=set)
-    exits: dict[int, int] = field(default_factory=dict)
 
 
 def pinned_devices(core: Core, command: ScriptCommand) -> frozenset[int] | None:
