@@ -18,6 +18,8 @@ from salus.daemon.wire.executor_ops.messages import (
 )
 from salus.daemon.wire.typed import from_wire, to_wire
 
+__all__ = ["client_frame_follows", "decode_reply", "decode_request", "encode", "frames_after"]
+
 _BY_OP_REQUEST = {cls.op: cls for cls in REQUESTS}
 _BY_OP_REPLY = {cls.op: cls for cls in REPLIES}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from salus.daemon.wire.executor_ops.messages import Wire
 
+__all__ = ["address_of", "addressed"]
+
 KEY = "for_job"
 
 
