@@ -212,6 +212,7 @@ class Daemon:
         from salus.daemon.k8s.plugin import for_devices, for_test_gpus
 
         alloc_root = self.config.alloc_root or Path(self.config.socket_path).parent / "alloc"
+        plugin: GpuMemPlugin | None
         if self.config.device_plugin_test_gpus:
             plugin = for_test_gpus(self.config.device_plugin_test_gpus,
                                    self.config.kubelet_dir, alloc_root, self.config.state_dir)

@@ -75,7 +75,7 @@ class Loop:
         self.max_pending_bytes = max_pending_bytes
         self.pending_bytes = 0  # held by partly received frames, all links together
         self.selector = selectors.DefaultSelector()
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timers: list[tuple[float, int, Callable[[], object]]] = []
         self._seq = itertools.count()
         self._soon: deque[Callable[[], None]] = deque()
         self._soon_lock = threading.Lock()
@@ -87,7 +87,7 @@ class Loop:
         self._dirty: dict[int, Link] = {}  # links with frames queued since the last flush
 
     # ---- scheduling -------------------------------------------------------------------------
-    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+    def call_later(self, delay_s: float, fn: Callable[[], object]) -> None:
         heapq.heappush(self._timers, (self.clock() + delay_s, next(self._seq), fn))
 
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
@@ -96,8 +96,8 @@ class Loop:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
 
-    def add_reader(self, sock: socket.socket, fn: Callable[[], None]) -> None:
-        """Call `fn` whenever `sock` is readable (the listener)."""
+    def add_reader(self, sock: socket.socket | int, fn: Callable[[], object]) -> None:
+        """Call `fn` whenever `sock` (a socket or a descriptor) is readable."""
         self.selector.register(sock, selectors.EVENT_READ, fn)
 
     # ---- links ------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class Loop:
         self.flush_all()
 
     @staticmethod
-    def _guard(fn: Callable[[], None]) -> None:
+    def _guard(fn: Callable[[], object]) -> None:
         try:
             fn()
         except Exception:

@@ -74,7 +74,7 @@ def test_a_call_out_of_device_memory_re_admits_its_job_with_twice_its_lane() -> 
     # The cap was hit: the peak is a lower bound (the lane), and the call failed.
     port.answer(executor, CallDone(False, 0.01, 8 * MiB, True, None, None, "OutOfMemoryError",
                                    oom=True, forward=True))
-    assert record.live, record.reason
+    assert record.live, record.life.reason
     assert _lane_bytes(engine, record) == 16 * MiB
     job = engine.dispatch.job(record.job_id)
     assert job is not None and job.done_iterations == 1  # the failed call is no iteration

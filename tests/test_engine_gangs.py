@@ -132,7 +132,7 @@ def test_gang_iterations_are_all_or_nothing_and_every_job_finishes(
         _answer(port, ex)
         _check_gang_calls(engine, port)
     for record, (_, iterations, _) in zip(records, jobs, strict=True):
-        assert record.end_state == "finished", (record.job_id, record.phase, record.reason)
+        assert record.life.end_state == "finished", (record.job_id, record.life)
         job = engine.dispatch.job(record.job_id)
         assert job is not None and job.done_iterations == iterations
         assert all(ex.iterations == iterations for ex in record.replicas)

@@ -75,7 +75,7 @@ def test_a_poisoned_executors_batch_job_goes_on_from_its_checkpoint(tmp_path: Pa
     assert "illegal memory access" in replaced[0].detail["reason"]
     second.iterations = at  # its checkpoint is where it goes on from
     port.answer_all()
-    assert record.end_state == "finished", record.reason
+    assert record.life.end_state == "finished", record.life.reason
     steps = [m for m in second.sent if isinstance(m, Step)]
     assert len(steps) == ITERATIONS - at  # the iterations after the checkpoint, run again
     assert [m.device for m in second.sent if isinstance(m, Place)] == ["cpu"]
@@ -88,11 +88,11 @@ def test_without_a_checkpoint_or_a_poisoning_the_job_fails(tmp_path: Path) -> No
     fresh = engine.submit_batch(OWNER, "fresh", ITERATIONS, "/jobs/f.py", "make")
     _answer_until(port, lambda: port.executors[0].iterations == 3)
     port.die(port.executors[0], POISONED, poisoned=True)
-    assert fresh.end_state == "failed" and "illegal memory access" in fresh.reason
+    assert fresh.life.end_state == "failed" and "illegal memory access" in fresh.life.reason
     crashed = engine.submit_batch(OWNER, "crashed", ITERATIONS, "/jobs/c.py", "make")
     executor = _checkpointed_at(engine, port, crashed, 4)
     port.die(executor, "executor (pid 8) died: killed by signal 9 (SIGKILL)")
-    assert crashed.end_state == "failed" and "SIGKILL" in crashed.reason
+    assert crashed.life.end_state == "failed" and "SIGKILL" in crashed.life.reason
     assert len(port.executors) == 2  # neither was placed again
     engine.check_invariants()
 
@@ -109,6 +109,6 @@ def test_a_job_that_poisons_every_context_fails_after_its_replacements(tmp_path:
         _answer_until(port, lambda e=executor: e.iterations >= (record.checkpoint_iteration
                                                                 or 0) + 1)
     port.die(executor, POISONED, poisoned=True)
-    assert record.end_state == "failed" and "illegal memory access" in record.reason
+    assert record.life.end_state == "failed" and "illegal memory access" in record.life.reason
     assert record.replacements == MAX_REPLACEMENTS
     engine.check_invariants()

@@ -43,6 +43,6 @@ def test_a_restored_job_whose_checkpoint_cannot_be_read_fails_and_says_why(tmp_p
     engine.restore(OWNER, 8, "b", 40, "batch", {"path": "/j.py", "function": "make"}, 1.0, 25)
     port.answer(port.executors[0], Loaded(1 << 20, 0))  # the executor found no checkpoint
     record = engine.registry.ended[8]
-    assert record.end_state == "failed"
-    assert "iteration 25 could not be read" in record.reason
+    assert record.life.end_state == "failed"
+    assert "iteration 25 could not be read" in record.life.reason
     assert engine.dispatch.job(8) is None  # never submitted: it holds no memory

@@ -594,8 +594,9 @@ def test_what_a_real_daemon_and_its_executors_say_decodes_and_encodes_back(
                 ctl.resume(single)
             jobs = [submit(daemon, batch, "make_job", 4),
                     submit(daemon, batch, "make_failing", 4)]
-            wait_until(lambda: all(j.end_state for j in jobs), 120, "the batch jobs to end")
-            assert [j.end_state for j in jobs] == ["finished", "failed"], [j.reason for j in jobs]
+            wait_until(lambda: all(j.life.end_state for j in jobs), 120, "the batch jobs to end")
+            assert [j.life.end_state for j in jobs] == ["finished", "failed"], [
+                j.life.reason for j in jobs]
             _, err = clients[1].communicate("\n", timeout=120)
             assert clients[1].returncode == 0, err
         except BaseException:

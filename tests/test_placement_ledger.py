@@ -86,7 +86,7 @@ def test_every_admitted_job_is_placed(policy: str, capacities: list[int],
                       ephemeral + 32 * MiB)
         else:
             record = live[pick % len(live)]
-            if record.phase == "submitted":
+            if record.life.phase == "submitted":
                 engine.suspend(record, swap=True)
         engine.check_invariants()
         for record in engine.registry:

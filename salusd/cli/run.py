@@ -373,7 +373,8 @@ def _statuses(ranks: list[socket.socket], relay: Relay) -> list[int | None]:
     data = [b""] * len(ranks)
     open_ = set(range(len(ranks)))
     while open_:
-        ready = select.select([*(ranks[r] for r in open_), *relay.fds()], [], [])[0]
+        watched: list[socket.socket | int] = [*(ranks[r] for r in open_), *relay.fds()]
+        ready = select.select(watched, [], [])[0]
         for fd in [fd for fd in ready if isinstance(fd, int)]:
             relay.pump(fd)
         for rank in [r for r in open_ if ranks[r] in ready]:

@@ -72,7 +72,7 @@ def estimated(core: Core, record: JobRecord, reply: Reply) -> None:
     record.life.submitted()
     for call in record.calls:
         core.dispatch.apply(Ready(record.job_id, call.counted))
-    if record.held:
+    if record.life.held:
         core.dispatch.suspend(record.job_id)
     core.event("submit", record.job_id, persistent=job.persistent_bytes,
                ephemeral=job.ephemeral_bytes, method=record.estimate_method)

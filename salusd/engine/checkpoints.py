@@ -34,8 +34,8 @@ def request(core: Core, record: JobRecord, on_done: OnDone | None = None) -> Non
     answer (iteration, bytes, seconds, path, or a message)."""
     if core.config.checkpoints is None:
         raise BadRequest("this salusd keeps no checkpoints (started without --state-dir)")
-    if record.executor is None or record.phase in ("open", "estimating") or (
-            record.phase == "attached" and record.kind == "batch"):
+    if record.executor is None or record.life.phase in ("open", "estimating") or (
+            record.life.phase == "attached" and record.kind == "batch"):
         raise Conflict(f"job {record.job_id} has no state to checkpoint yet")
     record.checkpointing += 1
     record.since_checkpoint, record.since_checkpoint_s = 0, 0.0

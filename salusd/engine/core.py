@@ -88,7 +88,7 @@ class Core:
     def queue_call(self, record: JobRecord, call: Call) -> None:
         """A call waits for its turn; the dispatcher learns of it once the job is admitted."""
         record.calls.append(call)
-        if record.phase == "submitted":
+        if record.life.phase == "submitted":
             self.dispatch.apply(Ready(record.job_id, call.counted))
 
     def refuse_queued(self, record: JobRecord) -> None:
@@ -153,11 +153,11 @@ class Core:
     def finalize(self, record: JobRecord) -> None:
         """Retire an ended job's executors once they answered what they were sent (a script in
         its grace is let go when its command ends, or killed after it: `end`)."""
-        if record.grace:
+        if record.life.grace:
             return
-        code = "job_failed" if record.end_state == "failed" else "job_cancelled"
-        self.outbox.retire_all(record, code, f"job {record.job_id} has {record.end_state}: "
-                               f"{record.reason}")
+        code = "job_failed" if record.life.end_state == "failed" else "job_cancelled"
+        self.outbox.retire_all(record, code, f"job {record.job_id} has {record.life.end_state}: "
+                               f"{record.life.reason}")
 
 
 def exit_detail(record: JobRecord) -> dict[str, Any]:

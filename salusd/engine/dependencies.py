@@ -65,7 +65,7 @@ def outcome(core: Core, job_id: int) -> Outcome | None:
         return None
     record = core.registry.ended.get(job_id)
     if record is not None:
-        return record.end_state or "failed", record.reason
+        return record.life.end_state or "failed", record.life.reason
     row = core.config.store.get_job(job_id) if core.config.store is not None else None
     if row is None:
         return "failed", "salusd no longer knows it"

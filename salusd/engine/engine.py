@@ -155,7 +155,7 @@ class Engine:
         checked, planned = check_name(name), check_iterations(iterations)
         if kind == "interactive" and job_id is None and "command" not in (spec or {}):
             gang = admission.check_devices(self.core, devices)
-            waiting = next((r for r in core.registry if r.awaiting_client
+            waiting = next((r for r in core.registry if r.life.awaiting_client
                             and r.owner.uid == owner.uid and r.name == checked
                             and r.owner.allocation == owner.allocation), None)
             if waiting is not None and waiting.gang != gang:
@@ -286,7 +286,7 @@ class Engine:
             answer(ok_frame({"persistent_bytes": record.persistent_bytes,
                              "resumed_from": record.resumed_from}))
             return
-        if record.phase != "open" or record.executor is not None:
+        if record.life.phase != "open" or record.executor is not None:
             raise BadRequest(f"job {record.job_id} already holds its state; open another job "
                              "with salus.connect() for other objects")
         load(self.core, record, restore=False, attach=(frame, answer))
@@ -318,7 +318,7 @@ class Engine:
         """Queue one call; it runs when the policy picks the job in its lane."""
         core = self.core
         _require_live(record)
-        if record.phase == "open":
+        if record.life.phase == "open":
             raise BadRequest(f"job {record.job_id} has no state yet: call job.attach(...) first")
         if core.stopping:
             raise ShuttingDown("salusd is shutting down")
@@ -326,7 +326,7 @@ class Engine:
             raise Busy(f"job {record.job_id} already has {len(record.calls)} calls queued; wait "
                        "for results before submitting more")
         core.queue_call(record, Call(frame, answer, counted))
-        if record.phase == "attached":
+        if record.life.phase == "attached":
             record.life.estimating()
             if record.gang > 1 or not core.config.estimate_first:
                 admission.measure_first(core, record, "call")
@@ -354,19 +354,19 @@ class Engine:
     def suspend(self, record: JobRecord, swap: bool) -> None:
         _require_live(record)
         record.life.suspend(swap)
-        if record.phase == "submitted":
+        if record.life.phase == "submitted":
             self.core.dispatch.suspend(record.job_id)
         self.core.event("suspend", record.job_id, swap=swap)
         self._step()
-        if record.phase == "submitted" and self.core.config.checkpoints is not None:
+        if record.life.phase == "submitted" and self.core.config.checkpoints is not None:
             checkpoints.request(self.core, record)
 
     def resume(self, record: JobRecord) -> None:
         _require_live(record)
-        if not record.held:
+        if not record.life.held:
             raise Conflict(f"job {record.job_id} is not suspended")
         record.life.resume()
-        if record.phase == "submitted":
+        if record.life.phase == "submitted":
             self.core.take(self.core.dispatch.resume(record.job_id))
         self.core.event("resume", record.job_id)
         self._step()
@@ -375,7 +375,7 @@ class Engine:
         _require_live(record)
         weight = check_priority(priority)
         record.priority = weight
-        if record.phase == "submitted":
+        if record.life.phase == "submitted":
             self.core.dispatch.set_priority(record.job_id, weight)
         self.core.event("priority", record.job_id, priority=weight)
         self._step()
@@ -386,7 +386,7 @@ class Engine:
         core.stopping = True
         for record in core.registry:
             core.refuse_queued(record)
-            if (core.config.checkpoints is not None and record.phase == "submitted"
+            if (core.config.checkpoints is not None and record.life.phase == "submitted"
                     and record.since_checkpoint and not record.checkpointing):
                 checkpoints.request(core, record)  # after its running call, if any
         signalled = scripts.stop_all(core)
@@ -480,5 +480,5 @@ def _require_attached(record: JobRecord) -> None:
 
 def _require_live(record: JobRecord) -> None:
     if not record.live:
-        cls = JobFailed if record.end_state == "failed" else JobCancelled
-        raise cls(f"job {record.job_id} has {record.end_state}: {record.reason}")
+        cls = JobFailed if record.life.end_state == "failed" else JobCancelled
+        raise cls(f"job {record.job_id} has {record.life.end_state}: {record.life.reason}")

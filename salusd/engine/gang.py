@@ -121,4 +121,5 @@ def _failed(head: Reply, message: str, traceback: str | None) -> Reply:
     if "ok" not in has:
         return Failed(message, bool(getattr(head, "forward", False)))
     extra = {"traceback": traceback} if "traceback" in has and traceback is not None else {}
-    return dataclasses.replace(head, ok=False, message=message, **extra)
+    failing: Any = head  # one of the replies with an `ok` (a call's or an iteration's)
+    return dataclasses.replace(failing, ok=False, message=message, **extra)

@@ -33,8 +33,8 @@ assert tuple(ENDED.values()) == ENDED_STATES
 def live_state(record: JobRecord, job: JobView | None) -> str:
     """The state of `record`, whose scheduler view is `job` (None before it is submitted)."""
     if not record.live:
-        return record.end_state or "ended"
-    if record.held or record.awaiting_client:
+        return record.life.end_state or "ended"
+    if record.life.held or record.life.awaiting_client:
         return "suspended"
     if record.after:  # waiting for the jobs it runs after (--after)
         return "pending"

@@ -76,9 +76,12 @@ class Leases:
         of its last iteration (a script at every boundary) got the lease only when the two
         were read apart, and paid a round trip per step until then."""
         record = self.core.registry.live.get(job_id)
-        return (record is not None and record.direct and record.phase == "submitted"
+        if record is None:
+            return False
+        life = record.life
+        return (record.direct and life.phase == "submitted"
                 and not any(call.frame is not None for call in record.calls)
-                and not (record.held or record.swap_requested or record.cancel_requested))
+                and not (life.held or life.swap_requested or life.cancel_requested))
 
     def revoked(self, record: JobRecord, key: LaneKey) -> None:
         """The executor gave lane `key`'s lease back (after any call it was running)."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from salus.daemon.engine.lifecycle import EndState, Lifecycle, Phase
+from salus.daemon.engine.lifecycle import EndState, Lifecycle
 from salus.daemon.engine.script_state import ScriptState
 from salus.daemon.limits import check_iterations, check_name
 from salus.daemon.wire.errors import NotOwner, UnknownJob
@@ -111,54 +111,10 @@ class JobRecord:
     signal: int | None = None
     after: tuple[int, ...] = ()  # jobs it still waits for (--after: engine/dependencies.py)
 
-    # ---- its lifecycle, read here and written by `self.life`'s transitions ----------------
     @property
     def live(self) -> bool:
+        """Not ended (`life` holds its phase and flags, written by its transitions)."""
         return self.life.live
-
-    @property
-    def phase(self) -> Phase:
-        return self.life.phase
-
-    @property
-    def held(self) -> bool:
-        return self.life.held
-
-    @property
-    def awaiting_client(self) -> bool:
-        return self.life.awaiting_client
-
-    @property
-    def swap_requested(self) -> bool:
-        return self.life.swap_requested
-
-    @property
-    def swapped(self) -> bool:
-        return self.life.swapped
-
-    @property
-    def cancel_requested(self) -> bool:
-        return self.life.cancel_requested
-
-    @property
-    def grace(self) -> bool:
-        return self.life.grace
-
-    @property
-    def end_state(self) -> EndState | None:
-        return self.life.end_state
-
-    @property
-    def reason(self) -> str:
-        return self.life.reason
-
-    @property
-    def ended_s(self) -> float | None:
-        return self.life.ended_s
-
-    @property
-    def ended_at(self) -> float | None:
-        return self.life.ended_at
 
     @property
     def gang(self) -> int:
@@ -257,7 +213,7 @@ class Registry:
         cutoff = self.clock() - self.retention_s
         while self.ended:
             oldest = next(iter(self.ended.values()))
-            if len(self.ended) <= self.keep_ended and (oldest.ended_s or 0.0) >= cutoff:
+            if len(self.ended) <= self.keep_ended and (oldest.life.ended_s or 0.0) >= cutoff:
                 break
             self.ended.popitem(last=False)
 

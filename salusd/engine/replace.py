@@ -36,7 +36,7 @@ def may_replace(core: Core, record: JobRecord) -> bool:
     """Whether the live job, whose executor just ended poisoned, goes on from its checkpoint."""
     return (record.live and record.kind == "batch" and record.gang == 1 and record.nodes == 1
             and record.checkpoint_iteration is not None and record.checkpoint_dir is not None
-            and not core.stopping and not record.cancel_requested
+            and not core.stopping and not record.life.cancel_requested
             and record.replacements < MAX_REPLACEMENTS)
 
 

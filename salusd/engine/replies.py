@@ -154,7 +154,7 @@ class Replies:
         core = self.core
         rank = _rank(record, executor)
         if isinstance(message, Ready):
-            if not record.live and record.grace and not core.stopping:
+            if not record.live and record.life.grace and not core.stopping:
                 # A cancelled script in its grace (`Core.end`): it runs on to its handler's
                 # end, its memory no longer booked, as a terminating pod does.
                 core.outbox.send_to(executor, Lease(True))
@@ -162,7 +162,7 @@ class Replies:
             if not record.live or core.stopping:
                 core.outbox.send_to(executor, Refuse(
                     "shutting_down" if core.stopping else "job_cancelled",
-                    record.reason or "salusd is shutting down"))
+                    record.life.reason or "salusd is shutting down"))
                 return
             if record.gang > 1 and record.script is not None and not scripts.rank_ready(
                     record, rank):
@@ -181,7 +181,7 @@ class Replies:
         """Calls ran under the job's lease: account them."""
         core = self.core
         lane = self.leases.lane_of(record.job_id)
-        if record.live and (record.phase != "submitted" or lane is None):
+        if record.live and (record.life.phase != "submitted" or lane is None):
             return
         record.calls_done += ran.calls
         if record.live:
@@ -202,9 +202,9 @@ class Replies:
         submits it to the scheduler, with the executor's `estimate` of it."""
         core = self.core
         core.queue_call(record, Call(None, None, counted))
-        if record.phase == "attached" and (record.gang > 1 or not core.config.estimate_first):
+        if record.life.phase == "attached" and (record.gang > 1 or not core.config.estimate_first):
             admission.measure_first(core, record, "call")
-        elif record.phase == "attached":
+        elif record.life.phase == "attached":
             # The job's first call: the executor estimated it before asking.
             admission.estimated(core, record, estimate or EstimateFailed(
                 "the executor sent no estimate"))
@@ -226,17 +226,18 @@ class Replies:
         if done is not None and done.comm is not None:
             record.comm = done.comm
         core.take(core.dispatch.apply(Finished(record.job_id, lanes, counted, seconds)))
-        if record.live and record.phase == "submitted" and done is not None:
+        if record.live and record.life.phase == "submitted" and done is not None:
             self._accounted(record, sent.lane, counted, seconds, done.peak, done.oom)
         elif not record.live:
             # The client had its result (on its direct channel) and closed the job before
             # this reply reached the daemon.
             core.finalize(record)
-        cache = done.cache if done is not None else None
-        core.event("end", record.job_id, *sent.lane, seconds=seconds, iterations=counted,
-                   ok=ok, began=done.began if done else None, ended=done.ended if done else None,
-                   **({"done": core.done_iterations(record)} if record.live else {}),
-                   **({"cache": cache} if cache is not None else {}))
+        extra: dict[str, Any] = {"done": core.done_iterations(record)} if record.live else {}
+        if done is not None and done.cache is not None:
+            extra["cache"] = done.cache
+        core.event("end", record.job_id, sent.lane[0], sent.lane[1], seconds=seconds,
+                   iterations=counted, ok=ok, began=done.began if done else None,
+                   ended=done.ended if done else None, **extra)
         if record.live and record.kind == "batch":
             checkpoints.batch_step_done(core, record, reply)
 
@@ -334,8 +335,8 @@ class Replies:
             core.end(record, "failed", scripts.failed_reason(record, str(error)),
                      executor_gone=True)
         else:
-            ended = JobFailed if record.end_state == "failed" else JobCancelled
-            error = ended(f"job {record.job_id} ended: {record.reason}")
+            ended = JobFailed if record.life.end_state == "failed" else JobCancelled
+            error = ended(f"job {record.job_id} ended: {record.life.reason}")
         self.leases.drop(record.job_id)
         for sent in queue:
             if sent.lane is not None:

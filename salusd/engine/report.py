@@ -49,14 +49,14 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "pod": _pod(engine, record),
         "name": record.name,
         "state": live_state(record, job),
-        "reason": record.reason,
+        "reason": record.life.reason,
         # A script job's command's end, as a shell reports it: its exit status (128 + N for
         # signal N, 125 when it could not start) and the signal that ended it; the limit
         # (time, memory) that ended the job. None while it runs, or where none applies.
         "exit_status": record.exit_status,
         "signal": record.signal,
         "limit": record.limit,
-        "grace": record.grace,  # ended, its command still running on after SIGTERM
+        "grace": record.life.grace,  # ended, its command still running on after SIGTERM
         "iterations_done": job.done_iterations if job else 0,
         "iterations_planned": record.planned_iterations,
         "calls_done": record.calls_done,
@@ -97,7 +97,7 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
             "measured_by": ("CUDA caching allocator peak" if record.device_kind == "cuda" else
                             "executor's peak resident memory above its state (VmHWM), every "
                             f"call; overshoots under {RSS_NOISE_BYTES >> 20} MiB are noise"),
-            "swapped_out": record.swapped,
+            "swapped_out": record.life.swapped,
         },
     }
 

@@ -124,7 +124,7 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
                 # Its boundaries come from its executor, as direct calls; a gang's through the
                 # daemon (its ranks' turns are one).
                 record.direct = record.gang == 1
-                if record.phase is Phase.OPEN:
+                if record.life.phase is Phase.OPEN:
                     record.life.attached()
             else:
                 who = f"rank {rank}: " if record.gang > 1 else ""
@@ -201,8 +201,8 @@ def _rank_exited(core: Core, record: JobRecord, rank: int, code: int) -> None:
     if record.live:  # the gang's status: its first failed rank's, else 0
         record.exit_status, record.signal = code, None
     if not record.live:  # ended meanwhile: its client hears the status now
-        core.outbox.retire(record.replicas[rank], "job_failed" if record.end_state == "failed"
-                           else "job_cancelled", f"job {record.job_id} has {record.end_state}")
+        core.outbox.retire(record.replicas[rank], "job_failed" if record.life.end_state == "failed"
+                           else "job_cancelled", f"job {record.job_id} has {record.life.end_state}")
         settle_grace(core, record)
         return
     if code != 0:
@@ -249,7 +249,7 @@ def stop_all(core: Core) -> int:
     job); the number of jobs signalled."""
     signalled = 0
     for record in core.registry:
-        if record.live and not record.grace and _command_runs(core, record):
+        if record.live and not record.life.grace and _command_runs(core, record):
             signal_running(core, record, signal.SIGTERM)
             signalled += 1
     return signalled
@@ -308,7 +308,7 @@ def died(record: JobRecord, exit_code: int | None) -> None:
     that could not start. Not for a job that ended otherwise, nor a run already over (its
     command's own status stands)."""
     state = record.script
-    if state is None or state.restarting or not (record.live or record.grace):
+    if state is None or state.restarting or not (record.live or record.life.grace):
         return
     if record.gang > 1 and not record.live:  # a gang's status is its first failed rank's
         return
@@ -325,7 +325,7 @@ def may_rerun(core: Core, record: JobRecord) -> bool:
     not being cancelled, salusd not stopping)."""
     state = record.script
     return (state is not None and record.live and not core.stopping
-            and not record.cancel_requested and state.command.restart == "on-failure"
+            and not record.life.cancel_requested and state.command.restart == "on-failure"
             and state.restarts < state.command.max_restarts)
 
 

@@ -51,12 +51,11 @@ def load(core: Core, record: JobRecord, restore: bool,
     batch job's entrypoint, or a restored job's checkpoint."""
     core.outbox.acquire(record, record.gang)
     places = gang_places(record.spec, record.gang, record.owner.name, core.config.cluster)
+    gangs: list[GangPlace | None] = list(places) if places else [None]
     if attach is not None:
         frame, answer = attach
-        core.outbox.send_all(record, [Attach(p) for p in places or [None]],
-                             answer=answer, frame=frame)
+        core.outbox.send_all(record, [Attach(p) for p in gangs], answer=answer, frame=frame)
         return
-    gangs: list[GangPlace | None] = list(places) if places else [None]
     at = (gang_iteration(Path(record.checkpoint_dir), record.gang)
           if restore and record.gang > 1 and record.checkpoint_dir is not None else None)
     msgs: list[Request]

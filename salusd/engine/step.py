@@ -13,6 +13,7 @@ where it waits); on the CPU the device is only a budget, so no data moves.
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 
 from salus.daemon.engine.core import Core
 from salus.daemon.engine.leases import Leases
@@ -37,7 +38,7 @@ class Stepper:
         core = self.core
         self._switch_if_quiet()
         for record in core.registry:
-            if record.swap_requested and not core.dispatch.running(record.job_id):
+            if record.life.swap_requested and not core.dispatch.running(record.job_id):
                 self._swap_out(record)
         if not core.stopping and core.pending_policy is None:
             self._move()
@@ -103,7 +104,7 @@ class Stepper:
         persistent state, every lane, and the executors' contexts of each lane."""
         core = self.core
         for device, ledger in enumerate(core.ledgers):
-            wanted: dict[tuple[str, int], int] = {}
+            wanted: dict[tuple[str, Hashable], int] = {}
             for lane in core.dispatch.lanes(device):
                 wanted[("lane", lane.lane_id)] = lane.size
                 if lane.contexts:

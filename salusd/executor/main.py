@@ -179,8 +179,8 @@ class Executor:
             sock = (self.daemon.recv() if adopting and meta.get("channel") is True else None)
             pool = (self.daemon.recv() if adopting and meta.get("pool") is True else None)
         except ConnectionClosed:
-            for slot in self.slots.values():
-                self._refuse_queued(slot, "unavailable", "salusd went away")
+            for each in self.slots.values():
+                self._refuse_queued(each, "unavailable", "salusd went away")
             return True
         job = None
         try:
@@ -193,8 +193,8 @@ class Executor:
             return False
         if job is None:
             if isinstance(message, Exit):  # the whole process
-                for slot in list(self.slots.values()):
-                    self._refuse_queued(slot, message.code, message.message)
+                for each in list(self.slots.values()):
+                    self._refuse_queued(each, message.code, message.message)
                 return True
             self._reply(None, Failed(f"{message.op!r} must name its job"), None)
             return False

@@ -217,8 +217,8 @@ class JobRuntime:
         # the entrypoint builds over the gang (a salus.data.CachedDataset) is bound to it then.
         spec = self.gang = gang.GangSpec.of(request.gang)
         cache = request.cache
-        self.context = context.JobContext(None, cache and cache.dir, cache and cache.bytes,
-                                          gang=spec is not None)
+        self.context = context.JobContext(None, cache.dir if cache else None,
+                                          cache.bytes if cache else None, gang=spec is not None)
         context.activate(self.context)
         job = load_entrypoint(request.path, request.function)
         self.seed = torch.initial_seed()  # its entrypoint's `torch.manual_seed`, if it called it

@@ -123,9 +123,9 @@ class Handlers:
 
     def handle(self, client: Client, frame: RawFrame, answer: Answer) -> None:
         if frame.compact:
-            op, job, aux = frame.compact_head()
-            if op != OP_CALL:
-                raise BadRequest(f"compact op {op} is not a request")
+            code, job, aux = frame.compact_head()
+            if code != OP_CALL:
+                raise BadRequest(f"compact op {code} is not a request")
             self._check_allowed(client, "call")
             check_compact(frame.header, len(frame.body), _segment_bytes(frame, "call"))
             record = self.engine.registry.get(job, client.owner)

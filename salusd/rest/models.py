@@ -30,9 +30,10 @@ from salus.scheduler.policies import POLICIES
 
 # What /openapi.json says of the fields the shared checks (`salus.daemon.limits`) validate: the
 # checks themselves run in the models' validators, so REST and the socket refuse alike.
-_PRIORITY_SCHEMA = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MAX_PRIORITY}
-_NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
-_ITERATIONS_SCHEMA = {"minimum": 1, "maximum": MAX_ITERATIONS}
+_PRIORITY_SCHEMA: dict[str, Any] = {"type": "number", "exclusiveMinimum": 0,
+                                    "exclusiveMaximum": MAX_PRIORITY}
+_NAME_SCHEMA: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS}
+_ITERATIONS_SCHEMA: dict[str, Any] = {"minimum": 1, "maximum": MAX_ITERATIONS}
 
 
 class Strict(BaseModel):

@@ -52,7 +52,7 @@ async def list_jobs(ended_since: float | None = Query(
         records = [*engine.registry.live.values(), *engine.registry.ended.values()]
         return [job_out(engine, r) for r in records
                 if (who.admin or r.owner.uid == who.owner.uid)
-                and (ended_since is None or r.ended_at is None or r.ended_at >= ended_since)
+                and (ended_since is None or (r.life.ended_at or ended_since) >= ended_since)
                 ], {r.job_id for r in records}
     jobs, held = await ctx.bridge.run(read)  # the engine's view of a job it holds stands
 
@@ -131,7 +131,7 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
     cluster (submitted to each)."""
     if body.command is not None:
         # The socket's `run` request, so one check serves both (`script_command.from_run`).
-        request = Run(tuple(body.command), body.cwd, _script_env(who, body.env),
+        request = Run(tuple(body.command), body.cwd or "", _script_env(who, body.env),
                       restart=body.restart, max_restarts=body.max_restarts,
                       time_limit_s=body.time_limit_s, signal=body.signal,
                       signal_before_s=body.signal_before_s, grace_s=body.grace_s,
