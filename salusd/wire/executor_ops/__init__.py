@@ -55,10 +55,17 @@ fields sent holding their default, and raise ValueError naming the message and t
 `began`/`ended` the executor's `time.monotonic()`.
 """
 
-from salus.daemon.wire.executor_ops import codec, envelope, messages
+from salus.daemon.wire.executor_ops import codec, envelope, messages, replies, requests
 from salus.daemon.wire.executor_ops.codec import *  # noqa: F403
 from salus.daemon.wire.executor_ops.envelope import *  # noqa: F403
 from salus.daemon.wire.executor_ops.messages import *  # noqa: F403
+from salus.daemon.wire.executor_ops.replies import *  # noqa: F403
+from salus.daemon.wire.executor_ops.requests import *  # noqa: F403
 
-# A new message is a type in `messages.py` (and its `__all__`): nothing to add here.
-__all__ = [*codec.__all__, *envelope.__all__, *messages.__all__]
+# A new message is a type in `requests.py` or `replies.py` (and its `__all__`): nothing here.
+__all__: list[str] = []
+__all__ += codec.__all__
+__all__ += envelope.__all__
+__all__ += messages.__all__
+__all__ += replies.__all__
+__all__ += requests.__all__

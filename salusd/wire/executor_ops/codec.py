@@ -7,15 +7,9 @@ from __future__ import annotations
 import typing
 from typing import Any
 
-from salus.daemon.wire.executor_ops.messages import (
-    REPLIES,
-    REQUESTS,
-    HandedOver,
-    Message,
-    Reply,
-    Request,
-    Wire,
-)
+from salus.daemon.wire.executor_ops.messages import Message
+from salus.daemon.wire.executor_ops.replies import REPLIES, HandedOver, Reply
+from salus.daemon.wire.executor_ops.requests import REQUESTS, Request, Wire
 from salus.daemon.wire.typed import from_wire, to_wire
 
 __all__ = ["client_frame_follows", "decode_reply", "decode_request", "encode", "frames_after"]

@@ -8,7 +8,7 @@ the message types never see it (`encode(decode_…(d)) == d` holds for the messa
 
 from __future__ import annotations
 
-from salus.daemon.wire.executor_ops.messages import Wire
+from salus.daemon.wire.executor_ops.requests import Wire
 
 __all__ = ["address_of", "addressed"]
 
