@@ -266,9 +266,8 @@ def _open(engine: Engine, executors: FakeExecutors, name: str, persistent: int,
     executor.seconds, executor.peak = 0.004, 0
     executors.answer_all()
     for fid, kind in ((ITERATION, "iteration"), (FUNCTION, "function")):
-        record.functions[fid] = kind  # as the front end notes it
-        engine.define(record, json_frame({"op": "define", "fid": fid, "kind": kind}),
-                      lambda f: None)
+        engine.define(record, fid, kind, False,
+                      json_frame({"op": "define", "fid": fid, "kind": kind}), lambda f: None)
     executors.answer_all()
     return record
 

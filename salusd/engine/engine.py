@@ -291,9 +291,14 @@ class Engine:
                              "with salus.connect() for other objects")
         load(self.core, record, restore=False, attach=(frame, answer))
 
-    def define(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
-        """Forward a function definition (`@remote.iteration` / `@remote.function`)."""
+    def define(self, record: JobRecord, fid: int, kind: str, inference: bool, frame: RawFrame,
+               answer: Answer) -> None:
+        """Forward a function definition (`@remote.iteration` / `@remote.function`): function
+        `fid` of `kind` ("iteration" or "function"); `inference`: it serves a model and never
+        trains (the job is placed in its owner's lane where it can)."""
         _require_attached(record)
+        record.functions[fid] = kind
+        record.inference = record.inference or inference
         self.core.outbox.send_all(record, [Define()] * record.gang, answer=answer,
                                   frame=frame)
 

@@ -183,9 +183,8 @@ class Handlers:
                 raise BadRequest(f"'define' needs 'fid', an int in 0..{MAX_FUNCTIONS - 1}")
             if request.kind not in ("iteration", "function"):
                 raise BadRequest("'define' needs 'kind': 'iteration' or 'function'")
-            record.functions[request.fid] = request.kind
-            record.inference = record.inference or request.inference
-            self.engine.define(record, frame, answer)
+            self.engine.define(record, request.fid, request.kind, request.inference, frame,
+                               answer)
         elif isinstance(request, ops.Call):
             counted = (request.fid is not None
                        and record.functions.get(request.fid) == "iteration")
