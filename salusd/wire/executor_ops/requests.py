@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-Wire = dict[str, Any]
+from salus.daemon.wire.typed import Wire
 
 
 # ---- nested values --------------------------------------------------------------------------
