@@ -4,7 +4,7 @@ its phase and flags, and an ended job changes no more."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from salus.daemon.engine.lifecycle import Lifecycle, Phase
@@ -50,6 +50,7 @@ def test_an_ended_job_takes_no_other_phase() -> None:
     assert life.end_state == "failed"
 
 
+@settings(max_examples=1000)
 @given(st.lists(st.sampled_from(STEPS), max_size=30))
 def test_any_sequence_of_transitions_keeps_the_flags_consistent(steps: list[str]) -> None:
     """Whatever is asked in whatever order: a swap is asked only of a held job (and only by a

@@ -100,7 +100,9 @@ class Lifecycle:
         self.awaiting_client = self.held = True
 
     def client_back(self) -> None:
-        self.awaiting_client = self.held = False
+        """Its client connected again: it goes on as an operator's `resume` lets it."""
+        self.awaiting_client = False
+        self.resume()
 
     def swapped_out(self) -> None:
         """Its executors were asked to move its state to host memory."""

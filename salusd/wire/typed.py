@@ -81,7 +81,7 @@ def _kind(hint: Any) -> tuple[Check, str]:
         def nested(v: Any, what: str) -> Any:
             if type(v) is not dict:
                 raise _Wrong
-            return _spec(hint).decode(v, what)
+            return _spec(hint).decode(v, what, True)
         return nested, "an object"
     raise TypeError(f"no wire form for {hint!r}")
 
@@ -134,7 +134,8 @@ class _Field:
     default: Any  # _MISSING: none
     check: Check
     want: str
-    exact: type | None  # int, str or bool: checked inline
+    scalar: type | None  # int, str, bool or float: checked inline
+    nullable: bool  # with `scalar`: or null
     convert: bool  # its value is encoded by `_value` (it holds a message or a tuple)
 
 
@@ -148,8 +149,12 @@ def _field(f: dataclasses.Field[Any], hint: Any) -> _Field:
     # message becomes its object and a tuple a list, so that what decodes encodes back equal.
     convert = _holds(hint, lambda h: typing.get_origin(h) is tuple or (
         isinstance(h, type) and dataclasses.is_dataclass(h)))
-    return _Field(f.name, default, check, want, hint if hint in (int, str, bool) else None,
-                  convert)
+    arms = [a for a in typing.get_args(hint) if a is not type(None)]
+    nullable = len(arms) == 1 and type(None) in typing.get_args(hint)
+    scalar = arms[0] if nullable else hint
+    if scalar not in (int, str, bool, float):
+        scalar, nullable = None, False
+    return _Field(f.name, default, check, want, scalar, nullable, convert)
 
 
 class _Spec:
@@ -162,6 +167,7 @@ class _Spec:
         self.fields = tuple(_field(f, hints[f.name]) for f in dataclasses.fields(cls))
         self.keys = frozenset(f.name for f in self.fields) | ({"op"} if self.op else set())
         self.encode = self._encoder()
+        self.decode = self._decoder()
 
     def _encoder(self) -> Callable[[Any], Wire]:
         """`encode` for this type, written out field by field (as `dataclasses` writes a
@@ -183,36 +189,61 @@ class _Spec:
         encode: Callable[[Any], Wire] = names["encode"]
         return encode
 
-    def decode(self, d: Wire, what: str, canonical: bool = True) -> Any:
-        """The message `d` is; `what` names it in errors. `canonical`: refuse a field sent
-        holding its default (each message has one wire form)."""
-        if not d.keys() <= self.keys:
-            unknown = sorted(set(d) - self.keys)
-            raise ValueError(f"{what}: unknown field(s) {unknown}; it has "
-                             f"{sorted(self.keys)}")
-        values = {}
-        for f in self.fields:
-            v = d.get(f.name, _MISSING)
-            if v is _MISSING:
-                if f.default is _MISSING:
-                    raise ValueError(f"{what}: field {f.name!r} is missing "
-                                     f"({f.want})")
-                continue
-            try:
-                if f.exact is not None:
-                    if type(v) is not f.exact:
-                        raise _Wrong
-                    values[f.name] = v
-                else:
-                    values[f.name] = f.check(v, f"{what}: {f.name}")
-            except _Wrong:
-                raise ValueError(f"{what}: field {f.name!r} must be "
-                                 f"{f.want}, got {v!r:.100}") from None
-            if canonical and f.default is not _MISSING and values[f.name] == f.default:
-                # one wire form per message: a field holding its default is left out
-                raise ValueError(f"{what}: field {f.name!r} is left out, not "
-                                 f"sent, when it is {f.default!r}")
-        return self.cls(**values)
+    def _decoder(self) -> Callable[[Wire, str, bool], Any]:
+        """`decode` for this type, written out field by field like `encode`: an int, str,
+        bool or float (or one of them or null) is checked inline, anything else by its
+        field's check."""
+        names: dict[str, Any] = {"cls": self.cls, "keys": self.keys, "MISSING": _MISSING,
+                                 "Wrong": _Wrong, "unknown": _unknown, "missing": _missing,
+                                 "wrong": _wrong, "held": _held}
+        lines = ["def decode(d, what, canonical):",
+                 "    if not d.keys() <= keys:", "        raise unknown(what, d, keys)",
+                 "    kw = {}"]
+        for i, f in enumerate(self.fields):
+            names[f"want{i}"], names[f"check{i}"] = f.want, f.check
+            lines += [f"    v = d.get({f.name!r}, MISSING)", "    if v is MISSING:",
+                      f"        raise missing(what, {f.name!r}, want{i})"
+                      if f.default is _MISSING else "        pass", "    else:"]
+            lines += [f"        {line}" for line in _inline_check(f, i)]
+            if f.default is not _MISSING:
+                names[f"default{i}"] = f.default
+                lines += [f"        if canonical and v == default{i}:",
+                          f"            raise held(what, {f.name!r}, default{i})"]
+            lines.append(f"        kw[{f.name!r}] = v")
+        lines.append("    return cls(**kw)")
+        exec("\n".join(lines), names)  # noqa: S102 - the source is built from field names
+        decode: Callable[[Wire, str, bool], Any] = names["decode"]
+        return decode
+
+
+def _inline_check(f: _Field, i: int) -> list[str]:
+    """The lines that check (and convert) field `f`'s value `v` in a generated decoder."""
+    raise_wrong = f"raise wrong(what, {f.name!r}, want{i}, v)"
+    if f.scalar is None:
+        return ["try:", f"    v = check{i}(v, what + {': ' + f.name!r})", "except Wrong:",
+                f"    {raise_wrong} from None"]
+    wrong = f"type(v) is not {f.scalar.__name__}" + (" and v is not None" if f.nullable else "")
+    if f.scalar is not float:
+        return [f"if {wrong}:", f"    {raise_wrong}"]
+    return ["if type(v) is int:", "    v = float(v)", f"elif {wrong}:", f"    {raise_wrong}"]
+
+
+def _unknown(what: str, d: Wire, keys: frozenset[str]) -> ValueError:
+    return ValueError(f"{what}: unknown field(s) {sorted(set(d) - keys)}; it has "
+                      f"{sorted(keys)}")
+
+
+def _missing(what: str, name: str, want: str) -> ValueError:
+    return ValueError(f"{what}: field {name!r} is missing ({want})")
+
+
+def _wrong(what: str, name: str, want: str, v: Any) -> ValueError:
+    return ValueError(f"{what}: field {name!r} must be {want}, got {v!r:.100}")
+
+
+def _held(what: str, name: str, default: Any) -> ValueError:
+    # one wire form per message: a field holding its default is left out
+    return ValueError(f"{what}: field {name!r} is left out, not sent, when it is {default!r}")
 
 
 def _holds(hint: Any, test: Callable[[Any], bool]) -> bool:
