@@ -199,9 +199,8 @@ class RemoteFunction:
                 tensors = (*args, rng)
             message: Any = compact.Message(compact.OP_CALL, job._require_id(), tensors, aux)
         else:
-            message = ops.encode(ops.Call(job._require_id(),
-                                          pickled((args, kwargs), "call arguments"),
-                                          fid=self.fid, rng=rng))
+            message = ops.Call(job._require_id(), pickled((args, kwargs), "call arguments"),
+                               fid=self.fid, rng=rng)
         return job._request(message, remote._decode_result, direct=True)
 
 

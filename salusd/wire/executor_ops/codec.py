@@ -52,8 +52,9 @@ def frames_after(reply: Reply) -> int:
     return int(getattr(reply, "forward", False))
 
 
-_FRAME_OPS = frozenset({"attach", "define", "pull", "estimate", "run", "channel", "adopt",
-                        "script"})
+# The requests followed by the client's frame (unless their `frame` field says not), as
+# their types declare it.
+_FRAME_OPS = frozenset(cls.op for cls in REQUESTS if getattr(cls, "client_frame", False))
 
 
 def client_frame_follows(meta: object) -> bool:

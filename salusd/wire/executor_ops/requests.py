@@ -91,6 +91,7 @@ class Adopt:
     tensors through on that channel. `pool` False is left out of the wire."""
 
     op: ClassVar[str] = "adopt"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
     channel: bool
     pool: bool = False
 
@@ -101,6 +102,7 @@ class Attach:
     gang's process group first (`gang`: its place; None for a job of one executor)."""
 
     op: ClassVar[str] = "attach"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
     gang: GangPlace | None
 
 
@@ -109,6 +111,7 @@ class Define:
     """Hold the function in the frame that follows (its id, kind and pickled body)."""
 
     op: ClassVar[str] = "define"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ class Pull:
     """Send the named objects of the frame that follows back to the client."""
 
     op: ClassVar[str] = "pull"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,7 @@ class DirectChannel:
     follows."""
 
     op: ClassVar[str] = "channel"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +138,7 @@ class Estimate:
     which means a frame follows."""
 
     op: ClassVar[str] = "estimate"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
     frame: bool | None = None
 
 
@@ -144,6 +150,7 @@ class Run:
     the executor decides (`CallDone.counted`)."""
 
     op: ClassVar[str] = "run"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
     counted: bool
     frame: bool | None = None
 
@@ -265,6 +272,7 @@ class Script:
     its client for the stdin, stdout and stderr again (`{"stdio": true}` on its socket)."""
 
     op: ClassVar[str] = "script"
+    client_frame: ClassVar[bool] = True  # the client's frame follows (`client_frame_follows`)
     interpreter: str
     argv: tuple[str, ...]
     env: dict[str, str]
