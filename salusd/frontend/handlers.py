@@ -147,7 +147,7 @@ class Handlers:
             request = ops.decode_control(wire)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        if op in ops.FORWARDED:
+        if isinstance(request, ops.FORWARDED):
             check_json(wire, len(frame.body), _segment_bytes(frame, op))
             self._forward(client, request, frame, answer)
         elif isinstance(request, ops.Run):
@@ -172,9 +172,8 @@ class Handlers:
             client.sockets.pop().close_fd()
 
     # ---- forwarded to the job's executor -----------------------------------------------------
-    def _forward(self, client: Client, request: ops.Request, frame: RawFrame,
+    def _forward(self, client: Client, request: ops.Forwarded, frame: RawFrame,
                  answer: Answer) -> None:
-        assert isinstance(request, ops.Attach | ops.Define | ops.Call | ops.Pull | ops.Channel)
         record = self._record(client, request)
         if isinstance(request, ops.Attach):
             self.engine.attach(record, frame, answer)

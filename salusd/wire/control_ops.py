@@ -168,7 +168,8 @@ Request = (Ping | Open | Attach | Define | Call | Pull | Channel | Info | Close 
            | Suspend | Resume | Cancel | Priority | Logs | Socket | Run)
 REQUESTS: tuple[type[Request], ...] = typing.get_args(Request)
 OPS: dict[str, type[Request]] = {cls.op: cls for cls in REQUESTS}
-FORWARDED = frozenset({"attach", "define", "call", "pull", "channel"})  # answered by the executor
+Forwarded = Attach | Define | Call | Pull | Channel  # answered by the job's executor
+FORWARDED: tuple[type[Forwarded], ...] = typing.get_args(Forwarded)
 
 
 def encode(request: Request) -> Wire:
