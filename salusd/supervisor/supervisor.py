@@ -72,6 +72,7 @@ from salus.daemon.wire.executor_ops import (
     addressed,
     decode_reply,
     encode,
+    failure,
     frames_after,
 )
 from salus.daemon.wire.frames import RawFrame, json_frame
@@ -331,8 +332,7 @@ class Supervisor:
         source = handle.process
         if not isinstance(reply, HandedOver) or not reply.ok:
             handle.sharable = False
-            why = reply.message if isinstance(reply, HandedOver | Failed) else reply
-            handle.why_alone = f"its state could not move: {why}"
+            handle.why_alone = f"its state could not move: {failure(reply)}"
             log.info("job %d keeps its own executor: %s", handle.job, handle.why_alone)
             for frame in frames:
                 frame.close_fd()
@@ -417,7 +417,7 @@ class Supervisor:
                 frame.close_fd()
             self._release(handle, proc)
             self.on_died(handle, f"executor (pid {proc.pid}) could not {reader} job "
-                                 f"{handle.job}: {reply.message}", None)
+                                 f"{handle.job}: {failure(reply)}", None)
 
     def _executor_closed(self, link: Link, reason: str) -> None:
         proc = self.pool.by_link.get(id(link))
