@@ -14,6 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 
 from salus.daemon.engine import script_command
+from salus.daemon.engine.registry import JobRecord
 from salus.daemon.limits import MAX_ITERATIONS
 from salus.daemon.owners import as_caller
 from salus.daemon.rest.auth import Principal, principal
@@ -51,8 +52,7 @@ async def list_jobs(ended_since: float | None = Query(
         engine = ctx.engine
         records = [*engine.registry.live.values(), *engine.registry.ended.values()]
         return [job_out(engine, r) for r in records
-                if (who.admin or r.owner.uid == who.owner.uid)
-                and (ended_since is None or (r.life.ended_at or ended_since) >= ended_since)
+                if (who.admin or r.owner.uid == who.owner.uid) and _ended_since(r, ended_since)
                 ], {r.job_id for r in records}
     jobs, held = await ctx.bridge.run(read)  # the engine's view of a job it holds stands
 
@@ -158,6 +158,13 @@ async def submit(body: JobSubmit, who: Principal = Depends(principal),
                                          pipeline=body.pipeline_options())
         return job_out(ctx.engine, record)
     return await ctx.bridge.run(start)
+
+
+def _ended_since(record: JobRecord, since: float | None) -> bool:
+    """Whether a list asking for jobs ended at `since` or later shows `record` (a live one:
+    yes; None: every job)."""
+    ended = record.life.ended_at
+    return since is None or ended is None or ended >= since
 
 
 def _script_env(who: Principal, env: dict[str, str] | None) -> dict[str, str]:
