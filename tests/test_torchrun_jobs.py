@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,9 +112,17 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs): its saved parameters and each rank's environment."""
     cwd = tmp_path_factory.mktemp("direct")
     (cwd / "ddp.py").write_text(DDP)
-    done = subprocess.run([sys.executable, *MODULE, "--nproc_per_node", "2", "ddp.py",
-                           "out.pt", str(STEPS)], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    for attempt in (1, 2):
+        done = subprocess.run([sys.executable, *MODULE, "--nproc_per_node", "2", "ddp.py",
+                               "out.pt", str(STEPS)], cwd=cwd, env=ENV, capture_output=True,
+                              text=True, timeout=TIMEOUT_S)
+        # This run is the reference and involves no salusd. Gloo's TCP transport can abort a
+        # rank (SIGABRT from an uncaught gloo exception, pytorch/gloo#514) on a loaded
+        # machine: such a reference run is taken again once, anything else fails the test.
+        if done.returncode == 0 or "SIGABRT" not in done.stderr or attempt == 2:
+            break
+        warnings.warn(f"the direct torchrun reference aborted in gloo; run again:\n"
+                      f"{done.stderr[-2000:]}", stacklevel=2)
     assert done.returncode == 0, done.stderr
     return {"params": torch.load(cwd / "out.pt", weights_only=True),
             "env": [json.loads((cwd / f"out.pt.env{r}.json").read_text()) for r in (0, 1)],
