@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from salus.daemon.executor import context
+from salus.daemon.services import job_context as context
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.datacache import CachedDataset as _CachedDataset
 from salus.daemon.services.datacache import CacheStats, ReplicaLoader

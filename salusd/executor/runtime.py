@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from salus.daemon.executor import checkpoint, context, gang, unpickled
+from salus.daemon.executor import checkpoint, gang, unpickled
 from salus.daemon.executor.batch import BatchJob, DataCursor, load_entrypoint, scalar
 from salus.daemon.executor.cuda_call import CudaCall, seeded_state
 from salus.daemon.executor.cuda_errors import is_sticky
@@ -48,6 +48,7 @@ from salus.daemon.executor.results import (
 )
 from salus.daemon.executor.state_move import move_state
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
+from salus.daemon.services import job_context as context
 from salus.daemon.services.comm import Comm
 from salus.daemon.services.slowdown import ComputeSlowdown
 from salus.daemon.wire import compact
