@@ -183,7 +183,8 @@ class Simulator:
         # heap holds only the end events in flight and each instant merges the two.
         jobs, arrived, total = self.jobs, 0, len(self.jobs)
         submits = [job.submit_s for job in jobs] + [math.inf]  # a sentinel past the last
-        heap = self._heap
+        heap, heappop, instant = self._heap, heapq.heappop, self._instant
+        apply_instant = self._apply_instant
         last_report = time.monotonic()
         steps = 0
         while heap or arrived < total:
@@ -191,20 +192,22 @@ class Simulator:
             if submits[arrived] < now:
                 now = submits[arrived]
             self.now = now
-            horizon = now + now * self._instant
+            horizon = now + now * instant
             while True:
                 ends = []
                 while heap and heap[0][0] <= horizon:
-                    ends.append(heapq.heappop(heap))
+                    ends.append(heappop(heap))
                 first = arrived
                 while submits[arrived] <= horizon:
                     arrived += 1
                 if not ends and first == arrived:
                     break
                 self._events += len(ends) + arrived - first
-                self._apply_instant(ends, jobs, first, arrived)
-            self._decide()
-            self._rerate()
+                apply_instant(ends, jobs, first, arrived)
+            if self._dirty:
+                self._decide()
+            if self._rate_dirty:
+                self._rerate()
             if self.check:
                 self._check()
             steps += 1
@@ -403,17 +406,24 @@ class Simulator:
         if not self._rate_dirty:
             return
         touched: set[Run] = set()
+        util, dev_runs = self._util, self._dev_runs
         for d in self._rate_dirty:
-            runs = self._dev_runs[d]
-            if runs:
-                self._util[d] = math.fsum([r.job.util for r in runs])  # exact: in any order
+            runs = dev_runs[d]
+            if len(runs) > 1:
+                util[d] = math.fsum([r.job.util for r in runs])  # exact: in any order
                 touched |= runs
+            elif runs:
+                (only,) = runs
+                util[d] = only.job.util  # fsum of one value is that value
+                touched.add(only)
             else:
-                self._util[d] = 0.0
+                util[d] = 0.0
         self._rate_dirty.clear()
-        now, util = self.now, self._util
+        now = self.now
         for run in sorted(touched, key=_run_order) if len(touched) > 1 else touched:
-            rate = 1.0 / max(1.0, max([util[d] for d in run.devices]))
+            devices = run.devices
+            busiest = util[devices[0]] if len(devices) == 1 else max([util[d] for d in devices])
+            rate = 1.0 / busiest if busiest > 1.0 else 1.0
             if run.rate == rate:
                 continue
             if run.rate:
