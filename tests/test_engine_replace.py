@@ -50,9 +50,9 @@ def _checkpointed_at(engine: Engine, port: FakeExecutors, record: JobRecord,
     executor = port.executors[-1]
     _answer_until(port, lambda: executor.iterations == at)
     engine.checkpoint(record)
-    _answer_until(port, lambda: record.checkpoint_iteration is not None
-                  and record.checkpointing == 0 and executor.iterations >= at + 2)
-    assert record.checkpoint_iteration is not None
+    _answer_until(port, lambda: record.checkpoint.iteration is not None
+                  and record.checkpoint.asked == 0 and executor.iterations >= at + 2)
+    assert record.checkpoint.iteration is not None
     return executor
 
 
@@ -60,10 +60,10 @@ def test_a_poisoned_executors_batch_job_goes_on_from_its_checkpoint(tmp_path: Pa
     engine, port = _engine(tmp_path)
     record = engine.submit_batch(OWNER, "b", ITERATIONS, "/jobs/b.py", "make")
     first = _checkpointed_at(engine, port, record, 5)
-    at = record.checkpoint_iteration
+    at = record.checkpoint.iteration
     assert at is not None and first.iterations > at
     port.die(first, POISONED, poisoned=True)
-    assert record.live and record.replacements == 1
+    assert record.live and record.progress.replacements == 1
     second = port.executors[-1]
     assert second is not first and record.replicas == [second]
     load = second.sent[0]
@@ -105,10 +105,10 @@ def test_a_job_that_poisons_every_context_fails_after_its_replacements(tmp_path:
         port.die(executor, POISONED, poisoned=True)
         assert record.live
         executor = port.executors[-1]
-        executor.iterations = record.checkpoint_iteration or 0
-        _answer_until(port, lambda e=executor: e.iterations >= (record.checkpoint_iteration
+        executor.iterations = record.checkpoint.iteration or 0
+        _answer_until(port, lambda e=executor: e.iterations >= (record.checkpoint.iteration
                                                                 or 0) + 1)
     port.die(executor, POISONED, poisoned=True)
     assert record.life.end_state == "failed" and "illegal memory access" in record.life.reason
-    assert record.replacements == MAX_REPLACEMENTS
+    assert record.progress.replacements == MAX_REPLACEMENTS
     engine.check_invariants()

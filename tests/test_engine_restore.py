@@ -31,10 +31,12 @@ def test_a_restored_job_shows_its_recorded_checkpoint_until_loaded(tmp_path) -> 
     engine.restore(OWNER, 7, "b", 40, "batch", {"path": "/j.py", "function": "make"}, 1.0, 25,
                    1.7e9, 4096)
     record = engine.registry.live[7]
-    assert (record.done_before, record.checkpoint_iteration, record.checkpoint_time,
-            record.checkpoint_bytes) == (25, 25, 1.7e9, 4096)
+    assert (record.progress.done_before, record.checkpoint.iteration, record.checkpoint.time,
+            record.checkpoint.bytes) == (25, 25, 1.7e9, 4096)
     port.answer(port.executors[0], Loaded(1 << 20, 30))  # a later checkpoint on disk
-    assert (record.resumed_from, record.done_before, record.checkpoint_iteration) == (30, 30, 30)
+    progress = record.progress
+    assert (progress.resumed_from, progress.done_before, record.checkpoint.iteration) == (
+        30, 30, 30)
     assert record.live
 
 

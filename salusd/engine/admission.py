@@ -51,7 +51,7 @@ def estimated(core: Core, record: JobRecord, reply: Reply) -> None:
               persistent_bytes=aligned(record.persistent_bytes),
               ephemeral_bytes=aligned(ephemeral), owner=record.owner.name,
               name=record.name, priority=record.priority,
-              done_iterations=record.done_before, gang=record.gang,
+              done_iterations=record.progress.done_before, gang=record.gang,
               exclusive=record.nodes > 1, inference=record.inference, uid=record.owner.runs_as,
               shares=core.config.share_lanes and may_share_executor(record),
               devices=allowed_devices(core, record))

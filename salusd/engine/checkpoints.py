@@ -24,9 +24,9 @@ log = logging.getLogger("salusd.engine")
 
 def replica_dir(record: JobRecord, replica: int) -> str | None:
     """Where replica `replica` of the job keeps its checkpoints."""
-    if record.checkpoint_dir is None or record.gang == 1:
-        return record.checkpoint_dir
-    return os.path.join(record.checkpoint_dir, f"replica{replica}")
+    if record.checkpoint.dir is None or record.gang == 1:
+        return record.checkpoint.dir
+    return os.path.join(record.checkpoint.dir, f"replica{replica}")
 
 
 def request(core: Core, record: JobRecord, on_done: OnDone | None = None) -> None:
@@ -37,8 +37,7 @@ def request(core: Core, record: JobRecord, on_done: OnDone | None = None) -> Non
     if record.executor is None or record.life.phase in ("open", "estimating") or (
             record.life.phase == "attached" and record.kind == "batch"):
         raise Conflict(f"job {record.job_id} has no state to checkpoint yet")
-    record.checkpointing += 1
-    record.since_checkpoint, record.since_checkpoint_s = 0, 0.0
+    record.checkpoint.asking()
     core.outbox.send_all(record, [
         Checkpoint(replica_dir(record, r), record.job_id) for r in range(record.gang)],
         on_done=on_done)
@@ -47,22 +46,20 @@ def request(core: Core, record: JobRecord, on_done: OnDone | None = None) -> Non
 def maybe(core: Core, record: JobRecord) -> None:
     """Checkpoint when the job ran the policy's iterations or seconds since its last one."""
     policy = core.config.checkpoints
-    if policy is None or record.checkpointing or not record.live or core.stopping:
+    if policy is None or record.checkpoint.asked or not record.live or core.stopping:
         return
-    if ((policy.every_iterations and record.since_checkpoint >= policy.every_iterations)
-            or record.since_checkpoint_s >= policy.every_s):
+    if ((policy.every_iterations and record.checkpoint.since >= policy.every_iterations)
+            or record.checkpoint.since_s >= policy.every_s):
         request(core, record)
 
 
 def written(core: Core, record: JobRecord, reply: Reply) -> None:
     """The executors answered a checkpoint."""
-    record.checkpointing -= 1
+    record.checkpoint.asked -= 1
     if not isinstance(reply, Checkpointed):
         log.warning("job %d: checkpoint failed: %s", record.job_id, failure(reply))
         return
-    record.checkpoint_iteration = reply.iteration
-    record.checkpoint_time = reply.time
-    record.checkpoint_bytes = reply.bytes
+    record.checkpoint.taken(reply.iteration, reply.time, reply.bytes)
     core.event("checkpoint", record.job_id, iteration=reply.iteration, seconds=reply.seconds,
                bytes=reply.bytes, path=reply.path, time=reply.time)
 
@@ -75,11 +72,11 @@ def batch_step_done(core: Core, record: JobRecord, reply: Reply) -> None:
         core.end(record, "failed", f"iteration {iteration + 1} raised "
                  f"{failure(reply)[:2000]}")
         return
-    record.last_loss = reply.loss
+    record.progress.last_loss = reply.loss
     if reply.cache is not None:
-        record.cache = reply.cache
+        record.progress.cache = reply.cache
     if reply.evaluation is not None:
-        record.last_evaluation = reply.evaluation
+        record.progress.last_evaluation = reply.evaluation
     job = core.dispatch.job(record.job_id)
     if job is None or not job.done:
         maybe(core, record)

@@ -83,7 +83,7 @@ class Core:
     def done_iterations(self, record: JobRecord) -> int:
         """Iterations the job has done, those done before the last restart included."""
         job = self.dispatch.job(record.job_id)
-        return job.done_iterations if job is not None else record.done_before
+        return job.done_iterations if job is not None else record.progress.done_before
 
     def queue_call(self, record: JobRecord, call: Call) -> None:
         """A call waits for its turn; the dispatcher learns of it once the job is admitted."""

@@ -139,7 +139,7 @@ class Engine:
     def idle(self) -> bool:
         """No executor is running a call or writing a checkpoint (shutdown waits for this)."""
         return not self.core.dispatch.busy and not any(
-            r.checkpointing for r in self.core.registry)
+            r.checkpoint.asked for r in self.core.registry)
 
     # ---- client operations (called by the front end on the I/O thread) ----------------------
     def open(self, owner: Owner, name: object, iterations: object, cwd: str | None, *,
@@ -165,7 +165,7 @@ class Engine:
             spec = {**(spec or {}), **({"devices": gang} if gang > 1 else {})}
             if waiting is not None:
                 waiting.life.client_back()
-                core.event("reattach", waiting.job_id, iteration=waiting.resumed_from)
+                core.event("reattach", waiting.job_id, iteration=waiting.progress.resumed_from)
                 return waiting
         if owner.allocation is not None:  # kept with the job, so a restart gives it back
             spec = {**(spec or {}), "allocation": owner.allocation}  # to its pod alone
@@ -178,9 +178,9 @@ class Engine:
         record.kind, record.spec, record.priority = kind, dict(spec or {}), priority
         record.device_kind = "cuda" if core.config.torch_devices[0].startswith("cuda") else "cpu"
         if core.config.checkpoints is not None:
-            record.checkpoint_dir = os.path.join(core.config.checkpoints.root,
+            record.checkpoint.dir = os.path.join(core.config.checkpoints.root,
                                                  str(record.job_id))
-            core.config.checkpoints.make_dir(record.checkpoint_dir, owner)
+            core.config.checkpoints.make_dir(record.checkpoint.dir, owner)
         core.event("open", record.job_id, owner=owner.name, allocation=owner.allocation,
                    name=record.name,
                    job_kind="script" if is_script(record) else kind)
@@ -255,10 +255,9 @@ class Engine:
         and the `iterations_done` it recorded (what a job failed here keeps)."""
         record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
                            priority=priority, job_id=job_id)
-        record.resumed_from = checkpoint_iteration or 0
-        record.done_before = max(iterations_done, record.resumed_from)
-        record.checkpoint_iteration = checkpoint_iteration
-        record.checkpoint_time, record.checkpoint_bytes = checkpoint_time, checkpoint_bytes
+        record.progress.resumed_from = checkpoint_iteration or 0
+        record.progress.done_before = max(iterations_done, record.progress.resumed_from)
+        record.checkpoint.taken(checkpoint_iteration, checkpoint_time, checkpoint_bytes)
         if record.nodes > 1 and self.core.config.cluster is None:
             self.core.end(record, "failed", f"job {job_id} spans {record.nodes} nodes and "
                           "this salusd restarted without --cluster")
@@ -279,12 +278,12 @@ class Engine:
     def attach(self, record: JobRecord, frame: RawFrame, answer: Answer) -> None:
         """Forward the client's state to the job's executors, which load and measure it."""
         _require_live(record)
-        if record.resumed_from is not None and record.kind == "interactive":
+        if record.progress.resumed_from is not None and record.kind == "interactive":
             # Restored from a checkpoint: the job already holds its state, so the objects the
             # script built afresh are not loaded.
             frame.close_fd()
             answer(ok_frame({"persistent_bytes": record.persistent_bytes,
-                             "resumed_from": record.resumed_from}))
+                             "resumed_from": record.progress.resumed_from}))
             return
         if record.life.phase != "open" or record.executor is not None:
             raise BadRequest(f"job {record.job_id} already holds its state; open another job "
@@ -392,7 +391,7 @@ class Engine:
         for record in core.registry:
             core.refuse_queued(record)
             if (core.config.checkpoints is not None and record.life.phase == "submitted"
-                    and record.since_checkpoint and not record.checkpointing):
+                    and record.checkpoint.since and not record.checkpoint.asked):
                 checkpoints.request(core, record)  # after its running call, if any
         signalled = scripts.stop_all(core)
         if signalled:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from salus.daemon.engine.checkpoint_state import CheckpointState
+from salus.daemon.engine.job_progress import JobProgress
 from salus.daemon.engine.lifecycle import EndState, Lifecycle
 from salus.daemon.engine.script_state import ScriptState
 from salus.daemon.limits import check_iterations, check_name
@@ -82,28 +84,14 @@ class JobRecord:
     ephemeral_guessed: bool = False  # admitted with a guess that its next measured call sets
     measured_peak: int | None = None
     priority: float = 1.0
-    calls_done: int = 0
-    calls_failed: int = 0
     device_kind: str = "cpu"
     functions: dict[int, str] = field(default_factory=dict)  # function id -> its kind
     inference: bool = False  # it serves a model (`Job.inference`): shares its owner's lane
     direct: bool = False  # the client calls the executor on a direct channel
     kind: JobKind = "interactive"  # batch: the daemon drives the loop from an entrypoint
     spec: dict[str, Any] = field(default_factory=dict)  # what the job was submitted with
-    checkpoint_dir: str | None = None
-    checkpoint_iteration: int | None = None
-    checkpoint_time: float | None = None  # unix seconds
-    checkpoint_bytes: int = 0
-    since_checkpoint_s: float = 0.0  # job time run since the last checkpoint
-    since_checkpoint: int = 0  # iterations run since the last checkpoint
-    checkpointing: int = 0  # checkpoints asked of the executor and not answered yet
-    resumed_from: int | None = None  # restored after a restart at this iteration
-    done_before: int = 0  # iterations done before the last restart
-    replacements: int = 0  # times placed again after its executor's context was poisoned
-    last_loss: float | None = None  # batch jobs: what the last iteration returned
-    last_evaluation: Any = None  # batch jobs: what `evaluate` last returned
-    cache: dict[str, Any] | None = None  # batch jobs: their data sets' cache counters
-    comm: dict[str, Any] | None = None  # gangs: what s.comm sent (all replicas), last algorithm
+    checkpoint: CheckpointState = field(default_factory=CheckpointState)  # folder, last one
+    progress: JobProgress = field(default_factory=JobProgress)  # calls, restarts, last step
     script: ScriptState | None = None  # a script job's reruns and client
     limit: Literal["time", "memory"] | None = None  # what ended it: its --time or its --mem
     # A script job's command's end, as a shell reports it (engine/scripts.py `died`)

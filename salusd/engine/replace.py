@@ -35,29 +35,29 @@ MAX_REPLACEMENTS = 3
 def may_replace(core: Core, record: JobRecord) -> bool:
     """Whether the live job, whose executor just ended poisoned, goes on from its checkpoint."""
     return (record.live and record.kind == "batch" and record.gang == 1 and record.nodes == 1
-            and record.checkpoint_iteration is not None and record.checkpoint_dir is not None
+            and record.checkpoint.iteration is not None and record.checkpoint.dir is not None
             and not core.stopping and not record.life.cancel_requested
-            and record.replacements < MAX_REPLACEMENTS)
+            and record.progress.replacements < MAX_REPLACEMENTS)
 
 
 def again(core: Core, record: JobRecord, reason: str) -> None:
     """Free what the job held, forget it in the dispatcher and load its checkpoint in a fresh
     executor (the caller has answered what the dead executor owed)."""
-    lost = core.done_iterations(record) - (record.checkpoint_iteration or 0)
+    lost = core.done_iterations(record) - (record.checkpoint.iteration or 0)
     core.take(core.dispatch.finish(record.job_id, JobState.CANCELLED))
     core.dispatch.apply(Forget(record.job_id))
-    record.replacements += 1
+    record.progress.replacements += 1
     record.calls.clear()  # the daemon's own iteration requests: nobody waits on them
     record.replicas = []
     record.life.reopened()  # not swapped any more either
     record.persistent_bytes = 0
     record.estimate_bytes, record.estimate_method = None, ""
     record.ephemeral_guessed, record.measured_peak = False, None
-    record.since_checkpoint, record.since_checkpoint_s, record.checkpointing = 0, 0.0, 0
-    record.resumed_from = record.done_before = record.checkpoint_iteration or 0
+    record.checkpoint.from_last()
+    record.progress.resumed_from = record.progress.done_before = record.checkpoint.iteration or 0
     log.warning("job %d goes on from its checkpoint at iteration %d in a fresh executor "
                 "(%d iteration(s) since then are run again): %s", record.job_id,
-                record.resumed_from, lost, reason)
-    core.event("replaced", record.job_id, reason=reason, resumed_from=record.resumed_from,
-               replacements=record.replacements)
+                record.progress.resumed_from, lost, reason)
+    core.event("replaced", record.job_id, reason=reason, resumed_from=record.progress.resumed_from,
+               replacements=record.progress.replacements)
     load(core, record, restore=True)

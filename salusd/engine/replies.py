@@ -183,9 +183,9 @@ class Replies:
         lane = self.leases.lane_of(record.job_id)
         if record.live and (record.life.phase != "submitted" or lane is None):
             return
-        record.calls_done += ran.calls
+        record.progress.calls_done += ran.calls
         if record.live:
-            record.calls_failed += ran.failed
+            record.progress.calls_failed += ran.failed
         core.take(core.dispatch.apply(RanUnderLease(record.job_id, ran.iterations, ran.seconds)))
         if record.live and lane is not None:
             self._accounted(record, lane, ran.iterations, ran.seconds, ran.peak, ran.oom)
@@ -221,10 +221,10 @@ class Replies:
         # meanwhile, and the next queued call (maybe of the other kind) in its place.
         counted = int(done is not None and done.counted and not empty and not done.oom)
         if not empty:
-            record.calls_done += 1
-            record.calls_failed += 0 if ok else 1
+            record.progress.calls_done += 1
+            record.progress.calls_failed += 0 if ok else 1
         if done is not None and done.comm is not None:
-            record.comm = done.comm
+            record.progress.comm = done.comm
         core.take(core.dispatch.apply(Finished(record.job_id, lanes, counted, seconds)))
         if record.live and record.life.phase == "submitted" and done is not None:
             self._accounted(record, sent.lane, counted, seconds, done.peak, done.oom)
@@ -246,8 +246,7 @@ class Replies:
         """After the scheduler accounted a live job's calls: checkpoint when due, and check
         the measured `peak` against the job's lane."""
         if iterations:
-            record.since_checkpoint += iterations
-            record.since_checkpoint_s += seconds
+            record.checkpoint.ran(iterations, seconds)
             if record.kind == "interactive":
                 checkpoints.maybe(self.core, record)
         if peak is not None:
@@ -261,23 +260,23 @@ class Replies:
             return
         record.persistent_bytes = booked_persistent(record.device_kind, reply)
         iteration = reply.iteration
-        if record.resumed_from and not iteration and record.live:
+        if record.progress.resumed_from and not iteration and record.live:
             # The registry recorded a checkpoint that the executor found none of: going on from
             # iteration 0 would throw the recorded progress away without a word.
             core.end(record, "failed", f"job {record.job_id}'s checkpoint at iteration "
-                     f"{record.resumed_from} could not be read, so it was not restarted from "
-                     "iteration 0; submit it again to start afresh")
+                     f"{record.progress.resumed_from} could not be read, so it was not "
+                     "restarted from iteration 0; submit it again to start afresh")
             return
-        if record.resumed_from is not None:  # restored after a restart
-            record.resumed_from = record.done_before = iteration
-            record.checkpoint_iteration = iteration if iteration else None
+        if record.progress.resumed_from is not None:  # restored after a restart
+            record.progress.resumed_from = record.progress.done_before = iteration
+            record.checkpoint.iteration = iteration if iteration else None
             log.info("job %d resumed from its checkpoint at iteration %d", record.job_id,
                      iteration)
         if not record.live:
             return
         record.life.attached()
         core.event("attach", record.job_id, persistent_bytes=record.persistent_bytes,
-                   resumed_from=record.resumed_from)
+                   resumed_from=record.progress.resumed_from)
         if record.kind != "batch":
             return
         if iteration >= record.planned_iterations:
@@ -344,7 +343,7 @@ class Replies:
             if sent.answer is not None:
                 sent.answer(error_frame(error))
             if isinstance(sent.request, Checkpoint):
-                record.checkpointing -= 1
+                record.checkpoint.asked -= 1
             if sent.on_done is not None:
                 sent.on_done(Failed(str(error)))
         core.event("executor_died", record.job_id, reason=reason)

@@ -59,8 +59,8 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "grace": record.life.grace,  # ended, its command still running on after SIGTERM
         "iterations_done": job.done_iterations if job else 0,
         "iterations_planned": record.planned_iterations,
-        "calls_done": record.calls_done,
-        "calls_failed": record.calls_failed,
+        "calls_done": record.progress.calls_done,
+        "calls_failed": record.progress.calls_failed,
         "calls_queued": len(record.calls),
         "mean_iteration_s": job.iteration_s if job else None,
         "submit_s": job.submit_s if job else None,
@@ -70,9 +70,10 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         "lane": placed[0].lane_id if placed else None,
         "devices": record.gang,  # replicas of a gang job (one per device), else 1
         "replica_lanes": [[p.device, p.lane_id] for p in sorted(placed, key=lambda p: p.device)],
-        "comm": record.comm,  # a gang's: bytes and calls of s.comm, the last "auto" pick
+        "comm": record.progress.comm,  # a gang's: bytes and calls of s.comm, the last "auto" pick
         "threads": record.threads,
-        "last_loss": record.last_loss,  # a batch job's, or what a script's framework logged
+        # a batch job's, or what a script's framework logged
+        "last_loss": record.progress.last_loss,
         "script": scripts.view(record),  # a script job's reruns and swap; None for others
         "after": record.spec.get("after"),  # the jobs a script job runs after (--after)
         "waiting_for": list(record.after),  # those of them that have not finished yet

@@ -113,8 +113,8 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
         if fd is not None and command.restart == "on-failure":
             state.client_fd = os.dup(fd)
     core.outbox.acquire(record, command.ranks)
-    resume = (None if record.checkpoint_dir is None
-              else os.path.join(record.checkpoint_dir, "resume"))
+    resume = (None if record.checkpoint.dir is None
+              else os.path.join(record.checkpoint.dir, "resume"))
 
     def started(rank: int) -> OnDone:
         def done(reply: Reply) -> None:
@@ -402,9 +402,9 @@ def progress(core: Core, record: JobRecord, report: Progress) -> None:
     """A framework callback's report: its step, planned steps (the job's planned iterations,
     which SRTF reads) and last logged loss."""
     if report.loss is not None:
-        record.last_loss = report.loss
+        record.progress.last_loss = report.loss
     core.event("progress", record.job_id, step=report.step, max_steps=report.max_steps,
-               loss=record.last_loss)
+               loss=record.progress.last_loss)
     max_steps = report.max_steps
     if (max_steps is not None and 0 < max_steps <= MAX_ITERATIONS
             and max_steps != record.planned_iterations):

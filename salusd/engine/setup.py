@@ -56,8 +56,8 @@ def load(core: Core, record: JobRecord, restore: bool,
         frame, answer = attach
         core.outbox.send_all(record, [Attach(p) for p in gangs], answer=answer, frame=frame)
         return
-    at = (gang_iteration(Path(record.checkpoint_dir), record.gang)
-          if restore and record.gang > 1 and record.checkpoint_dir is not None else None)
+    at = (gang_iteration(Path(record.checkpoint.dir), record.gang)
+          if restore and record.gang > 1 and record.checkpoint.dir is not None else None)
     msgs: list[Request]
     if record.kind == "batch":
         pipeline = record.spec.get("pipeline")

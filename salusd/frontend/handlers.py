@@ -231,7 +231,7 @@ class Handlers:
         client.jobs.add(record.job_id)
         # Where the client copies each rank's output (`salusd/cli/relay.py`), as the executor
         # of a REST script job does: the job's owner may write its folder, the client is it.
-        folder = record.checkpoint_dir
+        folder = record.checkpoint.dir
         answer(ok_frame({"job": str(record.job_id), "threads": record.threads,
                          "output": None if folder is None else [
                              output_path(folder, rank) for rank in range(record.gang)]}))
@@ -266,7 +266,7 @@ class Handlers:
                                   spec={"python": other} if other is not None else None)
         client.jobs.add(record.job_id)
         return {"job": str(record.job_id), "threads": record.threads,
-                "resumed_from": record.resumed_from, "devices": record.gang}
+                "resumed_from": record.progress.resumed_from, "devices": record.gang}
 
     def _info(self, client: Client, request: ops.Info) -> dict[str, Any]:
         return job_info(self.engine, self._record(client, request))
@@ -293,7 +293,7 @@ class Handlers:
             raise BadRequest("'logs' field 'offset' must be a byte offset (an int >= 0)")
         try:
             record = self._record(client, request)
-            job_id, folder, uid = record.job_id, record.checkpoint_dir, record.owner.uid
+            job_id, folder, uid = record.job_id, record.checkpoint.dir, record.owner.uid
             ended = not record.live
         except UnknownJob:
             job_id, folder, uid = self._stored_output(client, request.job)

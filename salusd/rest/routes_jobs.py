@@ -93,7 +93,7 @@ async def get_log(job_id: int = JobId,
 
     def where() -> tuple[str | None, int]:
         record = ctx.find(job_id, who)
-        return record.checkpoint_dir, record.owner.uid
+        return record.checkpoint.dir, record.owner.uid
     try:
         folder, uid = await ctx.bridge.run(where)
     except UnknownJob:

@@ -20,17 +20,18 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
     state = str(info["state"])
     ephemeral = memory["ephemeral_measured_bytes"]
     checkpoint = None
-    if record.checkpoint_iteration is not None and record.checkpoint_time is not None:
-        checkpoint = Checkpoint(iteration=record.checkpoint_iteration,
-                                time=record.checkpoint_time, bytes=record.checkpoint_bytes)
-    evaluation = record.last_evaluation
+    if record.checkpoint.iteration is not None and record.checkpoint.time is not None:
+        checkpoint = Checkpoint(iteration=record.checkpoint.iteration,
+                                time=record.checkpoint.time, bytes=record.checkpoint.bytes)
+    progress = record.progress
+    evaluation = progress.last_evaluation
     return JobOut(
         id=record.job_id, name=record.name, owner=record.owner.name,
         allocation=info["allocation"], pod=info["pod"],
         kind="script" if is_script(record) else record.kind,
         state=state, reason=record.life.reason, exit_status=record.exit_status,
         signal=record.signal, limit=record.limit, ended_at=record.life.ended_at,
-        iterations_done=max(int(info["iterations_done"]), record.done_before),
+        iterations_done=max(int(info["iterations_done"]), progress.done_before),
         iterations_total=record.planned_iterations, device=info["device"], lane=info["lane"],
         devices=record.gang, nodes=record.nodes, priority=record.priority,
         persistent_bytes=record.persistent_bytes,
@@ -38,9 +39,10 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
             "ephemeral_estimate_bytes"],
         lane_bytes=memory["lane_bytes"], mem_bytes=memory["requested_bytes"],
         after=info["after"], waiting_for=info["waiting_for"], checkpoint=checkpoint,
-        resumed_from=record.resumed_from, swapped=bool(memory["swapped_out"]),
+        resumed_from=progress.resumed_from, swapped=bool(memory["swapped_out"]),
         entrypoint=record.spec.get("entrypoint"), command=record.spec.get("command"),
-        script=info["script"], last_loss=record.last_loss, cache=record.cache, comm=record.comm,
+        script=info["script"], last_loss=progress.last_loss, cache=progress.cache,
+        comm=progress.comm,
         pipeline=record.spec.get("pipeline"), executor=info["executor"],
         last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
 

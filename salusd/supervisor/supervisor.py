@@ -160,8 +160,8 @@ class Supervisor:
                                 "an interactive job of another interpreter than the "
                                 "daemon's" if python is not None else "a batch job")
         proc.jobs[record.job_id] = handle
-        log_file = (None if record.checkpoint_dir is None
-                    else output_path(record.checkpoint_dir, replica))
+        log_file = (None if record.checkpoint.dir is None
+                    else output_path(record.checkpoint.dir, replica))
         self._to_process(handle, Host(cwd, self.estimate_first, log_file), None, "host")
         return handle
 
