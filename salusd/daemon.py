@@ -24,6 +24,7 @@ from salus.daemon.devices.discovery import DeviceSpec
 from salus.daemon.devices.mps import Mps
 from salus.daemon.engine.engine import Engine
 from salus.daemon.engine.events import Event
+from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.persist import Persistence
 from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy
 from salus.daemon.engine.registry import Owner
@@ -259,15 +260,23 @@ class Daemon:
                 self.store.update_job(row.id, state="failed", reason=reason)
                 self.not_restored.append(row.id)
                 continue
+            try:
+                spec = JobSpec.from_json(row.spec)
+            except (TypeError, KeyError, ValueError) as exc:  # a registry damaged by hand
+                reason = (f"job {row.id}'s spec in the registry cannot be read ({exc}), so it "
+                          "was not restored; submit the job again")
+                log.error("%s", reason)
+                self.store.update_job(row.id, state="failed", reason=reason)
+                self.not_restored.append(row.id)
+                continue
             log.info("restoring job %d %r of %s (%s, checkpoint at iteration %s)", row.id,
                      row.name, row.owner, row.kind, row.checkpoint_iteration)
-            allocation = row.spec.get("allocation")  # a pod's job: its pod's alone
-            owner = Owner(row.owner, row.uid, row.gid,
-                          allocation if isinstance(allocation, str) else None)
+            # a pod's job goes back to its pod alone
+            owner = Owner(row.owner, row.uid, row.gid, spec.allocation)
             self.engine.restore(owner, row.id, row.name,
                                 row.iterations_total or 1,
                                 "batch" if row.kind == "batch" else "interactive",
-                                dict(row.spec), float(row.priority), row.checkpoint_iteration,
+                                spec, float(row.priority), row.checkpoint_iteration,
                                 row.checkpoint_time, row.checkpoint_bytes or 0,
                                 iterations_done=row.iterations_done, restarts=row.restarts)
 

@@ -86,7 +86,7 @@ def _check_gang_calls(engine: Engine, port: FakePort) -> None:
         for rank, (device, _) in enumerate(lanes):
             assert record.replicas[rank].device == f"cpu:{device}", "replica on another device"
     for record in engine.registry.live.values():
-        if record.spec.get("nodes", 1) > 1:
+        if record.spec.nodes > 1:
             for key in engine.dispatch.gang_lanes(record.job_id):
                 lane = engine.dispatch.lane(key)
                 assert lane is not None and lane.residents == (record.job_id,)

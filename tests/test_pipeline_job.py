@@ -28,6 +28,7 @@ from salus.daemon.engine.pipeline_spec import check_pipeline
 from salus.daemon.executor import checkpoint
 from salus.daemon.services.placement import split_model
 from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.executor_ops import PipelineOptions
 
 SLOWDOWN = ("--cpu-device-slowdown", "1,3")
 
@@ -100,10 +101,10 @@ def _check_trained_like_one_process(stages: list[tuple[Any, dict[str, torch.Tens
 
 
 def test_the_daemon_checks_a_pipeline_request_without_the_model() -> None:
-    assert check_pipeline(None, 1, 1) == {}
-    assert check_pipeline({}, 2, 1) == {"pipeline": {"placement": "even", "microbatches": 1}}
-    assert check_pipeline({"placement": "sky", "microbatches": 8}, 3, 1)["pipeline"] == {
-        "placement": "sky", "microbatches": 8}
+    assert check_pipeline(None, 1, 1) is None
+    assert check_pipeline({}, 2, 1) == PipelineOptions("even", 1)
+    assert check_pipeline({"placement": "sky", "microbatches": 8}, 3, 1) == PipelineOptions(
+        "sky", 8)
     for bad, devices, nodes, reason in (
             ({}, 1, 1, 'needs "devices" of at least 2'),
             ({"placement": "best"}, 2, 1, "placement must be one of"),

@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine import admission, checkpoints, dependencies, script_command, scripts
 from salus.daemon.engine.core import Config, Core, ok_frame
 from salus.daemon.engine.events import EventStream
+from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.ledger import DeviceLedger
 from salus.daemon.engine.outbox import OnDone, Outbox
@@ -143,7 +145,7 @@ class Engine:
 
     # ---- client operations (called by the front end on the I/O thread) ----------------------
     def open(self, owner: Owner, name: object, iterations: object, cwd: str | None, *,
-             kind: JobKind = "interactive", spec: dict[str, Any] | None = None,
+             kind: JobKind = "interactive", spec: JobSpec | None = None,
              priority: float = 1.0, job_id: int | None = None,
              devices: object = 1) -> JobRecord:
         """A new job; an interactive job restored after a restart and waiting for its client
@@ -152,8 +154,9 @@ class Engine:
         core = self.core
         if core.stopping:
             raise ShuttingDown("salusd is shutting down")
+        spec = JobSpec() if spec is None else spec
         checked, planned = check_name(name), check_iterations(iterations)
-        if kind == "interactive" and job_id is None and "command" not in (spec or {}):
+        if kind == "interactive" and job_id is None and not spec.is_script:
             gang = admission.check_devices(self.core, devices)
             waiting = next((r for r in core.registry if r.life.awaiting_client
                             and r.owner.uid == owner.uid and r.name == checked
@@ -162,20 +165,20 @@ class Engine:
                 raise BadRequest(f"job {waiting.job_id} {checked!r} was restored on "
                                  f"{waiting.gang} device(s); connect with devices="
                                  f"{waiting.gang} to go on with it")
-            spec = {**(spec or {}), **({"devices": gang} if gang > 1 else {})}
+            spec = replace(spec, devices=gang)
             if waiting is not None:
                 waiting.life.client_back()
                 core.event("reattach", waiting.job_id, iteration=waiting.progress.resumed_from)
                 return waiting
         if owner.allocation is not None:  # kept with the job, so a restart gives it back
-            spec = {**(spec or {}), "allocation": owner.allocation}  # to its pod alone
+            spec = replace(spec, allocation=owner.allocation)  # to its pod alone
         if job_id is None and core.config.store is not None:
             job_id = core.config.store.new_job(checked, owner.name, owner.uid, owner.gid,
-                                               kind, spec or {}, planned, priority)
+                                               kind, spec.to_json(), planned, priority)
         record = core.registry.open(owner, checked, planned, job_id)
         record.threads = core.config.threads
         record.cwd = cwd
-        record.kind, record.spec, record.priority = kind, dict(spec or {}), priority
+        record.kind, record.spec, record.priority = kind, spec, priority
         record.device_kind = "cuda" if core.config.torch_devices[0].startswith("cuda") else "cpu"
         if core.config.checkpoints is not None:
             record.checkpoint.dir = os.path.join(core.config.checkpoints.root,
@@ -228,7 +231,7 @@ class Engine:
         waits = () if after is None else dependencies.check(self.core, owner, after)
         spec = scripts.spec(command)
         if waits:  # kept to start it after a restart too
-            spec.update(after=list(waits), env=command.env)
+            spec = replace(spec, after=waits, env=command.env)
         record = self.open(owner, name, iterations, command.cwd, spec=spec, priority=priority)
         if waits:
             record.after = waits
@@ -244,7 +247,7 @@ class Engine:
         scripts.arm_limits(self.core, record, command, self._after)
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
-                spec: dict[str, Any], priority: float, checkpoint_iteration: int | None,
+                spec: JobSpec, priority: float, checkpoint_iteration: int | None,
                 checkpoint_time: float | None = None, checkpoint_bytes: int = 0, *,
                 iterations_done: int = 0, restarts: int = 0) -> None:
         """Bring back a job the durable registry says was live when salusd stopped: a batch
@@ -253,7 +256,7 @@ class Engine:
         its command again (its `restarts`, reruns so far, counting this one). Until its
         executor has loaded the checkpoint, the job's views show the one the registry recorded,
         and the `iterations_done` it recorded (what a job failed here keeps)."""
-        record = self.open(owner, name, iterations, spec.get("cwd"), kind=kind, spec=spec,
+        record = self.open(owner, name, iterations, spec.cwd, kind=kind, spec=spec,
                            priority=priority, job_id=job_id)
         record.progress.resumed_from = checkpoint_iteration or 0
         record.progress.done_before = max(iterations_done, record.progress.resumed_from)

@@ -11,18 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 from salus.daemon.wire.errors import BadRequest
+from salus.daemon.wire.executor_ops import PipelineOptions
 
 PLACEMENTS = ("even", "sky", "optimal")
 MAX_MICROBATCHES = 1024
 
 
 def check_pipeline(pipeline: dict[str, Any] | None, devices: int,
-                   nodes: int) -> dict[str, Any]:
-    """The spec entries of a pipeline request ({} for a job that is not one): placement
+                   nodes: int) -> PipelineOptions | None:
+    """The split a pipeline request asks for (None for a job that is not one): placement
     "even" (default), "sky" or "optimal", and microbatches (default 1). BadRequest says what
     is wrong."""
     if pipeline is None:
-        return {}
+        return None
     unknown = set(pipeline) - {"placement", "microbatches"}
     if unknown:
         raise BadRequest(f"unknown pipeline options {sorted(unknown)}")
@@ -39,4 +40,4 @@ def check_pipeline(pipeline: dict[str, Any] | None, devices: int,
     if nodes > 1:
         raise BadRequest("pipeline jobs run on one node: a pipeline across nodes is not "
                          "supported yet")
-    return {"pipeline": {"placement": placement, "microbatches": microbatches}}
+    return PipelineOptions(placement, microbatches)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from salus.daemon.engine.checkpoint_state import CheckpointState
 from salus.daemon.engine.job_progress import JobProgress
+from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.lifecycle import EndState, Lifecycle
 from salus.daemon.engine.script_state import ScriptState
 from salus.daemon.limits import check_iterations, check_name
@@ -89,7 +90,7 @@ class JobRecord:
     inference: bool = False  # it serves a model (`Job.inference`): shares its owner's lane
     direct: bool = False  # the client calls the executor on a direct channel
     kind: JobKind = "interactive"  # batch: the daemon drives the loop from an entrypoint
-    spec: dict[str, Any] = field(default_factory=dict)  # what the job was submitted with
+    spec: JobSpec = JobSpec()  # what the job was submitted with
     checkpoint: CheckpointState = field(default_factory=CheckpointState)  # folder, last one
     progress: JobProgress = field(default_factory=JobProgress)  # calls, restarts, last step
     script: ScriptState | None = None  # a script job's reruns and client
@@ -107,12 +108,12 @@ class JobRecord:
     @property
     def gang(self) -> int:
         """Devices (replicas) the job runs on."""
-        return spec_devices(self.spec)
+        return self.spec.devices
 
     @property
     def nodes(self) -> int:
         """Nodes of the cluster the job spans (a gang across nodes when above 1)."""
-        return spec_nodes(self.spec)
+        return self.spec.nodes
 
     @property
     def executor(self) -> Any:
@@ -120,27 +121,16 @@ class JobRecord:
         return self.replicas[0] if self.replicas else None
 
 
-def spec_devices(spec: dict[str, Any]) -> int:
-    """Devices a job was submitted for: a spec without `devices` is a one-device job."""
-    return int(spec.get("devices", 1))
-
-
-def spec_nodes(spec: dict[str, Any]) -> int:
-    """Nodes a job was submitted for: a spec without `nodes` runs on this node only."""
-    return int(spec.get("nodes", 1))
-
-
 def requested_memory(record: JobRecord) -> int | None:
     """The device memory (bytes) the job asked for (`salusd run --mem`): its lane at
     admission and its cap; None: sized from its first call, as measured."""
-    mem = record.spec.get("mem_bytes")
-    return mem if type(mem) is int else None
+    return record.spec.mem_bytes
 
 
 def is_script(record: JobRecord) -> bool:
     """Whether the job runs a whole command (`salusd run`, REST `command`): its process runs
     the script."""
-    return "command" in record.spec
+    return record.spec.is_script
 
 
 def may_share_executor(record: JobRecord) -> bool:
@@ -150,7 +140,7 @@ def may_share_executor(record: JobRecord) -> bool:
     runs another interpreter than the daemon's, whose executor runs that one), and not a pod's
     job: every pod runs as the one pod user, and a shared process would mix their states."""
     return (record.kind == "interactive" and record.gang == 1 and record.owner.allocation is None
-            and not is_script(record) and "python" not in record.spec)
+            and not is_script(record) and record.spec.python is None)
 
 
 class Registry:

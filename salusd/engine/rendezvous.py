@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
-from salus.daemon.engine.registry import spec_nodes
+from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.wire.address import free_port
 from salus.daemon.wire.errors import BadRequest
 from salus.daemon.wire.executor_ops import GangPlace
@@ -44,10 +44,10 @@ def check_nodes(nodes: object, rendezvous: object, name: str,
     return {"nodes": nodes, "rendezvous": key}
 
 
-def gang_places(spec: dict[str, Any], devices: int, owner: str,
+def gang_places(spec: JobSpec, devices: int, owner: str,
                 cluster: ClusterSpec | None) -> list[GangPlace] | None:
     """Each local replica's place in its gang, by local rank; None for a job that is no gang."""
-    nodes = spec_nodes(spec)
+    nodes = spec.nodes
     if nodes == 1:
         if devices == 1:
             return None
@@ -56,5 +56,5 @@ def gang_places(spec: dict[str, Any], devices: int, owner: str,
     assert cluster is not None, "a multi-node job was admitted without a cluster"
     first = cluster.node_rank * devices
     return [GangPlace(first + r, nodes * devices, local=devices, store=cluster.store,
-                      key=f"salus/{owner}/{spec['rendezvous']}", loopback=cluster.loopback)
+                      key=f"salus/{owner}/{spec.rendezvous}", loopback=cluster.loopback)
             for r in range(devices)]

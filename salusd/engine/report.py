@@ -75,7 +75,8 @@ def job_info(engine: Engine, record: JobRecord) -> dict[str, Any]:
         # a batch job's, or what a script's framework logged
         "last_loss": record.progress.last_loss,
         "script": scripts.view(record),  # a script job's reruns and swap; None for others
-        "after": record.spec.get("after"),  # the jobs a script job runs after (--after)
+        # the jobs a script job runs after (--after)
+        "after": list(record.spec.after) if record.spec.after else None,
         "waiting_for": list(record.after),  # those of them that have not finished yet
         "executor_pid": getattr(record.executor, "pid", None),
         "executor": describe() if callable(describe := getattr(record.executor, "describe",

@@ -40,6 +40,7 @@ from typing import Any
 from salus.daemon.devices.discovery import pinned_gpus
 from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core, exit_detail
+from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.lifecycle import Phase
 from salus.daemon.engine.outbox import OnDone
 from salus.daemon.engine.registry import JobRecord, requested_memory
@@ -81,25 +82,18 @@ def pinned_devices(core: Core, command: ScriptCommand) -> frozenset[int] | None:
     return frozenset(named)
 
 
-def spec(command: ScriptCommand) -> dict[str, Any]:
+def spec(command: ScriptCommand) -> JobSpec:
     """What the durable registry keeps of the job: the environment only where the job may be
-    rerun after a restart (`on-failure`), which needs it."""
-    out: dict[str, Any] = {"command": list(command.command), "cwd": command.cwd,
-                           "restart": command.restart, "max_restarts": command.max_restarts}
-    if command.ranks > 1:
-        out["devices"] = command.ranks  # a gang (`JobRecord.gang`)
-    if command.restart == "on-failure":
-        out["env"] = command.env
-    if command.grace_s is not None:
-        out["grace_s"] = command.grace_s
-    if command.mem_bytes is not None:
-        out["mem_bytes"] = command.mem_bytes
-    if command.time_limit_s is not None:
-        out.update(time_limit_s=command.time_limit_s, signal=command.signal,
-                   signal_before_s=command.signal_before_s)
-    if command.array_index is not None:
-        out.update(array_index=command.array_index, array_job=command.array_job)
-    return out
+    rerun after a restart (`on-failure`), which needs it; a gang's ranks as its devices."""
+    limited = command.time_limit_s is not None
+    return JobSpec(
+        devices=command.ranks, command=command.command, cwd=command.cwd,
+        env=command.env if command.restart == "on-failure" else None,
+        restart=command.restart, max_restarts=command.max_restarts, grace_s=command.grace_s,
+        mem_bytes=command.mem_bytes, time_limit_s=command.time_limit_s,
+        signal=command.signal if limited else None,
+        signal_before_s=command.signal_before_s if limited else None,
+        array_index=command.array_index, array_job=command.array_job)
 
 
 def start(core: Core, record: JobRecord, command: ScriptCommand,
@@ -419,7 +413,7 @@ def restored(core: Core, record: JobRecord, restarts: int) -> None:
     output to the job's log), a rerun counted as any other; else the job fails saying so."""
     why = (f"salusd restarted while job {record.job_id} ran its command "
            f"({_shown(record)}), whose process ended with it")
-    if record.spec.get("restart") != "on-failure":
+    if record.spec.restart != "on-failure":
         core.end(record, "failed", why + "; run it with --restart on-failure (and keep its "
                  "checkpoints in salus.resume_dir()) to have it rerun")
         return
@@ -436,18 +430,16 @@ def restored(core: Core, record: JobRecord, restarts: int) -> None:
 def stored(record: JobRecord) -> ScriptCommand:
     """The command the durable registry kept of the job (`spec`)."""
     spec = record.spec
-    command = ScriptCommand(tuple(spec["command"]), str(spec["cwd"]), dict(spec.get("env", {})),
-                            str(spec.get("restart", "never")),
-                            int(spec.get("max_restarts", MAX_RESTARTS)),
+    assert spec.cwd is not None, "a script job's spec names its directory"
+    command = ScriptCommand(spec.command, spec.cwd, dict(spec.env or {}), spec.restart,
+                            MAX_RESTARTS if spec.max_restarts is None else spec.max_restarts,
                             mem_bytes=requested_memory(record))
-    command = with_array(command, spec.get("array_index"), spec.get("array_job"))
-    command = with_grace(command, spec.get("grace_s"))
-    return with_limits(command, spec.get("time_limit_s"), spec.get("signal"),
-                       spec.get("signal_before_s"))
+    command = with_array(command, spec.array_index, spec.array_job)
+    command = with_grace(command, spec.grace_s)
+    return with_limits(command, spec.time_limit_s, spec.signal, spec.signal_before_s)
 
 
 def _shown(record: JobRecord) -> str:
     """The command as a person would type it (its first 200 characters)."""
-    text = " ".join([os.path.basename(record.spec["command"][0]),
-                     *record.spec["command"][1:]])
+    text = " ".join([os.path.basename(record.spec.command[0]), *record.spec.command[1:]])
     return text if len(text) <= 200 else text[:197] + "..."

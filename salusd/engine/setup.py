@@ -4,14 +4,16 @@ entrypoint (`load`) or a restored job's checkpoint (`restore`)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from salus.daemon.cluster import ClusterSpec
 from salus.daemon.engine.checkpoints import replica_dir
 from salus.daemon.engine.core import Core
+from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.pipeline_spec import check_pipeline
-from salus.daemon.engine.registry import Answer, JobRecord, Owner, spec_nodes
+from salus.daemon.engine.registry import Answer, JobRecord, Owner
 from salus.daemon.engine.rendezvous import check_nodes, gang_places
 from salus.daemon.state.checkpoint_files import gang_iteration
 from salus.daemon.wire.errors import BadRequest
@@ -20,7 +22,6 @@ from salus.daemon.wire.executor_ops import (
     CachePlace,
     GangPlace,
     Load,
-    PipelineOptions,
     Request,
     Restore,
 )
@@ -30,15 +31,12 @@ from salus.scheduler import Policy
 
 def batch_spec(path: str, function: str, name: str, devices: int, nodes: int,
                rendezvous: str | None, pipeline: dict[str, Any] | None,
-               cluster: ClusterSpec | None, policy: Policy) -> dict[str, Any]:
+               cluster: ClusterSpec | None, policy: Policy) -> JobSpec:
     """What a batch job is submitted with; BadRequest for what this node cannot run."""
-    spec: dict[str, Any] = {"entrypoint": f"{path}:{function}", "path": path,
-                            "function": function,
-                            **check_nodes(nodes, rendezvous, name, cluster)}
-    if devices > 1:
-        spec["devices"] = devices
-    spec.update(check_pipeline(pipeline, devices, spec_nodes(spec)))
-    if spec_nodes(spec) > 1 and policy.lane_mode != "pack":
+    spec = JobSpec(devices=devices, path=path, function=function,
+                   **check_nodes(nodes, rendezvous, name, cluster))
+    spec = replace(spec, pipeline=check_pipeline(pipeline, devices, spec.nodes))
+    if spec.nodes > 1 and policy.lane_mode != "pack":
         raise BadRequest(f"a multi-node gang needs lanes of its own, which only the pack "
                          f"policy gives (the policy is {policy.name})")
     return spec
@@ -60,11 +58,10 @@ def load(core: Core, record: JobRecord, restore: bool,
           if restore and record.gang > 1 and record.checkpoint.dir is not None else None)
     msgs: list[Request]
     if record.kind == "batch":
-        pipeline = record.spec.get("pipeline")
-        options = None if pipeline is None else PipelineOptions(
-            str(pipeline["placement"]), int(pipeline["microbatches"]))
+        spec = record.spec
+        assert spec.path is not None and spec.function is not None, "a batch job's entrypoint"
         cache = _cache_for(core, record.owner)
-        msgs = [Load(record.spec["path"], record.spec["function"], restore, options, cache,
+        msgs = [Load(spec.path, spec.function, restore, spec.pipeline, cache,
                      replica_dir(record, r), gangs[r], at) for r in range(record.gang)]
     else:
         msgs = [Restore(replica_dir(record, r), gangs[r], at) for r in range(record.gang)]

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from salus.daemon.engine import script_command
 from salus.daemon.engine.core import ok_frame
 from salus.daemon.engine.engine import Engine
+from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.registry import JobRecord, parse_id
 from salus.daemon.engine.report import job_info, snapshot
 from salus.daemon.limits import MAX_PATH_CHARS
@@ -263,7 +264,7 @@ class Handlers:
         other = other_interpreter(python, {}) if python is not None else None
         record = self.engine.open(client.owner, request.name, request.iterations, cwd,
                                   devices=request.devices,
-                                  spec={"python": other} if other is not None else None)
+                                  spec=JobSpec(python=other))
         client.jobs.add(record.job_id)
         return {"job": str(record.job_id), "threads": record.threads,
                 "resumed_from": record.progress.resumed_from, "devices": record.gang}

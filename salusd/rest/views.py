@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from salus.daemon.engine.registry import JobRecord, is_script, spec_devices, spec_nodes
+from salus.daemon.engine.job_spec import JobSpec
+from salus.daemon.engine.registry import JobRecord, is_script
 from salus.daemon.engine.report import job_info
 from salus.daemon.rest.models import Checkpoint, JobOut
 from salus.daemon.state.store import JobRow
@@ -40,10 +41,8 @@ def job_out(engine: Engine, record: JobRecord) -> JobOut:
         lane_bytes=memory["lane_bytes"], mem_bytes=memory["requested_bytes"],
         after=info["after"], waiting_for=info["waiting_for"], checkpoint=checkpoint,
         resumed_from=progress.resumed_from, swapped=bool(memory["swapped_out"]),
-        entrypoint=record.spec.get("entrypoint"), command=record.spec.get("command"),
         script=info["script"], last_loss=progress.last_loss, cache=progress.cache,
-        comm=progress.comm,
-        pipeline=record.spec.get("pipeline"), executor=info["executor"],
+        comm=progress.comm, executor=info["executor"], **_submitted(record.spec),
         last_evaluation=evaluation if isinstance(evaluation, float | str) else None)
 
 
@@ -53,21 +52,30 @@ def row_out(row: JobRow) -> JobOut:
     if row.checkpoint_iteration is not None and row.checkpoint_time is not None:
         checkpoint = Checkpoint(iteration=row.checkpoint_iteration, time=row.checkpoint_time,
                                 bytes=row.checkpoint_bytes or 0, path=row.checkpoint_path)
+    spec = JobSpec.from_json(row.spec)
     return JobOut(
         id=row.id, name=row.name, owner=row.owner,
-        kind="batch" if row.kind == "batch" else "script" if "command" in row.spec
+        kind="batch" if row.kind == "batch" else "script" if spec.is_script
         else "interactive", state=row.state,
         reason=row.reason, exit_status=row.exit_status, signal=row.exit_signal,
         limit=_limit(row.end_limit), ended_at=row.ended_at, iterations_done=row.iterations_done,
         iterations_total=row.iterations_total or 0, device=None, lane=None,
-        devices=spec_devices(row.spec), nodes=spec_nodes(row.spec),
+        devices=spec.devices, nodes=spec.nodes,
         priority=float(row.priority), persistent_bytes=0, ephemeral_bytes=None,
         lane_bytes=None, checkpoint=checkpoint, resumed_from=None,
-        entrypoint=row.spec.get("entrypoint"), command=row.spec.get("command"),
-        script=({"restart": row.spec.get("restart", "never"), "restarts": row.restarts,
-                 "max_restarts": row.spec.get("max_restarts")}
-                if "command" in row.spec else None),
-        pipeline=row.spec.get("pipeline"))
+        script=({"restart": spec.restart, "restarts": row.restarts,
+                 "max_restarts": spec.max_restarts} if spec.is_script else None),
+        **_submitted(spec))
+
+
+def _submitted(spec: JobSpec) -> dict[str, Any]:
+    """What a job's view shows of its spec: a batch job's entrypoint and pipeline split, a
+    script job's command."""
+    pipeline = spec.pipeline
+    return {"entrypoint": spec.entrypoint,
+            "command": list(spec.command) if spec.is_script else None,
+            "pipeline": None if pipeline is None else {
+                "placement": pipeline.placement, "microbatches": pipeline.microbatches}}
 
 
 def _limit(text: str | None) -> Literal["time", "memory"] | None:

@@ -140,7 +140,7 @@ class Supervisor:
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
         script = is_script(record)  # the process runs its script
-        python = record.spec.get("python")  # a contract job's client's, when not ours
+        python = record.spec.python  # a contract job's client's, when not ours
         if script and record.script is not None:
             command = record.script.command
             python = other_interpreter(command.command[0], command.env)
