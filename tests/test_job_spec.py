@@ -13,11 +13,23 @@ import pytest
 from daemon_proc import salusd
 from hypothesis import given
 from hypothesis import strategies as st
+from rest_client import connect, job
 
 from salus.daemon.cli.control import Control
 from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.state.store import Store
 from salus.daemon.wire.executor_ops import PipelineOptions
+
+
+def _whole(spec: JobSpec) -> JobSpec:
+    """`spec` made one the registry could hold: a script's directory named, a batch job's path
+    and function together (the tests below refuse the others)."""
+    if spec.is_script and spec.cwd is None:
+        spec = dataclasses.replace(spec, cwd="/work")
+    if (spec.path is None) != (spec.function is None):
+        spec = dataclasses.replace(spec, function=None if spec.path is None else "make")
+    return spec
+
 
 _text = st.text(min_size=1, max_size=12)
 _maybe_int = st.none() | st.integers(0, 1 << 40)
@@ -35,7 +47,8 @@ specs = st.builds(
     grace_s=_maybe_float, mem_bytes=_maybe_int, time_limit_s=_maybe_float,
     signal=st.none() | st.integers(1, 31), signal_before_s=_maybe_float,
     array_index=_maybe_int, array_job=_maybe_int,
-    after=st.lists(st.integers(1, 10_000), max_size=3).map(tuple))
+    after=st.lists(st.integers(1, 10_000), max_size=3).map(tuple)).map(_whole)
+
 
 
 @given(specs)
@@ -66,7 +79,9 @@ def test_older_and_later_registries_are_read() -> None:
 @pytest.mark.parametrize("bad, field", [({"devices": "two"}, "devices"),
                                         ({"command": "python t.py"}, "command"),
                                         ({"after": [1, "2"]}, "after"),
-                                        ({"pipeline": {"placement": "even"}}, "microbatches")])
+                                        ({"pipeline": {"placement": "even"}}, "microbatches"),
+                                        ({"command": ["python", "t.py"]}, "cwd"),
+                                        ({"path": "/jobs/a.py"}, "function")])
 def test_a_wrong_type_is_refused_naming_the_field(bad: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         JobSpec.from_json(bad)
@@ -83,16 +98,18 @@ def test_a_restart_fails_the_job_whose_spec_cannot_be_read_and_goes_on_with_the_
         good = store.new_job("waits", "u", 1000, 1000, "interactive", {}, 5)
     finally:
         store.close()
-    with salusd(tmp_path) as (_, address), Control(address) as ctl:
-        # the next job went through the usual restore: an interactive job that never
-        # reached a checkpoint has no state to bring back
-        info = ctl.info(str(good))
+    with salusd(tmp_path, "--http", "127.0.0.1:0") as (_, address):
+        with Control(address) as ctl:
+            # the next job went through the usual restore: an interactive job that never
+            # reached a checkpoint has no state to bring back
+            info = ctl.info(str(good))
         assert "before job" in info["reason"] and "first checkpoint" in info["reason"]
-    store = Store.open(state / "salusd.db")
-    try:
-        row = store.get_job(bad)
-    finally:
-        store.close()
-    assert row is not None and row.state == "failed"
-    assert f"job {bad}'s spec in the registry cannot be read" in (row.reason or "")
-    assert "'devices'" in (row.reason or "")
+        # the damaged row is listed with the rest, as failed and why, not as a server error
+        with connect(state) as rest:
+            listed = rest.get("/v1/jobs")
+            assert listed.status_code == 200, listed.text
+            shown = job(rest, bad)
+    assert {j["id"] for j in listed.json()} >= {bad, good}
+    assert shown["state"] == "failed"
+    assert f"job {bad}'s spec in the registry cannot be read" in shown["reason"]
+    assert "'devices'" in shown["reason"]

@@ -76,6 +76,10 @@ class JobSpec:
         names a field of the wrong type."""
         known = {k: v for k, v in data.items() if k in _FIELDS}
         spec: JobSpec = typed.from_wire(cls, known, "job spec", canonical=False)
+        if spec.is_script and spec.cwd is None:
+            raise ValueError("job spec: a script job's field 'cwd' is missing")
+        if (spec.path is None) != (spec.function is None):
+            raise ValueError("job spec: a batch job's fields 'path' and 'function' go together")
         return spec
 
 

@@ -52,7 +52,10 @@ def row_out(row: JobRow) -> JobOut:
     if row.checkpoint_iteration is not None and row.checkpoint_time is not None:
         checkpoint = Checkpoint(iteration=row.checkpoint_iteration, time=row.checkpoint_time,
                                 bytes=row.checkpoint_bytes or 0, path=row.checkpoint_path)
-    spec = JobSpec.from_json(row.spec)
+    try:
+        spec = JobSpec.from_json(row.spec)
+    except ValueError:  # a damaged registry row (its restart failed it, saying why): no spec
+        spec = JobSpec()
     return JobOut(
         id=row.id, name=row.name, owner=row.owner,
         kind="batch" if row.kind == "batch" else "script" if spec.is_script
