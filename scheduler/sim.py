@@ -348,8 +348,6 @@ class Simulator:
         the batches on its busy lanes; one whose iteration ends at this instant ends now, and
         the lanes decided at this instant decide again, as a stepping engine that saw that
         lane idle would have."""
-        if not self._dirty:
-            return
         todo: set[LaneKey] = set()
         while self._dirty:
             todo |= self._dirty
@@ -403,8 +401,6 @@ class Simulator:
 
     def _rerate(self) -> None:
         """Devices whose set of running jobs changed: new rates and end times for their runs."""
-        if not self._rate_dirty:
-            return
         touched: set[Run] = set()
         util, dev_runs = self._util, self._dev_runs
         for d in self._rate_dirty:

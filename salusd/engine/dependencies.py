@@ -118,8 +118,8 @@ def waits_again(core: Core, record: JobRecord) -> bool:
     """Whether a restored script job was still waiting for its `--after` jobs: one of them
     has not finished (it starts the moment they all have, so one that has started finds
     them all finished). Then it waits again, for the ones still live (`record.after`)."""
-    after = list(record.spec.after)
+    after = record.spec.after
     if all((ended := outcome(core, a)) is not None and ended[0] == "finished" for a in after):
         return False
-    record.after = tuple(after)
+    record.after = after
     return True
