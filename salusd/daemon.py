@@ -262,7 +262,7 @@ class Daemon:
                 continue
             try:
                 spec = JobSpec.from_json(row.spec)
-            except (TypeError, KeyError, ValueError) as exc:  # a registry damaged by hand
+            except ValueError as exc:  # a registry damaged by hand
                 reason = (f"job {row.id}'s spec in the registry cannot be read ({exc}), so it "
                           "was not restored; submit the job again")
                 log.error("%s", reason)

@@ -81,8 +81,9 @@ def test_older_and_later_registries_are_read() -> None:
                                         ({"after": [1, "2"]}, "after"),
                                         ({"pipeline": {"placement": "even"}}, "microbatches"),
                                         ({"command": ["python", "t.py"]}, "cwd"),
-                                        ({"path": "/jobs/a.py"}, "function")])
-def test_a_wrong_type_is_refused_naming_the_field(bad: dict[str, object], field: str) -> None:
+                                        ({"path": "/jobs/a.py"}, "function"),
+                                        ([1, 2], "a JSON object")])
+def test_a_wrong_type_is_refused_naming_the_field(bad: object, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         JobSpec.from_json(bad)
 

@@ -71,9 +71,11 @@ class JobSpec:
         return typed.to_wire(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> JobSpec:
+    def from_json(cls, data: object) -> JobSpec:
         """A spec `to_json` wrote (or an older salusd: see the module docstring); ValueError
-        names a field of the wrong type."""
+        names a field of the wrong type, or says the spec is not a JSON object."""
+        if not isinstance(data, dict):
+            raise ValueError(f"job spec: a JSON object, not {data!r:.100}")
         known = {k: v for k, v in data.items() if k in _FIELDS}
         spec: JobSpec = typed.from_wire(cls, known, "job spec", canonical=False)
         if spec.is_script and spec.cwd is None:
