@@ -797,8 +797,9 @@ def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
         for i in range(start, int(sys.argv[1])):
             time.sleep(0.02)
             salus.step()
-            with open(where, "w") as f:
+            with open(where + ".tmp", "w") as f:  # written whole: a kill may come at any time
                 f.write(str(i + 1))
+            os.replace(where + ".tmp", where)
         print("ended at", int(open(where).read()))
     """)
     body = {"command": [sys.executable, str(path)], "cwd": str(tmp_path),
@@ -828,14 +829,22 @@ def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
                                  for i in ids.values()), "both jobs running")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    with salusd(tmp_path, "--http", "127.0.0.1:0"), connect(tmp_path / "state") as client:
+    with salusd(tmp_path, "--http", "127.0.0.1:0") as daemon, \
+            connect(tmp_path / "state") as client:
         failed = wait_for(lambda: (j := job(client, ids["never"]))["state"] == "failed" and j,
                           "the never job failed")
         assert "salusd restarted while job" in failed["reason"]
         assert "--restart on-failure" in failed["reason"]
-        wait_for(lambda: job(client, ids["on-failure"])["state"] == "finished",
-                 "the on-failure job reran to its end")
-        log = client.get(f"/v1/jobs/{ids['on-failure']}/log", params={"offset": 0}).text
+        rows = [job(client, ids["on-failure"])]
+        try:
+            wait_for(lambda: rows.append(job(client, ids["on-failure"]))
+                     or rows[-1]["state"] in ("finished", "failed", "cancelled"),
+                     "the on-failure job to end")
+        finally:
+            log = client.get(f"/v1/jobs/{ids['on-failure']}/log", params={"offset": 0}).text
+        assert rows[-1]["state"] == "finished", (
+            f"the job: {rows[-1]}\nits log:\n{log}\n"
+            f"the daemon's log:\n{daemon.log_text()[-6000:]}")
         starts = [int(line.split()[1]) for line in log.splitlines() if line.startswith("from")]
         assert starts[0] == 0 and starts[1] >= 5, log
         assert log.endswith("ended at 100\n")
