@@ -306,8 +306,7 @@ def serve(args: argparse.Namespace) -> int:
         parse_size,
         with_cpu_slowdown,
     )
-    from salus.daemon.rest.server import parse_listen
-    from salus.daemon.wire.address import default_socket_path, default_state_dir
+    from salus.daemon.wire.address import default_socket_path, default_state_dir, parse_listen
 
     try:
         memory = parse_size(args.cpu_memory) if args.cpu_memory else None

@@ -36,16 +36,6 @@ log = logging.getLogger("salusd.rest")
 MAX_HEAD_BYTES = 16 * 1024
 
 
-def parse_listen(text: str) -> tuple[str, int] | None:
-    """`127.0.0.1:7077` → (host, port); `none` → None. ValueError says what is wrong."""
-    if text.strip().lower() == "none":
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--http wants HOST:PORT or 'none', got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 class RestServer:
     def __init__(self, app: FastAPI, host: str, port: int, *,
                  guard: ConnectionGuard | None = None) -> None:

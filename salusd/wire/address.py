@@ -105,3 +105,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
+
+
+def parse_listen(text: str) -> tuple[str, int] | None:
+    """`127.0.0.1:7077` → (host, port); `none` → None. ValueError says what is wrong."""
+    if text.strip().lower() == "none":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--http wants HOST:PORT or 'none', got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
