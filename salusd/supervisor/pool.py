@@ -25,7 +25,7 @@ from salus.daemon.engine.registry import Owner
 from salus.daemon.loop import Link, Loop
 from salus.daemon.owners import identity
 from salus.daemon.supervisor.processes import ExecutorProcess, describe_status
-from salus.daemon.supervisor.zygotes import OtherZygotes, Zygote, launch, wait_or_kill
+from salus.daemon.supervisor.zygotes import OtherZygotes, Zygote, launch, stop_zygote
 from salus.daemon.wire.executor_ops import Become, encode
 from salus.daemon.wire.frames import FLAG_SEGMENT, RawFrame, json_frame
 
@@ -198,7 +198,7 @@ class ExecutorPool:
         if self._zygote_link is not None:
             self.loop.close(self._zygote_link, "salusd stopped")
         if self.zygote is not None:
-            wait_or_kill(self.zygote)
+            stop_zygote(self.zygote)
 
 
 def _int(value: object, default: int = -1) -> int:

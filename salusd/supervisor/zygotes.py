@@ -20,6 +20,7 @@ daemon's own (its `sys.prefix`), the daemon's zygote serves.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -152,8 +153,12 @@ class OutputRelay:
             self.dropped = 0
 
 
-def wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float = STOP_WAIT_S) -> None:
-    """Wait for a zygote told to stop; kill it if it does not exit within `timeout_s`."""
+def stop_zygote(process: subprocess.Popen[bytes], timeout_s: float = STOP_WAIT_S) -> None:
+    """Stop a zygote whose link is closed: SIGTERM (it kills its executors and exits at once,
+    even in the middle of its preloading, which reads no link), then wait; kill it if it does
+    not exit within `timeout_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
     try:
         process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -277,7 +282,7 @@ class OtherZygotes:
         for zygote in self._zygotes.values():
             self.loop.close(zygote.link, "salusd stopped")
         for zygote in self._zygotes.values():
-            wait_or_kill(zygote.popen)
+            stop_zygote(zygote.popen)
         self._zygotes.clear()
         self._by_link.clear()
         self.path.remove()
