@@ -243,8 +243,7 @@ class Engine:
 
     def _start_script(self, record: JobRecord, command: script_command.ScriptCommand,
                       frames: Sequence[RawFrame] | None) -> None:
-        scripts.start(self.core, record, command, frames)
-        scripts.arm_limits(self.core, record, command, self._after)
+        scripts.start(self.core, record, command, frames, self._after)
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
                 spec: JobSpec, priority: float, checkpoint_iteration: int | None,
@@ -269,7 +268,7 @@ class Engine:
         elif is_script(record) and dependencies.waits_again(self.core, record):
             self.waiting[job_id] = dependencies.Waiting(record, scripts.stored(record), None)
         elif is_script(record):
-            scripts.restored(self.core, record, restarts)
+            scripts.restored(self.core, record, restarts, self._after)
         elif checkpoint_iteration is None:
             self.core.end(record, "failed", f"salusd restarted before job {job_id}'s first "
                           "checkpoint, so its state was lost; connect a new job")

@@ -97,9 +97,13 @@ def spec(command: ScriptCommand) -> JobSpec:
 
 
 def start(core: Core, record: JobRecord, command: ScriptCommand,
-          frames: Sequence[RawFrame] | None) -> None:
+          frames: Sequence[RawFrame] | None,
+          after: Callable[[Callable[[], None]], None] | None = None) -> None:
     """Give the job an executor per rank and start its command there; `frames` carry the
-    client's sockets, one per rank (None: no client, the output goes to the job's log)."""
+    client's sockets, one per rank (None: no client, the output goes to the job's log).
+    With `after` (a timer's work run and the engine stepped), its time limit is armed once
+    its command runs (rank 0's started): it counts the command's time, not the wait for an
+    executor (`arm_limits`). A rerun keeps the limit armed at the job's first start."""
     state = record.script
     if state is None:
         state = record.script = ScriptState(command)
@@ -120,6 +124,8 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
                 record.direct = record.gang == 1
                 if record.life.phase is Phase.OPEN:
                     record.life.attached()
+                if rank == 0 and after is not None:
+                    arm_limits(core, record, command, after)
             else:
                 who = f"rank {rank}: " if record.gang > 1 else ""
                 record.exit_status = CANNOT_START
@@ -251,10 +257,10 @@ def stop_all(core: Core) -> int:
 
 def arm_limits(core: Core, record: JobRecord, command: ScriptCommand,
                after: Callable[[Callable[[], None]], None]) -> None:
-    """Slurm's `--time` and `--signal` for a script job: its `signal` that long before its
-    time limit, to each of its processes still running its command, and at the limit the job
-    ends failed, its command given SIGTERM and the grace (`Core.end`). `after` runs a timer's
-    work and steps the engine."""
+    """Slurm's `--time` and `--signal` for a script job, from now (its command started): its
+    `signal` that long before its time limit, to each of its processes still running its
+    command, and at the limit the job ends failed, its command given SIGTERM and the grace
+    (`Core.end`). `after` runs a timer's work and steps the engine."""
     limit = command.time_limit_s
     if limit is None:
         return
@@ -407,10 +413,12 @@ def progress(core: Core, record: JobRecord, report: Progress) -> None:
             core.dispatch.set_total(record.job_id, max_steps)
 
 
-def restored(core: Core, record: JobRecord, restarts: int) -> None:
+def restored(core: Core, record: JobRecord, restarts: int,
+             after: Callable[[Callable[[], None]], None]) -> None:
     """The daemon restarted while the job's command ran: its process is gone. With
     `--restart on-failure` and reruns left (it had `restarts`) the command runs again (its
-    output to the job's log), a rerun counted as any other; else the job fails saying so."""
+    output to the job's log), a rerun counted as any other, with its whole time limit again
+    (the clock of the run before went with the daemon); else the job fails saying so."""
     why = (f"salusd restarted while job {record.job_id} ran its command "
            f"({_shown(record)}), whose process ended with it")
     if record.spec.restart != "on-failure":
@@ -424,7 +432,7 @@ def restored(core: Core, record: JobRecord, restarts: int) -> None:
         return
     record.script.restarts += 1
     core.event("restart", record.job_id, reason=why, restarts=record.script.restarts)
-    start(core, record, command, None)
+    start(core, record, command, None, after)
 
 
 def stored(record: JobRecord) -> ScriptCommand:
