@@ -825,6 +825,13 @@ def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
                     "command": [*body["command"], "100"]})
                 assert reply.status_code == 201, reply.text
                 ids[restart] = reply.json()["id"]
+            # Rerun after the restart, it gets its time limit again (the clock went with the
+            # daemon); far from it now.
+            limited = client.post("/v1/jobs", json={
+                **body, "name": "limited", "restart": "on-failure", "time_limit_s": 15,
+                "command": [*body["command"], str(10**6)]})
+            assert limited.status_code == 201, limited.text
+            ids["limited"] = limited.json()["id"]
             wait_for(lambda: all(job(client, i)["iterations_done"] >= 5
                                  for i in ids.values()), "both jobs running")
         proc.send_signal(signal.SIGKILL)
@@ -845,6 +852,11 @@ def test_rest_script_jobs_keep_their_output_and_a_restart_fails_or_reruns_them(
         assert rows[-1]["state"] == "finished", (
             f"the job: {rows[-1]}\nits log:\n{log}\n"
             f"the daemon's log:\n{daemon.log_text()[-6000:]}")
+        ended = wait_for(lambda: (j := job(client, ids["limited"]))["state"] == "failed" and j,
+                         "the limited job's rerun to hit its time limit")
+        assert "hit its time limit of 15 s" in ended["reason"], ended
+        limited_log = client.get(f"/v1/jobs/{ids['limited']}/log", params={"offset": 0}).text
+        assert limited_log.count("from ") == 2, limited_log  # it ran before and after
         starts = [int(line.split()[1]) for line in log.splitlines() if line.startswith("from")]
         assert starts[0] == 0 and starts[1] >= 5, log
         assert log.endswith("ended at 100\n")
@@ -912,10 +924,15 @@ def test_rest_takes_a_script_jobs_time_limit_signal_and_grace(tmp_path: Path) ->
     from rest_client import connect, job, wait_for
 
     path = script(tmp_path, """\
-        import signal, time
-        import salus.adapters.torch as salus
-        signal.signal(signal.SIGUSR1, lambda *_: print("USR1", flush=True))
+        import os, signal, time
+        # When this process started, in seconds since boot (/proc/self/stat's starttime).
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        began = ticks / os.sysconf("SC_CLK_TCK")
+        def uptime(): return float(open("/proc/uptime").read().split()[0])
+        def usr1(*_): print("USR1", round(uptime() - began, 2), file=open("usr1", "w"))
+        signal.signal(signal.SIGUSR1, lambda *_: print("USR1", flush=True) or usr1())
         signal.signal(signal.SIGTERM, lambda *_: print("TERM ignored", flush=True))
+        import salus.adapters.torch as salus
         while True:
             time.sleep(0.01)
             salus.step()
@@ -936,6 +953,10 @@ def test_rest_takes_a_script_jobs_time_limit_signal_and_grace(tmp_path: Path) ->
         log = wait_for(lambda: (t := client.get(f"/v1/jobs/{jid}/log").text)
                        .count("TERM ignored") and t, "the log")
         assert log.splitlines() == ["USR1", "TERM ignored"], log
+        # The limit counts from the command's start, not from the POST: the daemon had just
+        # started (its executors wait for its zygote's preloading), yet the early signal came
+        # no sooner than 1.5 s into the script's own process (clock ticks: 0.01 s).
+        assert float((tmp_path / "usr1").read_text().split()[1]) >= 1.5 - 0.02
         for wrong in ({"name": "b", "entrypoint": "x.py:f", "iterations": 1, "grace_s": 1},
                       {**body, "time_limit_s": None}):
             refused = client.post("/v1/jobs", json=wrong)
