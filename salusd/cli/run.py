@@ -324,15 +324,25 @@ def _wait(channel: Control, ranks: list[socket.socket], job: str, relay: Relay) 
             with contextlib.suppress(OSError):
                 channel.send(ops.Cancel(job))
 
+    # A signal that comes just before the wait below blocks would run its handler only once
+    # something else woke it (a Ctrl-C or a resize left waiting for the script's next
+    # output): the wake-up descriptor wakes it.
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    previous_wake = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint),
                 signal.SIGWINCH: signal.signal(signal.SIGWINCH, lambda *_: relay.resize())}
     for signum in FORWARDED:
         previous[signum] = signal.signal(signum, forward)
     try:
-        statuses = _statuses(ranks, relay)
+        statuses = _statuses(ranks, relay, wake_r)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        signal.set_wakeup_fd(previous_wake)
+        wake_r.close()
+        wake_w.close()
     # A gang's status is the job's: its first failed rank's (`exit_status`), else 0.
     if len(ranks) > 1:
         return final_status(channel, job, 0 if all(s == 0 for s in statuses) else None)
@@ -364,17 +374,22 @@ def final_status(channel: Control, job: str, status: int | None) -> int:
     return code if type(code) is int else 1
 
 
-def _statuses(ranks: list[socket.socket], relay: Relay) -> list[int | None]:
+def _statuses(ranks: list[socket.socket], relay: Relay,
+              wake: socket.socket) -> list[int | None]:
     """Each rank's exit status, once its (last) run sends it; None for a rank whose socket
     closed without one. Meanwhile the ranks' output is relayed, and what they wrote before
     their statuses came is taken in after. A rerun (`--restart on-failure`) asks for the
-    descriptors again first."""
+    descriptors again first. `wake` is readable when a signal came (its handler has run once
+    the wait returns)."""
     statuses: list[int | None] = [None] * len(ranks)
     data = [b""] * len(ranks)
     open_ = set(range(len(ranks)))
     while open_:
-        watched: list[socket.socket | int] = [*(ranks[r] for r in open_), *relay.fds()]
+        watched: list[socket.socket | int] = [*(ranks[r] for r in open_), *relay.fds(), wake]
         ready = select.select(watched, [], [])[0]
+        if wake in ready:
+            with contextlib.suppress(BlockingIOError):
+                wake.recv(4096)
         for fd in [fd for fd in ready if isinstance(fd, int)]:
             relay.pump(fd)
         for rank in [r for r in open_ if ranks[r] in ready]:
