@@ -70,6 +70,21 @@ def test_kill_9_of_the_daemon_takes_its_zygote_and_executors(tmp_path: Path) -> 
         assert wait_gone([*zygotes, *executors, *sleepers], 5.0) == []
 
 
+def test_a_sigterm_while_the_zygote_preloads_stops_everything_cleanly(tmp_path: Path) -> None:
+    """The daemon listens once its zygote imported torch, and the zygote preloads after. A
+    SIGTERM at once (the zygote reads no link while it preloads, and the standby forks wait
+    for it) still stops the daemon with status 0 and its zygote with it, and the log holds no
+    traceback (the zygote used to answer a queued fork into the closed link)."""
+    with salusd(tmp_path) as (proc, _):
+        zygotes = children(proc.pid)
+        assert len(zygotes) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert wait_gone(zygotes, 5.0) == []
+        log = (tmp_path / "salusd.log").read_text()
+        assert "stopped" in log and "Traceback" not in log, log
+
+
 def test_an_ended_job_leaves_no_child(tmp_path: Path) -> None:
     with salusd(tmp_path) as (proc, address):
         with salus.connect(name="forks", iterations=1, address=address) as job:
