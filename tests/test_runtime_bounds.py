@@ -10,11 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import rss, salusd
+from daemon_proc import RunningDaemon, rss, salusd
 from torch import nn
 
 import salus.adapters.torch as salus
@@ -49,6 +50,14 @@ def _train(address: str, steps: int = 5) -> float:
         return min(step(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(steps))
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """One daemon with the default bounds for the tests that need no other: each leaves it
+    serving, and checks that it does."""
+    with salusd(tmp_path_factory.mktemp("salusd")) as daemon:
+        yield daemon
+
+
 def test_slow_frames_pin_nothing_and_are_dropped_at_the_deadline(tmp_path: Path) -> None:
     with salusd(tmp_path, "--frame-timeout", "2") as (proc, address):
         path = address.removeprefix("unix://")
@@ -69,27 +78,27 @@ def test_slow_frames_pin_nothing_and_are_dropped_at_the_deadline(tmp_path: Path)
         assert proc.poll() is None
 
 
-def test_two_hundred_connections_at_once_are_all_served(tmp_path: Path) -> None:
-    with salusd(tmp_path) as (proc, address):
-        errors: list[BaseException] = []
-        ready = threading.Barrier(200)
+def test_two_hundred_connections_at_once_are_all_served(shared: RunningDaemon) -> None:
+    proc, address = shared
+    errors: list[BaseException] = []
+    ready = threading.Barrier(200)
 
-        def client(i: int) -> None:
-            try:
-                ready.wait(timeout=60)
-                with salus.connect(name=f"burst{i}", iterations=1, address=address,
-                                   timeout_s=60) as job:
-                    assert job.info()["name"] == f"burst{i}"
-            except BaseException as exc:
-                errors.append(exc)
+    def client(i: int) -> None:
+        try:
+            ready.wait(timeout=60)
+            with salus.connect(name=f"burst{i}", iterations=1, address=address,
+                               timeout_s=60) as job:
+                assert job.info()["name"] == f"burst{i}"
+        except BaseException as exc:
+            errors.append(exc)
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(200)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors, errors[:3]
-        assert proc.poll() is None
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:3]
+    assert proc.poll() is None
 
 
 def test_a_connection_over_the_limit_gets_a_clear_refusal(tmp_path: Path) -> None:
@@ -133,19 +142,19 @@ def test_huge_counts_and_hostile_names_are_refused_and_status_stays_readable(
         assert proc.poll() is None
 
 
-def test_an_ended_job_answers_with_its_end_state_not_unknown(tmp_path: Path) -> None:
-    with salusd(tmp_path) as (proc, address):
-        model = nn.Linear(4, 2)
-        job = salus.connect(name="ends", iterations=10, address=address)
-        step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
+def test_an_ended_job_answers_with_its_end_state_not_unknown(shared: RunningDaemon) -> None:
+    proc, address = shared
+    model = nn.Linear(4, 2)
+    job = salus.connect(name="ends", iterations=10, address=address)
+    step = job.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
+    step(torch.randn(2, 4), torch.randn(2, 2))
+    with Control(address) as ctl:
+        ctl.cancel(job.id)
+        info = ctl.info(job.id)
+    assert info["state"] == "cancelled" and "was cancelled" in info["reason"]
+    with pytest.raises(JobCancelled, match="cancelled"):
         step(torch.randn(2, 4), torch.randn(2, 2))
-        with Control(address) as ctl:
-            ctl.cancel(job.id)
-            info = ctl.info(job.id)
-        assert info["state"] == "cancelled" and "was cancelled" in info["reason"]
-        with pytest.raises(JobCancelled, match="cancelled"):
-            step(torch.randn(2, 4), torch.randn(2, 2))
-        job.close()
+    job.close()
 
 
 def _until_closed(s: socket.socket) -> bytes:
@@ -161,65 +170,65 @@ def _until_closed(s: socket.socket) -> bytes:
         data += got
 
 
-def test_garbage_and_oversized_frames_cost_only_their_sender(tmp_path: Path) -> None:
-    with salusd(tmp_path) as (proc, address):
-        path = address.removeprefix("unix://")
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(path)
-            s.sendall(b"GET / HTTP/1.1\r\n\r\n" * 10)
-            s.settimeout(5)
-            said = _until_closed(s)  # dropped after one error reply: not a salusd frame
-            assert b"not a salusd frame" in said, said
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(path)
-            s.sendall(FIXED.pack(MAGIC, VERSION, 0, 0, 64, 2**40))
-            s.settimeout(5)
-            said = _until_closed(s)  # over the frame limit
-            assert b'"too_large"' in said and b"exceeds the" in said, said
-        reply = _raw(path, {"op": "no-such-op"})
-        assert reply["code"] == "bad_request" and "unknown op" in str(reply["message"])
-        reply = _raw(path, ["not", "an", "object"])
-        assert reply["code"] == "bad_request"
-        assert _train(address) < 10
-        assert proc.poll() is None
-        assert os.path.exists(path)
+def test_garbage_and_oversized_frames_cost_only_their_sender(shared: RunningDaemon) -> None:
+    proc, address = shared
+    path = address.removeprefix("unix://")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" * 10)
+        s.settimeout(5)
+        said = _until_closed(s)  # dropped after one error reply: not a salusd frame
+        assert b"not a salusd frame" in said, said
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(FIXED.pack(MAGIC, VERSION, 0, 0, 64, 2**40))
+        s.settimeout(5)
+        said = _until_closed(s)  # over the frame limit
+        assert b'"too_large"' in said and b"exceeds the" in said, said
+    reply = _raw(path, {"op": "no-such-op"})
+    assert reply["code"] == "bad_request" and "unknown op" in str(reply["message"])
+    reply = _raw(path, ["not", "an", "object"])
+    assert reply["code"] == "bad_request"
+    assert _train(address) < 10
+    assert proc.poll() is None
+    assert os.path.exists(path)
 
 
-def test_a_job_over_the_queue_bound_is_told_to_wait(tmp_path: Path,
+def test_a_job_over_the_queue_bound_is_told_to_wait(shared: RunningDaemon,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The executor answers `busy` past 64 queued calls (a client that does not bound its
     calls in flight); the adapter keeps at most `MAX_IN_FLIGHT` in flight, so its calls never
     meet that bound."""
-    with salusd(tmp_path) as (proc, address):
-        with salus.connect(name="eager", iterations=10, address=address) as job:
-            remote = job.attach(model=nn.Linear(4, 2))
+    proc, address = shared
+    with salus.connect(name="eager", iterations=10, address=address) as job:
+        remote = job.attach(model=nn.Linear(4, 2))
 
-            @remote.iteration
-            def slow(s: object, x: torch.Tensor) -> torch.Tensor:
-                time.sleep(0.05)
-                return x
+        @remote.iteration
+        def slow(s: object, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)
+            return x
 
-            def outcomes() -> list[str]:
-                futures = [slow.submit(torch.zeros(1)) for _ in range(70)]
-                seen = []
-                for f in futures:
-                    try:
-                        f.result()
-                        seen.append("ok")
-                    except Busy:
-                        seen.append("busy")
-                return seen
+        def outcomes() -> list[str]:
+            futures = [slow.submit(torch.zeros(1)) for _ in range(70)]
+            seen = []
+            for f in futures:
+                try:
+                    f.result()
+                    seen.append("ok")
+                except Busy:
+                    seen.append("busy")
+            return seen
 
-            with monkeypatch.context() as patched:  # first, before the job holds a lease
-                patched.setattr(transport, "MAX_IN_FLIGHT", 100)
-                seen = outcomes()
-            assert "busy" in seen and seen.count("ok") >= 64
-            assert outcomes() == ["ok"] * 70
-        assert proc.poll() is None
+        with monkeypatch.context() as patched:  # first, before the job holds a lease
+            patched.setattr(transport, "MAX_IN_FLIGHT", 100)
+            seen = outcomes()
+        assert "busy" in seen and seen.count("ok") >= 64
+        assert outcomes() == ["ok"] * 70
+    assert proc.poll() is None
 
 
-def test_peer_credentials_name_the_owner(tmp_path: Path) -> None:
-    with salusd(tmp_path) as (_, address), Control(address) as ctl:
+def test_peer_credentials_name_the_owner(shared: RunningDaemon) -> None:
+    with Control(shared.address) as ctl:
         import pwd
 
         assert ctl.owner == pwd.getpwuid(os.getuid()).pw_name
