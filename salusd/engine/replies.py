@@ -348,7 +348,7 @@ class Replies:
                 sent.on_done(Failed(str(error)))
         core.event("executor_died", record.job_id, reason=reason)
         if again:
-            scripts.rerun(core, record)
+            scripts.rerun(core, record, self.after)
         elif replaced:
             replace.again(core, record, f"{reason} {where}")
         elif was_live and not script_gang:  # a gang without one replica cannot go on; an

@@ -14,8 +14,9 @@ class ScriptState:
     """A live script job's runs: how many reruns it had, why the next one starts (set once
     its failed run's executor is asked to go), and a duplicate of its client's socket (a
     descriptor, kept for reruns while the job may be rerun). A gang's: the ranks at a
-    boundary waiting for the gang's next iteration (`ready`), and the exit statuses of the
-    ranks whose command ended (`exits`, by rank)."""
+    boundary waiting for the gang's next iteration (`ready`), the exit statuses of the
+    ranks whose command ended (`exits`, by rank), and whether its time limit runs
+    (`limits_armed`: from its command's first start; a daemon restart starts a new state)."""
 
     command: ScriptCommand
     restarts: int = 0
@@ -25,3 +26,4 @@ class ScriptState:
     swap: dict[str, Any] = field(default_factory=dict)
     ready: set[int] = field(default_factory=set)
     exits: dict[int, int] = field(default_factory=dict)
+    limits_armed: bool = False

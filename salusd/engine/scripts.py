@@ -98,12 +98,12 @@ def spec(command: ScriptCommand) -> JobSpec:
 
 def start(core: Core, record: JobRecord, command: ScriptCommand,
           frames: Sequence[RawFrame] | None,
-          after: Callable[[Callable[[], None]], None] | None = None) -> None:
+          after: Callable[[Callable[[], None]], None]) -> None:
     """Give the job an executor per rank and start its command there; `frames` carry the
     client's sockets, one per rank (None: no client, the output goes to the job's log).
-    With `after` (a timer's work run and the engine stepped), its time limit is armed once
-    its command runs (rank 0's started): it counts the command's time, not the wait for an
-    executor (`arm_limits`). A rerun keeps the limit armed at the job's first start."""
+    Its time limit is armed when its command first runs (rank 0's started), so it counts
+    the command's time, not the wait for an executor; reruns share it (`arm_limits`;
+    `after` runs a timer's work and steps the engine)."""
     state = record.script
     if state is None:
         state = record.script = ScriptState(command)
@@ -124,7 +124,8 @@ def start(core: Core, record: JobRecord, command: ScriptCommand,
                 record.direct = record.gang == 1
                 if record.life.phase is Phase.OPEN:
                     record.life.attached()
-                if rank == 0 and after is not None:
+                if rank == 0 and not state.limits_armed:
+                    state.limits_armed = True
                     arm_limits(core, record, command, after)
             else:
                 who = f"rank {rank}: " if record.gang > 1 else ""
@@ -347,9 +348,9 @@ def executor_gone(core: Core, record: JobRecord, reason: str) -> bool:
     return False
 
 
-def rerun(core: Core, record: JobRecord) -> None:
+def rerun(core: Core, record: JobRecord, after: Callable[[Callable[[], None]], None]) -> None:
     """Run the job's command again in a fresh executor, in its resume directory, its client
-    (if it is still there) attached again."""
+    (if it is still there) attached again. `after`: as `start`'s."""
     state = record.script
     assert state is not None
     state.restarts += 1
@@ -362,7 +363,7 @@ def rerun(core: Core, record: JobRecord) -> None:
         frame = json_frame({"op": "rerun"})
         frame.flags |= FLAG_SOCKET
         frame.fd = os.dup(state.client_fd)
-    start(core, record, state.command, None if frame is None else [frame])
+    start(core, record, state.command, None if frame is None else [frame], after)
 
 
 def view(record: JobRecord) -> dict[str, Any] | None:

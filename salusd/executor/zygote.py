@@ -153,10 +153,10 @@ def serve(fd: int, daemon: int, want: str | None = None) -> int:
     signal.signal(signal.SIGTERM, _daemon_died)
     die_with_parent(signal.SIGTERM, daemon)
     reap_orphans()
-    if want is not None and (why := _cannot_serve(want)):
-        _send_blocking(socket.socket(fileno=fd), {"op": "refused", "message": why})
-        return 1
     sock = socket.socket(fileno=fd)
+    if want is not None and (why := _cannot_serve(want)):
+        _send_blocking(sock, {"op": "refused", "message": why})
+        return 1
     if want is None:  # salusd's own environment: torch imports, and the daemon can listen
         import torch  # noqa: F401 - a torch that does not import fails the daemon's start
 
@@ -181,20 +181,20 @@ def serve(fd: int, daemon: int, want: str | None = None) -> int:
     selector.register(wake_r, selectors.EVENT_READ)
     if want is not None:  # another interpreter: ready once its environment ran our code
         _send_blocking(sock, {"op": "ready", "pid": os.getpid()})
-    while True:
-        for key, _ in selector.select():
-            if key.fileobj == wake_r:
-                os.read(wake_r, 4096)
-                _blocking(sock, _reap)
-                continue
-            frames, closed = reader.read(0.0)
-            if closed:  # the daemon stopped: fork nothing more, answer no one
-                return 0
-            for frame in frames:
-                try:
-                    _blocking(sock, lambda s, f=frame: _fork(s, f))
-                except (BrokenPipeError, ConnectionResetError):  # it stopped while we forked
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj == wake_r:
+                    os.read(wake_r, 4096)
+                    _blocking(sock, _reap)
+                    continue
+                frames, closed = reader.read(0.0)
+                if closed:  # the daemon stopped: fork nothing more
                     return 0
+                for frame in frames:
+                    _blocking(sock, lambda s, f=frame: _fork(s, f))
+    except (BrokenPipeError, ConnectionResetError):  # it stopped while we answered it
+        return 0
 
 
 def _cannot_serve(want: str) -> str:
