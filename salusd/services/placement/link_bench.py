@@ -26,6 +26,7 @@ def benchmark_links(
     small_bytes: int = 8,
     large_bytes: int = 4 * 2**20,
     rounds: int = 10,
+    attempts: int = 3,
 ) -> LinkProfile:
     """Measure every pair of ranks of the default process group; every rank must call this.
 
@@ -35,15 +36,40 @@ def benchmark_links(
     latency-bandwidth line through them gives the bandwidth (bytes/s, the slope) and the
     latency (seconds, the intercept). The result is symmetric, indexed by rank, and the same
     on every rank. Tensors live on `device` (a CUDA device with NCCL). When a pair's large
-    message was not slower than its small one (a disturbed measurement), every rank raises the
-    same RuntimeError once all pairs are done, so the ranks stay in step and may retry.
+    message was not slower than its small one (a measurement disturbed by other load), every
+    rank measures every pair again, up to `attempts` times in all, and then raises the same
+    RuntimeError: every rank sees the same gathered times, so the ranks stay in step.
     """
     if not 0 < small_bytes < large_bytes:
         raise ValueError(f"need 0 < small_bytes < large_bytes, got {small_bytes}, {large_bytes}")
     rank, world = dist.get_rank(), dist.get_world_size()
     small = torch.zeros(small_bytes, dtype=torch.uint8, device=device)
     large = torch.zeros(large_bytes, dtype=torch.uint8, device=device)
-    measured: list[tuple[int, int, float, float]] = []  # (i, j, small, large) one-way s
+    for _ in range(attempts):
+        rows = _measure_pairs(small, large, rank, world, rounds)
+        disturbed = [(i, j, ts, tl) for i, j, ts, tl in rows if tl <= ts]
+        if not disturbed:
+            break
+    else:
+        i, j, t_small, t_large = disturbed[0]
+        raise RuntimeError(
+            f"ranks {i}<->{j}: {large_bytes} bytes took {t_large:.3g} s, no longer than "
+            f"{small_bytes} bytes ({t_small:.3g} s) in each of {attempts} attempts; raise "
+            "large_bytes")
+    lat = [[0.0] * world for _ in range(world)]
+    bw = [[0.0] * world for _ in range(world)]
+    for i, j, t_small, t_large in rows:
+        bandwidth = (large_bytes - small_bytes) / (t_large - t_small)
+        lat[i][j] = lat[j][i] = max(0.0, t_small - small_bytes / bandwidth)
+        bw[i][j] = bw[j][i] = bandwidth
+    return LinkProfile(tuple(map(tuple, lat)), tuple(map(tuple, bw)))
+
+
+def _measure_pairs(small: torch.Tensor, large: torch.Tensor, rank: int, world: int,
+                   rounds: int) -> list[tuple[int, int, float, float]]:
+    """Every pair's (i, j, small one-way s, large one-way s), pairs in turn; the same list on
+    every rank."""
+    measured: list[tuple[int, int, float, float]] = []
     for i, j in combinations(range(world), 2):
         if rank in (i, j):
             peer = j if rank == i else i
@@ -54,17 +80,7 @@ def benchmark_links(
         dist.barrier()
     gathered: list[list[tuple[int, int, float, float]]] = [[] for _ in range(world)]
     dist.all_gather_object(gathered, measured)
-    lat = [[0.0] * world for _ in range(world)]
-    bw = [[0.0] * world for _ in range(world)]
-    for i, j, t_small, t_large in (row for rows in gathered for row in rows):
-        if t_large <= t_small:
-            raise RuntimeError(
-                f"ranks {i}<->{j}: {large_bytes} bytes took {t_large:.3g} s, no longer than "
-                f"{small_bytes} bytes ({t_small:.3g} s); raise large_bytes")
-        bandwidth = (large_bytes - small_bytes) / (t_large - t_small)
-        lat[i][j] = lat[j][i] = max(0.0, t_small - small_bytes / bandwidth)
-        bw[i][j] = bw[j][i] = bandwidth
-    return LinkProfile(tuple(map(tuple, lat)), tuple(map(tuple, bw)))
+    return [row for rows in gathered for row in rows]
 
 
 def _one_way_s(buf: torch.Tensor, initiator: bool, peer: int, rounds: int) -> float:
