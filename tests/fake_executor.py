@@ -3,7 +3,8 @@ daemon↔executor protocol (`salusd/wire/executor_ops.py`) without processes.
 
 Every message the engine sends goes through its wire form (`encode`, then `decode_request`),
 so one the protocol cannot carry fails the test where it is sent. Each `FakeExecutor` keeps
-what it was sent (`sent`) and what it has not answered yet (`unanswered`); a test answers the
+what it was sent (`sent`) and what it has not answered yet (`unanswered`, with the engine's
+`Sent`, which goes back with the reply as the supervisor's queue gives it); a test answers the
 oldest with a typed reply, or as a healthy executor would (`answer`, `answer_all`; see
 `ordinary_reply`), sends unsolicited `Ready`/`Ran` (`ready`, `unsolicited`), and kills one
 (`die`). Replies go through their wire
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from salus.daemon.engine.engine import Engine
+from salus.daemon.engine.ports import Sent
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.executor.results import is_iteration
 from salus.daemon.wire.executor_ops import (
@@ -74,7 +76,8 @@ class FakeExecutor:
     def __init__(self, record: JobRecord) -> None:
         self.record = record
         self.sent: list[Request] = []  # every message, in order
-        self.unanswered: deque[tuple[Request, Any]] = deque()  # with the client's frame's JSON
+        #: with the client's frame's JSON and the engine's record of the message
+        self.unanswered: deque[tuple[Request, Any, Sent]] = deque()
         self.kinds: dict[int, str] = {}  # the job's functions by id, from `Define` frames
         self.direct: deque[Any] = deque()  # direct calls waiting for a `Run` without a frame
         self.device: str | None = None  # where the last `Place` put it
@@ -138,14 +141,15 @@ class FakeExecutors:
         self.executors.append(executor)
         return executor
 
-    def send(self, executor: object, msg: Request, frame: RawFrame | None) -> None:
+    def send(self, executor: object, sent: Sent, frame: RawFrame | None) -> None:
         assert isinstance(executor, FakeExecutor)
+        msg = sent.request
         request = decode_request(encode(msg))
         assert request == msg, f"{msg} does not come through the wire as itself: {request}"
         executor.sent.append(request)
         if isinstance(request, Place):
             executor.device = request.device
-        executor.unanswered.append((request, None if frame is None else frame.json()))
+        executor.unanswered.append((request, None if frame is None else frame.json(), sent))
         if self.on_send is not None:
             self.on_send(executor, request)
 
@@ -170,7 +174,7 @@ class FakeExecutors:
         """Answer `executor`'s oldest message with `reply` (default: its `ordinary_reply`) and,
         when the reply forwards one, the client's `frame` (default: an ok result); returns the
         message answered."""
-        request, call = executor.unanswered.popleft()
+        request, call, sent = executor.unanswered.popleft()
         if reply is None:
             reply = executor.ordinary_reply(request, call)
         fits = _FITS.get(type(request), (Ack, Failed))
@@ -178,7 +182,7 @@ class FakeExecutors:
         if reply.forward and frame is None:
             frame = json_frame({"ok": True, "result": None})
         assert reply.forward == (frame is not None), "a frame goes with forward replies only"
-        self._engine().on_executor_reply(executor, _wired(reply), frame)
+        self._engine().on_executor_reply(executor, _wired(reply), frame, sent)
         return request
 
     def answer_all(self, limit: int = 10_000) -> None:
@@ -197,13 +201,14 @@ class FakeExecutors:
         self.unsolicited(executor, Ready(is_iteration(call, executor.kinds), estimate))
 
     def unsolicited(self, executor: FakeExecutor, message: Ready | Ran) -> None:
-        self._engine().on_executor_reply(executor, _wired(message), None)
+        self._engine().on_executor_reply(executor, _wired(message), None, None)
 
     def die(self, executor: FakeExecutor, reason: str, poisoned: bool = False) -> None:
         """The executor process is gone (its death reported, as the supervisor does;
         `poisoned`: a call poisoned its CUDA context)."""
+        owed = [sent for _, _, sent in executor.unanswered]
         executor.unanswered.clear()
-        self._engine().on_executor_died(executor, reason, None, True, poisoned)
+        self._engine().on_executor_died(executor, reason, None, True, poisoned, owed)
 
     def _engine(self) -> Engine:
         assert self.engine is not None, "set FakeExecutors.engine to the engine using it"

@@ -36,6 +36,16 @@ def _script(tmp: Path) -> tuple[Engine, FakeExecutors, JobRecord, FakeExecutor]:
     return engine, port, record, executor
 
 
+def _to_the_turn(port: FakeExecutors, executor: FakeExecutor) -> None:
+    """Answer what the job was sent until its turn is granted (`Run`), left unanswered: the
+    script runs to its next boundary."""
+    for _ in range(100):
+        if executor.unanswered and isinstance(executor.unanswered[0][0], Run):
+            return
+        port.answer(executor)
+    raise AssertionError(f"no turn granted: {executor.sent}")
+
+
 def _leases(executor: FakeExecutor) -> list[bool]:
     return [m.granted for m in executor.sent if isinstance(m, Lease)]
 
@@ -43,11 +53,9 @@ def _leases(executor: FakeExecutor) -> list[bool]:
 def test_a_ready_that_came_with_the_last_report_does_not_keep_the_lease_away(
         tmp_path: Path) -> None:
     engine, port, record, executor = _script(tmp_path)
-    port.answer_all()  # placed; its turn granted (`Run`), answered at the next boundary ...
-    assert any(isinstance(m, Run) for m in executor.sent)
+    _to_the_turn(port, executor)  # placed; its turn granted, answered at the next boundary ...
     # ... where the script reports the step and asks for the next at once, read together
-    engine.on_executor_reply(executor, CallDone(True, 0.001, MiB, True, 0.0, 0.001),
-                             None)
+    port.answer(executor, CallDone(True, 0.001, MiB, True, 0.0, 0.001))
     port.unsolicited(executor, Ready(True))
     port.answer_all()
     assert _leases(executor) == [True]
@@ -57,9 +65,9 @@ def test_a_ready_that_came_with_the_last_report_does_not_keep_the_lease_away(
 def test_a_job_moved_to_another_lane_gets_its_lease_only_after_the_old_one_is_back(
         tmp_path: Path) -> None:
     engine, port, record, executor = _script(tmp_path)
-    port.answer_all()
-    engine.on_executor_reply(executor, CallDone(True, 0.001, MiB, True, 0.0, 0.001),
-                             None)
+    _to_the_turn(port, executor)
+    port.answer(executor, CallDone(True, 0.001, MiB, True, 0.0, 0.001))
+    port.unsolicited(executor, Ready(True))
     port.answer_all()
     assert _leases(executor) == [True]
     # under the lease an iteration measured far more than its lane: re-admitted elsewhere

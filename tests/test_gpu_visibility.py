@@ -13,6 +13,7 @@ import time
 import pytest
 
 from salus.daemon.devices.discovery import probe_cuda_devices
+from salus.daemon.engine.ports import Sent
 from salus.daemon.engine.registry import JobRecord, Owner
 from salus.daemon.executor.visible import BoundToAnotherGpu, device_for
 from salus.daemon.loop import Link, Loop
@@ -56,7 +57,7 @@ def _sent(supervisor: Supervisor, loop: Loop, meta: dict[str, object], uid: int 
     process = ExecutorProcess(token, link, uid=uid)
     supervisor.pool.by_token[token] = process
     handle = ExecutorHandle(process, record, 0, sharable=False)
-    supervisor.send(handle, decode_request(meta), None)
+    supervisor.send(handle, Sent(decode_request(meta)), None)
     loop.run_once(0.0)
     reader = FrameReader(theirs)
     frames: list[object] = []

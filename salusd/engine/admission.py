@@ -9,8 +9,9 @@ import signal
 from salus.daemon.devices.discovery import format_size
 from salus.daemon.engine import scripts
 from salus.daemon.engine.booking import booked_estimate
-from salus.daemon.engine.core import Core, LaneKey
+from salus.daemon.engine.core import Core
 from salus.daemon.engine.ledger import aligned
+from salus.daemon.engine.ports import LaneKey
 from salus.daemon.engine.registry import JobRecord, may_share_executor, requested_memory
 from salus.daemon.wire.errors import BadRequest, DoesNotFit
 from salus.daemon.wire.executor_ops import Estimated, EstimateFailed, Reply, failure

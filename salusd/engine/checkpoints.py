@@ -7,7 +7,7 @@ import logging
 import os
 
 from salus.daemon.engine.core import Core
-from salus.daemon.engine.outbox import OnDone
+from salus.daemon.engine.ports import OnDone
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.errors import BadRequest, Conflict
 from salus.daemon.wire.executor_ops import (

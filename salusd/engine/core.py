@@ -20,7 +20,12 @@ from salus.daemon.engine.ledger import DeviceLedger
 from salus.daemon.engine.lifecycle import EndState
 from salus.daemon.engine.outbox import Outbox
 from salus.daemon.engine.pod_grants import PodGrants
-from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy, JobStore, Timers
+from salus.daemon.engine.ports import (
+    CheckpointPolicy,
+    DataCachePolicy,
+    JobStore,
+    Timers,
+)
 from salus.daemon.engine.registry import Call, JobRecord, Registry
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
 from salus.daemon.wire.frames import RawFrame, json_frame
@@ -28,7 +33,6 @@ from salus.scheduler import JobState, Placement, Policy
 from salus.scheduler.dispatch import Dispatcher, Forget, Ready, Update
 
 log = logging.getLogger("salusd.engine")
-LaneKey = tuple[int, int]
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,14 @@ from salus.daemon.engine.events import EventStream
 from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.leases import Leases
 from salus.daemon.engine.ledger import DeviceLedger
-from salus.daemon.engine.outbox import OnDone, Outbox
+from salus.daemon.engine.outbox import Outbox
 from salus.daemon.engine.ports import (
     CheckpointPolicy,
     DataCachePolicy,
     ExecutorPort,
     JobStore,
+    OnDone,
+    Sent,
     Timers,
 )
 from salus.daemon.engine.registry import (
@@ -439,20 +441,20 @@ class Engine:
         self._step()
 
     # ---- executor events -------------------------------------------------------------------
-    def on_executor_reply(self, executor: object, reply: Reply,
-                          frame: RawFrame | None) -> None:
-        """The executor answered the oldest message it was sent (or spoke unasked)."""
-        self.replies.reply(executor, reply, frame)
+    def on_executor_reply(self, executor: object, reply: Reply, frame: RawFrame | None,
+                          sent: Sent | None) -> None:
+        """The executor answered `sent`, the oldest message it owed (None: it spoke unasked,
+        or owed nothing)."""
+        self.replies.reply(executor, reply, frame, sent)
         self._step()
 
-    def on_executor_died(self, executor: object, reason: str,
-                         exit_code: int | None = None, started: bool = True,
-                         poisoned: bool = False) -> None:
+    def on_executor_died(self, executor: object, reason: str, exit_code: int | None,
+                         started: bool, poisoned: bool, owed: list[Sent]) -> None:
         """The executor is gone (`reason`; `exit_code` its status, -N for signal N, None when
         unknown; `started` False: its process never ran; `poisoned`: a call poisoned its CUDA
         context): fail its job with `reason` (unless it had already ended, or goes on from its
-        checkpoint) and answer everything it still owed."""
-        self.replies.died(executor, reason, exit_code, started, poisoned)
+        checkpoint) and answer everything it still `owed`, oldest first."""
+        self.replies.died(executor, reason, exit_code, started, poisoned, owed)
         self._step()
 
     def _after(self, fn: Callable[[], None]) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from salus.daemon.engine.core import Core, LaneKey, error_frame
+from salus.daemon.engine.core import Core, error_frame
 from salus.daemon.engine.gang import GangReply
-from salus.daemon.engine.outbox import Sent
+from salus.daemon.engine.ports import LaneKey, Sent
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.errors import JobFailed
 from salus.daemon.wire.executor_ops import Reply, StepDone, failure

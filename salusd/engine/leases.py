@@ -9,7 +9,8 @@ back; the calls it ran meanwhile are reported afterwards (`ran`) and accounted t
 
 from __future__ import annotations
 
-from salus.daemon.engine.core import Core, LaneKey
+from salus.daemon.engine.core import Core
+from salus.daemon.engine.ports import LaneKey
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.wire.executor_ops import Lease
 

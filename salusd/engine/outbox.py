@@ -1,45 +1,25 @@
-"""What the engine sent each executor and has not had answered yet.
+"""The engine's executors: the job each serves, and how messages reach them.
 
-Every message sent to an executor gets exactly one reply, in order, so each executor has a
-queue of what it was asked (`Sent`); a reply is matched with the head of that queue. A message
-to a gang goes to every replica, and their replies merge into one (`GangReply`).
+Every message sent to an executor gets exactly one reply, in order. What an executor owes is
+kept once, by the port (`ports.ExecutorPort.send`), which hands each `Sent` back with its reply
+or with the executor's death. A message to a gang goes to every replica, and their replies
+merge into one (`GangReply`).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-
 from salus.daemon.engine.gang import GangReply
-from salus.daemon.engine.ports import ExecutorPort
+from salus.daemon.engine.ports import ExecutorPort, LaneKey, OnDone, Sent
 from salus.daemon.engine.registry import Answer, JobRecord
-from salus.daemon.wire.executor_ops import Reply, Request
+from salus.daemon.wire.executor_ops import Request
 from salus.daemon.wire.frames import RawFrame
-
-LaneKey = tuple[int, int]
-OnDone = Callable[[Reply], None]
-
-
-@dataclass(eq=False)
-class Sent:
-    """One message an executor has not answered yet: the `request`, who gets the client's
-    answer that comes with the reply, the lane it runs in, and what to call with the reply."""
-
-    request: Request
-    answer: Answer | None = None
-    lane: LaneKey | None = None
-    on_done: OnDone | None = None  # gets the executor's reply
-    gang: GangReply | None = None  # sent to every replica of a gang: their replies merge
-    replica: int = 0
 
 
 class Outbox:
-    """Executors by identity, the job each serves, and what each was sent."""
+    """Executors by identity and the job each serves."""
 
     def __init__(self, port: ExecutorPort) -> None:
         self.port = port
-        self._sent: dict[int, deque[Sent]] = {}  # id(executor) -> what it was asked
         self._by_executor: dict[int, JobRecord] = {}
 
     def acquire(self, record: JobRecord, count: int) -> None:
@@ -47,7 +27,6 @@ class Outbox:
         record.replicas = [self.port.acquire(record, record.cwd, replica=r)
                            for r in range(count)]
         for executor in record.replicas:
-            self._sent[id(executor)] = deque()
             self._by_executor[id(executor)] = record
 
     def job_of(self, executor: object) -> JobRecord | None:
@@ -57,21 +36,14 @@ class Outbox:
         """Whether `executor` is known and has not died."""
         return id(executor) in self._by_executor
 
-    def next_reply(self, executor: object) -> Sent | None:
-        """What the reply `executor` just sent answers (None: it owed nothing)."""
-        queue = self._sent.get(id(executor))
-        return queue.popleft() if queue else None
-
-    def forget(self, executor: object) -> tuple[JobRecord | None, list[Sent]]:
-        """`executor` is gone: its job and what it still owed."""
-        record = self._by_executor.pop(id(executor), None)
-        return record, list(self._sent.pop(id(executor), deque()))
+    def forget(self, executor: object) -> JobRecord | None:
+        """`executor` is gone: its job (None: it served none any longer)."""
+        return self._by_executor.pop(id(executor), None)
 
     def drop_replicas(self, record: JobRecord) -> None:
         """The job's state did not load: retire its executors (it may attach again)."""
         for replica in record.replicas:
             self._by_executor.pop(id(replica), None)
-            self._sent.pop(id(replica), None)
             self.port.retire(replica)
         record.replicas = []
 
@@ -103,8 +75,7 @@ class Outbox:
         self._queue(executor, Sent(msg, answer, lane, on_done), frame)
 
     def _queue(self, executor: object, sent: Sent, frame: RawFrame | None) -> None:
-        self._sent[id(executor)].append(sent)
-        self.port.send(executor, sent.request, frame)
+        self.port.send(executor, sent, frame)
 
     def send(self, record: JobRecord, msg: Request, frame: RawFrame | None = None, *,
              answer: Answer | None = None, lane: LaneKey | None = None,

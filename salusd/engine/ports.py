@@ -6,9 +6,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from salus.daemon.engine.registry import JobRecord, Owner
-from salus.daemon.wire.executor_ops import Request
+from salus.daemon.engine.gang import GangReply
+from salus.daemon.engine.registry import Answer, JobRecord, Owner
+from salus.daemon.wire.executor_ops import Reply, Request
 from salus.daemon.wire.frames import RawFrame
+
+LaneKey = tuple[int, int]
+OnDone = Callable[[Reply], None]
+
+
+@dataclass(eq=False)
+class Sent:
+    """One message the engine sent an executor, owed a reply: the `request`, who gets the
+    client's answer that comes with the reply, the lane it runs in, and what to call with the
+    reply. The port keeps it until the reply comes back with it (`Engine.on_executor_reply`),
+    or hands it back among what a dead executor owed (`Engine.on_executor_died`)."""
+
+    request: Request
+    answer: Answer | None = None
+    lane: LaneKey | None = None
+    on_done: OnDone | None = None  # gets the executor's reply
+    gang: GangReply | None = None  # sent to every replica of a gang: their replies merge
+    replica: int = 0
 
 
 class ExecutorPort(Protocol):
@@ -18,8 +37,10 @@ class ExecutorPort(Protocol):
         """An executor process for replica `replica` of `record`, running as its owner."""
         ...
 
-    def send(self, executor: object, msg: Request, frame: RawFrame | None) -> None:
-        """Send one message (and the client frame that goes with it) to the executor."""
+    def send(self, executor: object, sent: Sent, frame: RawFrame | None) -> None:
+        """Send `sent.request` (and the client frame that goes with it) to the executor. An
+        executor answers its messages in order; the port keeps what it owes, one queue per
+        executor, and gives `sent` back with its reply, or with the executor's death."""
         ...
 
     def kill(self, executor: object) -> None:

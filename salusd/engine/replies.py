@@ -10,9 +10,9 @@ from typing import Any
 
 from salus.daemon.engine import admission, checkpoints, gang_failures, replace, scripts
 from salus.daemon.engine.booking import booked_persistent
-from salus.daemon.engine.core import Core, LaneKey, error_frame, exit_detail
+from salus.daemon.engine.core import Core, error_frame, exit_detail
 from salus.daemon.engine.leases import Leases
-from salus.daemon.engine.outbox import Sent
+from salus.daemon.engine.ports import LaneKey, Sent
 from salus.daemon.engine.registry import Call, JobRecord
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
 from salus.daemon.wire.executor_ops import (
@@ -62,13 +62,14 @@ class Replies:
         self.leases = leases
         self.after = after
 
-    def reply(self, executor: object, reply: Reply, frame: RawFrame | None) -> None:
+    def reply(self, executor: object, reply: Reply, frame: RawFrame | None,
+              sent: Sent | None) -> None:
+        """`executor`'s `reply` to `sent` (None: it spoke unasked, or owed nothing)."""
         core = self.core
         record = core.outbox.job_of(executor)
         if record is not None and isinstance(reply, UNSOLICITED):
             self._unsolicited(record, executor, reply)
             return
-        sent = core.outbox.next_reply(executor) if record is not None else None
         if record is None or sent is None:
             log.warning("unexpected reply from an executor: %r", reply)
             if frame is not None:
@@ -288,15 +289,15 @@ class Replies:
         else:
             core.outbox.send(record, Estimate(frame=False))
 
-    def died(self, executor: object, reason: str, exit_code: int | None = None,
-             started: bool = True, poisoned: bool = False) -> None:
+    def died(self, executor: object, reason: str, exit_code: int | None, started: bool,
+             poisoned: bool, queue: list[Sent]) -> None:
         """The executor is gone (`exit_code`: -N for signal N, None when unknown; `poisoned`:
         it ended because a call poisoned its CUDA context): fail its job with `reason` (unless
         it had already ended, or it goes on from its checkpoint: `replace.py`) and answer
-        everything it still owed. `started`: False for one whose process never ran (`reason`
-        is all there is to say)."""
+        everything it still owed (`queue`, oldest first). `started`: False for one whose
+        process never ran (`reason` is all there is to say)."""
         core = self.core
-        record, queue = core.outbox.forget(executor)
+        record = core.outbox.forget(executor)
         if record is None:
             return
         before = exit_detail(record)

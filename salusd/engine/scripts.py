@@ -42,7 +42,7 @@ from salus.daemon.engine import torchrun
 from salus.daemon.engine.core import Core, exit_detail
 from salus.daemon.engine.job_spec import JobSpec
 from salus.daemon.engine.lifecycle import Phase
-from salus.daemon.engine.outbox import OnDone
+from salus.daemon.engine.ports import OnDone
 from salus.daemon.engine.registry import JobRecord, requested_memory
 from salus.daemon.engine.script_command import ScriptCommand, with_array, with_grace, with_limits
 from salus.daemon.engine.script_state import ScriptState

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from salus.daemon.devices.context_cost import workspace_config
+from salus.daemon.engine.ports import Sent
 from salus.daemon.engine.registry import JobRecord
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.loop import Link
@@ -30,6 +31,9 @@ from salus.daemon.wire.frames import RawFrame
 ISOLATIONS = ("lane", "job")  # `--isolation`: an owner's jobs of a lane in one process, or not
 
 LaneOf = tuple[int, int]  # (owner uid, lane id): lane ids are never reused on a node
+#: who reads a reply a process owes: the engine (the `Sent` it gets back with the reply), or the
+#: supervisor's own step of that name ("host", "handover", "adopt", "replace", "exit")
+Reader = Sent | str
 
 
 @dataclass(eq=False)
@@ -63,8 +67,9 @@ class ExecutorHandle:
     replica: int
     sharable: bool  # may move into its owner's process of its lane
     why_alone: str | None = None  # why it keeps a process of its own, when it is sharable
-    owed: deque[str] = field(default_factory=deque)  # who reads each reply: "engine" or ours
-    held: list[tuple[Request, RawFrame | None]] | None = None  # while it moves
+    owed: deque[Reader] = field(default_factory=deque)  # the replies it owes, oldest first
+    #: while it moves: what is sent to its new process once that has the job
+    held: list[tuple[Request, Reader, RawFrame | None]] | None = None
     lane: int | None = None  # the lane id where it was placed
     place: Place | None = None  # the last place sent
 
@@ -106,10 +111,11 @@ class Pending:
 
 class Died(Protocol):
     """`Supervisor.on_died`: (the job's handle, why, its exit code, whether it ever ran,
-    whether a call poisoned its CUDA context)."""
+    whether a call poisoned its CUDA context, the engine's messages it still owed replies to,
+    oldest first)."""
 
     def __call__(self, handle: ExecutorHandle, reason: str, exit_code: int | None,
-                 started: bool = True, poisoned: bool = False, /) -> None: ...
+                 started: bool, poisoned: bool, owed: list[Sent], /) -> None: ...
 
 
 def describe_status(status: int) -> str:

@@ -19,8 +19,11 @@ what the device holds.
 
 The engine sees one `ExecutorHandle` per job (per replica of a gang); messages to a handle go
 to its process addressed to its job (`wire/executor_ops/envelope.py`), and the process's
-replies come back to the handle they name. The engine's messages to a job that is moving are
-held and sent to its new process once it took the job over.
+replies come back to the handle they name. A handle's `owed` is the one queue of the replies
+its job owes: each goes back to the engine with the `Sent` it answers, or to the supervisor's
+own step (host, handover, adopt, replace, exit); on a death the engine gets the `Sent`s still
+owed. The engine's messages to a job that is moving are held and sent to its new process once
+it took the job over.
 
 An executor's death is known from two sources that arrive in either order: its socket closes
 (end of stream) and the zygote reports its wait status. Its jobs are failed once both are in,
@@ -42,6 +45,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from salus.daemon.devices.mps import thread_percentage
+from salus.daemon.engine.ports import Sent
 from salus.daemon.engine.registry import JobRecord, Owner, is_script, may_share_executor
 from salus.daemon.loop import Link, Loop
 from salus.daemon.state.job_output import output_path
@@ -53,6 +57,7 @@ from salus.daemon.supervisor.processes import (
     ExecutorProcess,
     LaneOf,
     Pending,
+    Reader,
     executor_environment,
 )
 from salus.daemon.supervisor.zygotes import other_interpreter
@@ -98,11 +103,12 @@ class Supervisor:
         self.retire_after_s = retire_after_s
         self.estimate_first = estimate_first  # executors estimate a job's first call
         self.isolation = isolation
-        self.on_reply: Callable[[ExecutorHandle, Reply, RawFrame | None], None] = (
+        #: a job's reply to the engine's message (its `Sent`; None: unsolicited or unowed)
+        self.on_reply: Callable[[ExecutorHandle, Reply, RawFrame | None, Sent | None], None] = (
             lambda *_: None)
-        #: a job's executor is gone: why, its exit code (-N: signal N; None: unknown), and
-        #: whether its process ever ran, and whether a call poisoned its CUDA context (its
-        #: batch jobs may go on elsewhere)
+        #: a job's executor is gone: why, its exit code (-N: signal N; None: unknown),
+        #: whether its process ever ran, whether a call poisoned its CUDA context (its batch
+        #: jobs may go on elsewhere), and the engine's messages it still owed
         self.on_died: Died = lambda *_: None
         self._serving: dict[LaneOf, ExecutorProcess] = {}  # the owner's process of a lane
         self.moves = 0  # jobs moved into their owner's process of their lane
@@ -133,9 +139,19 @@ class Supervisor:
         """A zygote of another interpreter could not fork `proc`: its jobs could not start."""
         for handle in list(proc.jobs.values()):
             script = is_script(handle.record)
-            self.on_died(handle, f"the {'script' if script else 'job'} could not start: {why}",
-                         None, False)
+            self._died(handle, f"the {'script' if script else 'job'} could not start: {why}",
+                       started=False)
         proc.jobs.clear()
+
+    def _died(self, handle: ExecutorHandle, reason: str, exit_code: int | None = None,
+              started: bool = True, poisoned: bool = False) -> None:
+        """Tell the engine the handle's job is gone from its process, with the engine's
+        messages it owed replies to (sent, then held while it moved), oldest first."""
+        owed = [r for r in handle.owed if isinstance(r, Sent)]
+        owed += [r for _, r, _ in handle.held or () if isinstance(r, Sent)]
+        handle.owed.clear()
+        handle.held = None
+        self.on_died(handle, reason, exit_code, started, poisoned, owed)
 
     # ---- the engine's ExecutorPort -----------------------------------------------------------
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
@@ -165,26 +181,33 @@ class Supervisor:
         self._to_process(handle, Host(cwd, self.estimate_first, log_file), None, "host")
         return handle
 
-    def send(self, executor: object, msg: Request, frame: RawFrame | None) -> None:
+    def send(self, executor: object, sent: Sent, frame: RawFrame | None) -> None:
         assert isinstance(executor, ExecutorHandle)
+        msg = sent.request
         if isinstance(msg, Place):
             msg = self._on_gpu(msg, executor)
-        if executor.held is not None:  # moving: sent once the new process has the job
-            executor.held.append((msg, frame))
-        else:
-            self._forward(executor, msg, frame)
+        self._send(executor, msg, sent, frame)
 
-    def _forward(self, handle: ExecutorHandle, msg: Request, frame: RawFrame | None) -> None:
+    def _send(self, handle: ExecutorHandle, msg: Request, reader: Reader,
+              frame: RawFrame | None) -> None:
+        if handle.held is not None:  # moving: sent once the new process has the job
+            handle.held.append((msg, reader, frame))
+        else:
+            self._forward(handle, msg, reader, frame)
+
+    def _forward(self, handle: ExecutorHandle, msg: Request, reader: Reader,
+                 frame: RawFrame | None) -> None:
         """An engine message (or our `Exit` for the job) to the handle's process."""
         if isinstance(msg, Place):
-            self._place(handle, msg, frame)
+            self._place(handle, msg, reader, frame)
         else:
-            self._to_process(handle, msg, frame, "exit" if isinstance(msg, Exit) else "engine")
+            self._to_process(handle, msg, frame, reader)
 
     def _to_process(self, handle: ExecutorHandle, msg: Request, frame: RawFrame | None,
-                    reader: str | None) -> None:
+                    reader: Reader | None) -> None:
         """Send `msg` (and `frame`) to the handle's process for its job; its reply goes to
-        `reader` ("engine", or the supervisor's own step; None: no reply comes)."""
+        `reader` (the engine, with that `Sent`, or the supervisor's own step; None: no reply
+        comes)."""
         if reader is not None:
             handle.owed.append(reader)
         self.loop.send(handle.process.link, json_frame(addressed(encode(msg), handle.job)))
@@ -239,7 +262,7 @@ class Supervisor:
         of it as of a death, with its calls still owed answered); a process left without
         jobs exits."""
         assert isinstance(executor, ExecutorHandle)
-        self.send(executor, Exit(code, message), None)
+        self._send(executor, Exit(code, message), "exit", None)
 
     def _release(self, handle: ExecutorHandle, proc: ExecutorProcess) -> None:
         """`handle`'s job left `proc`: a process without jobs is told to exit."""
@@ -256,7 +279,8 @@ class Supervisor:
             self.pool.kill(proc)
 
     # ---- placement: an owner's jobs of one lane in one process --------------------------------
-    def _place(self, handle: ExecutorHandle, place: Place, frame: RawFrame | None) -> None:
+    def _place(self, handle: ExecutorHandle, place: Place, reader: Reader,
+               frame: RawFrame | None) -> None:
         handle.lane = place.lane
         own = handle.process
         if handle.sharable and handle.lane is not None and own.uid is not None:
@@ -266,19 +290,20 @@ class Supervisor:
                     None, place.device):
                 self._serve(own, key)  # alone in its process: that process serves the lane
             elif self._lane_process(handle.record.owner, key) is not own:
-                handle.held = [(place, frame)]
+                handle.held = [(place, reader, frame)]
                 self._to_process(handle, Handover(), None, "handover")
                 return
-        self._send_place(handle, place, frame)
+        self._send_place(handle, place, reader, frame)
 
-    def _send_place(self, handle: ExecutorHandle, place: Place, frame: RawFrame | None) -> None:
+    def _send_place(self, handle: ExecutorHandle, place: Place, reader: Reader,
+                    frame: RawFrame | None) -> None:
         """Send the engine's `place` to the process the job is in, marked shared where other
         processes run in its lane (and those told so too)."""
         proc = handle.process
         handle.place = (dataclasses.replace(place, shared=True)
                         if self._lane_shared(handle, proc) else place)
         proc.device = proc.device or place.device
-        self._to_process(handle, handle.place, frame, "engine")
+        self._to_process(handle, handle.place, frame, reader)
         self._tell_lane(handle)
 
     def _lane_process(self, owner: Owner, key: LaneOf) -> ExecutorProcess:
@@ -336,8 +361,8 @@ class Supervisor:
             log.info("job %d keeps its own executor: %s", handle.job, handle.why_alone)
             for frame in frames:
                 frame.close_fd()
-            for m, f in held:
-                self._forward(handle, m, f)
+            for m, r, f in held:
+                self._forward(handle, m, r, f)
             return
         assert source.uid is not None and handle.lane is not None
         target = self._lane_process(handle.record.owner, (source.uid, handle.lane))
@@ -348,11 +373,11 @@ class Supervisor:
         self._to_process(handle, Adopt(reply.channel, reply.pool), frames[0], "adopt")
         for frame in frames[1:]:
             self.loop.send(target.link, frame)
-        for m, f in held:
+        for m, r, f in held:
             if isinstance(m, Place):
-                self._send_place(handle, m, f)
+                self._send_place(handle, m, r, f)
             else:
-                self._forward(handle, m, f)
+                self._forward(handle, m, r, f)
 
     # ---- executor links ----------------------------------------------------------------------
     def _executor_frame(self, link: Link, frame: RawFrame) -> None:
@@ -401,23 +426,22 @@ class Supervisor:
                 frame.close_fd()
             return
         if isinstance(reply, UNSOLICITED):
-            self.on_reply(handle, reply, frames[0] if frames else None)
+            self.on_reply(handle, reply, frames[0] if frames else None, None)
             return
-        reader = handle.owed.popleft() if handle.owed else "engine"
-        if reader == "engine":
-            self.on_reply(handle, reply, frames[0] if frames else None)
+        reader = handle.owed.popleft() if handle.owed else None
+        if reader is None or isinstance(reader, Sent):  # the engine's (None: owed nothing)
+            self.on_reply(handle, reply, frames[0] if frames else None, reader)
         elif reader == "handover":
             self._moved(handle, reply, frames)
         elif reader == "exit":
             self._release(handle, proc)
-            self.on_died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: "
-                                 "it ended", None)
+            self._died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: it ended")
         elif isinstance(reply, Failed):  # host, adopt, replace
             for frame in frames:
                 frame.close_fd()
             self._release(handle, proc)
-            self.on_died(handle, f"executor (pid {proc.pid}) could not {reader} job "
-                                 f"{handle.job}: {failure(reply)}", None)
+            self._died(handle, f"executor (pid {proc.pid}) could not {reader} job "
+                               f"{handle.job}: {failure(reply)}")
 
     def _executor_closed(self, link: Link, reason: str) -> None:
         proc = self.pool.by_link.get(id(link))
@@ -439,9 +463,9 @@ class Supervisor:
             self._tell_mps_clients(proc.mps)
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
-            self.on_died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
-                         else f"executor (pid {proc.pid}) died: {how}", proc.exit_code,
-                         True, proc.poisoned is not None)
+            self._died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
+                       else f"executor (pid {proc.pid}) died: {how}", proc.exit_code,
+                       True, proc.poisoned is not None)
         proc.jobs.clear()
 
     def stop(self) -> None:
