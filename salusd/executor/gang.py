@@ -24,16 +24,18 @@ equal the gradient of the whole batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from salus.daemon.services.comm import Comm
 from salus.daemon.services.procgroup import init_loopback, init_through_store
 from salus.daemon.wire.executor_ops import GangPlace
 from salus.daemon.wire.replicas import PerReplica, Whole
+
+if TYPE_CHECKING:
+    from salus.daemon.services.comm import Comm
 
 GANG_TIMEOUT_S = 120.0
 """Bounds the gang's rendezvous and each of its collectives (a lost replica becomes an error)."""
@@ -85,7 +87,10 @@ def backend_for(device: torch.device) -> str:
 def join(spec: GangSpec, device: torch.device) -> Comm:
     """Join the gang's process group on `device`'s backend (blocks until every replica has)
     and wrap it in a Comm whose nodes are the gang's nodes (the hierarchical and top-k
-    algorithms use them)."""
+    algorithms use them). The collectives (and the scipy and networkx they plan with) are
+    imported here, by the replicas that use them, not by every executor the zygote forks."""
+    from salus.daemon.services.comm import Comm
+
     backend = backend_for(device)
     if spec.store is None:
         init_loopback(spec.rank, spec.world, spec.port, timeout_s=GANG_TIMEOUT_S,

@@ -20,7 +20,7 @@ import time
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,12 +49,14 @@ from salus.daemon.executor.results import (
 from salus.daemon.executor.state_move import move_state
 from salus.daemon.executor.visible import DEVICE_KIND_ENV
 from salus.daemon.services import job_context as context
-from salus.daemon.services.comm import Comm
 from salus.daemon.services.slowdown import ComputeSlowdown
 from salus.daemon.wire import compact
 from salus.daemon.wire.codec import Pickled, PickledPayload
 from salus.daemon.wire.executor_ops import Attached, Checkpointed, GangPlace, Load, Loaded, StepDone
 from salus.daemon.wire.frames import FUNCTION_MASK
+
+if TYPE_CHECKING:  # a gang's replicas import it when they join (executor/gang.py)
+    from salus.daemon.services.comm import Comm
 
 MAX_FUNCTIONS = 1024
 

@@ -13,11 +13,13 @@ executor (a script run directly) there is no context and the services use their 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from salus.daemon.counters import sum_counters
-from salus.daemon.services.comm import Comm
 from salus.daemon.services.datacache import CachedDataset
+
+if TYPE_CHECKING:  # imported by a gang's replicas when they join (executor/gang.py)
+    from salus.daemon.services.comm import Comm
 
 
 @dataclass

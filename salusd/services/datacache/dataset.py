@@ -19,19 +19,20 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import fsspec
 import torch
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
 
-from salus.daemon.services.comm import Comm
-
 from .disk import DiskCache
 from .exchange import exchange
 from .memory import MemoryStore
 from .stats import CacheStats
+
+if TYPE_CHECKING:  # a Comm is the caller's: the collectives are imported by who makes one
+    from salus.daemon.services.comm import Comm
 
 T = TypeVar("T")
 _DONE = object()
