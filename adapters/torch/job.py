@@ -23,8 +23,8 @@ from salus.daemon.wire import compact
 from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.address import default_socket_path, parse_address
 from salus.daemon.wire.channel import Channel
-from salus.daemon.wire.errors import DaemonUnavailable, SalusError
-from salus.daemon.wire.frames import VERSION
+from salus.daemon.wire.client import hello
+from salus.daemon.wire.errors import SalusError
 from salus.daemon.wire.replicas import MAX_REPLICAS
 
 INFO_WAIT_S = 2.0  # how long info() waits for the daemon to account calls run under a lease
@@ -206,20 +206,7 @@ class Job(Connection):
 
     def _hello(self) -> None:
         """Check the protocol version and open the job (its id, owner, threads)."""
-        try:
-            reply = self._request(ops.Ping(self._channel.max_frame_bytes)).result()
-        except DaemonUnavailable:
-            # salusd may have refused the connection (over its limit) and closed it before
-            # the ping went out: its refusal is still there to read.
-            refusal = self._refusal()
-            if refusal is not None:
-                raise refusal from None
-            raise
-        if not isinstance(reply, dict) or reply.get("version") != VERSION:
-            raise DaemonUnavailable(f"salusd at {self.path} speaks another protocol version "
-                                    f"({reply!r}); install matching versions")
-        if reply.get("refused"):
-            raise DaemonUnavailable(str(reply["refused"]))
+        reply = hello(self._line, self._channel.max_frame_bytes)
         self._channel.peer_max_frame_bytes = int(reply["max_frame_bytes"])
         self.owner = reply.get("owner")
         self._compact = reply.get("compact") == compact.REVISION

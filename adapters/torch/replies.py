@@ -10,17 +10,8 @@ from salus.daemon.wire.channel import FrameError, PickledPayload, reply_result
 from salus.daemon.wire.errors import CallFailed
 
 
-class Raised:
-    """A reply that is an error raised on this side (connection lost, bad frame)."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 def json_result(reply: Any) -> Any:
     """A JSON reply's result; raises the error the reply stands for."""
-    if isinstance(reply, Raised):
-        raise reply.error
     if type(reply) is compact.Message:
         raise FrameError(f"salusd answered with an unexpected compact frame {reply!r}")
     if isinstance(reply, dict) and reply.get("ok") is False and (

@@ -1,6 +1,7 @@
 """A job's connection to salusd: requests and their replies, in order, on the daemon's socket
-or on a direct line to the job's executor; reconnecting while salusd restarts; the random
-state handed back and forth."""
+or on a direct line to the job's executor (each a `salus.daemon.wire.client.Line`, as every
+client of salusd's socket uses); reconnecting while salusd restarts; the random state handed
+back and forth."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from salus.adapters.torch.replies import Raised, json_result
+from salus.adapters.torch.replies import json_result
 from salus.adapters.torch.waiting import ReplyWait, spin_s
 from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.address import connect_unix
-from salus.daemon.wire.channel import Channel, ConnectionClosed, FrameError
+from salus.daemon.wire.channel import Channel
+from salus.daemon.wire.client import Line
+from salus.daemon.wire.client import Pending as Future
 from salus.daemon.wire.errors import DaemonUnavailable, JobCancelled, JobFailed, SalusError
 
 RECONNECT_TRIES = 8  # with backoff 0.25 s doubling to 4 s: about 20 s for salusd to come back
@@ -44,17 +46,6 @@ def connect_retrying(path: str, timeout_s: float | None) -> socket.socket:
     raise AssertionError("unreachable")
 
 
-class _Line:
-    """One connection of a job: to the daemon, or straight to the job's executor. Replies on a
-    line come in the order of its requests."""
-
-    def __init__(self, channel: Channel, spin: float = 0.0) -> None:
-        self.channel = channel
-        self.pending: deque[Future] = deque()
-        self.broken: BaseException | None = None
-        self.wait = ReplyWait(spin)  # `spin` > 0: poll for replies due (see waiting.py)
-
-
 def _printed(frame: Any) -> bool:
     """Print `frame` if it is a line the job printed (the executor sends them on the direct
     line as they are written, before the call's result), as the job wrote it."""
@@ -66,36 +57,6 @@ def _printed(frame: Any) -> bool:
     return True
 
 
-class Future:
-    """The pending reply of one request on a job's connection."""
-
-    def __init__(self, job: Connection, line: _Line, decode: Callable[[Any], Any]) -> None:
-        self._job = job
-        self._line = line
-        self._decode = decode
-        self._done = False
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def result(self) -> Any:
-        """Wait for the reply and return the call's result (or raise its error)."""
-        if not self._done:
-            self._job._wait_for(self, self._line)
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def _resolve(self, reply: Any) -> None:
-        try:
-            self._value = self._decode(reply)
-        except BaseException as exc:
-            self._error = exc
-        self._done = True
-
-
 class Connection:
     """The requests of one job: its line to the daemon and, once attached, its direct line to
     the job's executor (`Job` adds the contract on top)."""
@@ -103,8 +64,8 @@ class Connection:
     def __init__(self, channel: Channel, name: str, path: str) -> None:
         self._channel = channel
         self._lock = threading.RLock()
-        self._line = _Line(channel)
-        self._direct: _Line | None = None
+        self._line = Line(channel, path, lock=self._lock)
+        self._direct: Line | None = None
         self.name = name
         self.path = path
         self.id: str | None = None
@@ -141,19 +102,8 @@ class Connection:
             raise
         finally:
             theirs.close()
-        self._direct = _Line(Channel(ours, pool=True), spin_s())
-
-    def _refusal(self) -> BaseException | None:
-        """The error salusd sent before it closed this connection, if it sent one."""
-        try:
-            reply = self._channel.recv()
-        except (ConnectionClosed, FrameError, OSError):
-            return None
-        try:
-            json_result(reply)
-        except SalusError as error:
-            return error
-        return None
+        self._direct = Line(Channel(ours, pool=True), self.path, wait=ReplyWait(spin_s()),
+                            broken=self._why_executor_gone, aside=_printed, lock=self._lock)
 
     def _require_id(self) -> str:
         if self.id is None:
@@ -165,8 +115,6 @@ class Connection:
         """Send one request, to the daemon or (`direct`) straight to the job's executor; its
         Future resolves when its reply arrives (replies on a line come in order). A request of
         the daemon's socket is typed (`control_ops`); one on the direct line is its frame."""
-        if isinstance(message, ops.REQUESTS):
-            message = ops.encode(message)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"job {self.name!r} is closed")
@@ -175,61 +123,12 @@ class Connection:
                 self._drain_direct()  # what goes through the daemon follows the calls before
             if line is self._direct:
                 while len(line.pending) >= MAX_IN_FLIGHT and line.broken is None:
-                    self._wait_for(line.pending[0], line)
-            if line.broken is not None:
-                raise line.broken
-            future = Future(self, line, decode or json_result)
-            try:
-                if fd is None:
-                    line.channel.send(message)
-                else:
-                    line.channel.send_socket(message, fd)
-            except (ConnectionClosed, OSError) as exc:
-                self._break(line, exc)
-                raise line.broken from None  # type: ignore[misc]
-            line.pending.append(future)
-            line.wait.sent()
-        return future
-
-    def _wait_for(self, future: Future, line: _Line) -> None:
-        with self._lock:
-            while not future.done():
-                head = line.pending[0]
-                line.wait.before_recv(line.channel)
-                try:
-                    reply = line.channel.recv()
-                except (ConnectionClosed, OSError) as exc:
-                    self._break(line, exc)
-                    break
-                except FrameError as exc:
-                    if not exc.recoverable:
-                        self._break(line, exc)
-                        break
-                    reply = Raised(exc)
-                except BaseException:
-                    # Interrupted mid-reply: the stream is out of step with the requests.
-                    self._break(line, ConnectionError("interrupted while reading a reply"))
-                    raise
-                if line is not self._line and _printed(reply):
-                    continue
-                line.pending.popleft()
-                line.wait.answered()
-                head._resolve(reply)
+                    line.wait_for(line.pending[0])
+            return line.request(message, decode or json_result, fd=fd)
 
     def _drain_direct(self) -> None:
-        if self._direct is not None and self._direct.pending:
-            self._wait_for(self._direct.pending[-1], self._direct)
-
-    def _break(self, line: _Line, exc: BaseException) -> None:
-        """The line is gone: every request still waiting on it fails with the reason."""
-        waiting = list(line.pending)
-        line.pending.clear()
-        line.wait.sent_at.clear()
-        line.broken = DaemonUnavailable(f"lost the connection to salusd at {self.path}: {exc}")
-        if line is not self._line:
-            line.broken = self._why_executor_gone(exc)
-        for future in waiting:
-            future._resolve(Raised(line.broken))
+        if self._direct is not None:
+            self._direct.drain()
 
     def _why_executor_gone(self, exc: BaseException, wait_s: float = 5.0) -> BaseException:
         """The direct line to the executor closed: the daemon knows why the job ended. It

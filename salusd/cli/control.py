@@ -15,22 +15,13 @@ order of the requests.
 
 from __future__ import annotations
 
-import contextlib
-import socket
 from collections import deque
 from typing import Any
 
 from salus.daemon.wire import control_ops as ops
 from salus.daemon.wire.address import connect_unix, default_socket_path, parse_address
-from salus.daemon.wire.errors import DaemonUnavailable
-from salus.daemon.wire.frames import (
-    FLAG_SOCKET,
-    VERSION,
-    FrameReader,
-    RawFrame,
-    json_frame,
-    reply_result,
-)
+from salus.daemon.wire.client import Line, Pending, hello
+from salus.daemon.wire.json_channel import JsonChannel
 
 
 class Control:
@@ -41,20 +32,18 @@ class Control:
     def __init__(self, address: str | None = None, *, timeout_s: float = 30.0,
                  wait_forever: bool = False) -> None:
         self.path = parse_address(address) if address is not None else default_socket_path()
-        self._sock = connect_unix(self.path, timeout_s)
-        if wait_forever:
-            self._sock.settimeout(None)
-        self._reader = FrameReader(self._sock)
-        self._frames: deque[RawFrame] = deque()
-        hello = self._call(ops.Ping())
-        if hello.get("version") != VERSION:
+        sock = connect_unix(self.path, timeout_s)
+        channel = JsonChannel(sock)  # blocking, then each reply waited for at most timeout_s
+        sock.settimeout(None if wait_forever else timeout_s)
+        self._line = Line(channel, self.path)
+        self._replies: deque[Pending] = deque()  # of `send`, for `reply`
+        try:
+            said = hello(self._line)
+        except BaseException:
             self.close()
-            raise DaemonUnavailable(f"salusd at {self.path} speaks another protocol version")
-        if hello.get("refused"):
-            self.close()
-            raise DaemonUnavailable(str(hello["refused"]))
-        self.owner: str = hello.get("owner", "")
-        state_dir = hello.get("state_dir")
+            raise
+        self.owner: str = said.get("owner", "")
+        state_dir = said.get("state_dir")
         self.state_dir: str | None = state_dir if isinstance(state_dir, str) else None
 
     def status(self) -> dict[str, Any]:
@@ -85,8 +74,7 @@ class Control:
         return result
 
     def close(self) -> None:
-        self._reader.close()
-        self._sock.close()
+        self._line.channel.close()
 
     def __enter__(self) -> Control:
         return self
@@ -95,39 +83,20 @@ class Control:
         self.close()
 
     def send(self, request: ops.Request, fd: int | None = None) -> None:
-        """Send one request; `fd`, a descriptor, goes with it (a socket for the job)."""
-        frame = json_frame(ops.encode(request))
-        if fd is None:
-            self._sock.sendall(b"".join(frame.buffers()))
-            return
-        frame.flags |= FLAG_SOCKET
-        socket.send_fds(self._sock, [b"".join(frame.buffers())], [fd])
+        """Send one request; `fd`, a descriptor, goes with it (a socket for the job). Its
+        result is `reply()`'s, in the order of the requests."""
+        self._replies.append(self._line.request(request, fd=fd))
 
     def reply(self) -> Any:
-        """The result of the oldest request not yet answered; SalusError for an error
-        reply, DaemonUnavailable when the connection closed first."""
-        while not self._frames:
-            frames, closed = self._reader.read(0.0)
-            self._frames.extend(frames)
-            if closed and not self._frames:
-                raise DaemonUnavailable(f"salusd at {self.path} closed the connection")
-        frame = self._frames.popleft()
-        frame.close_fd()
-        return reply_result(frame.json())
+        """The result of the oldest request `send` sent and `reply` did not return yet;
+        SalusError for an error reply, DaemonUnavailable when the connection was lost
+        first."""
+        return self._replies.popleft().result()
 
     def call(self, request: ops.Request) -> dict[str, Any]:
         """`request`'s result, as an object ({} for any other result)."""
-        self.send(request)
-        result = self.reply()
+        result = self._call(request)
         return result if isinstance(result, dict) else {}
 
     def _call(self, request: ops.Request) -> Any:
-        try:
-            # salusd may have answered and closed before the request went out (a connection
-            # over its limit is refused at once): read what it said.
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                self.send(request)
-            return self.reply()
-        except (TimeoutError, ConnectionError, OSError) as exc:
-            raise DaemonUnavailable(f"lost the connection to salusd at {self.path}: "
-                                    f"{exc}") from None
+        return self._line.request(request).result()

@@ -38,6 +38,12 @@ class JsonChannel:
     def send(self, message: Any) -> None:
         self.sock.sendall(b"".join(json_frame(message).buffers()))
 
+    def send_socket(self, message: dict[str, Any], fd: int) -> None:
+        """Send `message` with the descriptor `fd` (a socket frame; `fd` stays the caller's)."""
+        frame = json_frame(message)
+        frame.flags |= FLAG_SOCKET
+        socket.send_fds(self.sock, [b"".join(frame.buffers())], [fd])
+
     def buffered(self) -> bool:
         """Whether a whole frame was read off the socket and not yet received."""
         return bool(self._frames)
@@ -63,3 +69,11 @@ class JsonChannel:
         elif fd is not None:
             os.close(fd)
         return message
+
+    def close(self) -> None:
+        """Close the socket and any descriptor received and not handed out."""
+        self._reader.close()
+        for frame in self._frames:
+            frame.close_fd()
+        self._frames.clear()
+        self.sock.close()
