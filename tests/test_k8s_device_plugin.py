@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 from daemon_proc import wait_until
+from fake_nvml import FakeXidNvml
 
 from salus.daemon.devices.discovery import DeviceSpec
 from salus.daemon.k8s.plugin import GpuMemPlugin, PluginConfig, for_devices
@@ -446,16 +447,22 @@ class NoNvml:
         raise self.NVMLError("Driver Not Loaded")
 
 
-def test_the_daemons_gpus_become_units_and_a_vanished_node_makes_its_gpu_unhealthy(
-        root: Path, kubelet: FakeKubelet, plugins: list[GpuMemPlugin]) -> None:
+def two_gpus(root: Path) -> tuple[Path, list[DeviceSpec]]:
+    """GPUs A (minor 4, 2 GiB budget) and B (minor 6, 3 GiB): the driver's /proc files under
+    root/proc, their device nodes under root/dev, and the daemon's devices."""
     proc = root / "proc"
     for bus, uuid, minor in (("0000:18:00.0", A, 4), ("0000:2a:00.0", B, 6)):
         (proc / bus).mkdir(parents=True)
         (proc / bus / "information").write_text(f"GPU UUID: \t {uuid}\nDevice Minor: \t {minor}\n")
     for node in ("nvidia4", "nvidia6", "nvidiactl"):
         (root / "dev" / node).touch()
-    devices = [DeviceSpec(0, "cuda", "cuda:0", "H200", 2 * GIB + 5, uuid=A),
-               DeviceSpec(1, "cuda", "cuda:1", "H200", 3 * GIB, uuid=B)]
+    return proc, [DeviceSpec(0, "cuda", "cuda:0", "H200", 2 * GIB + 5, uuid=A),
+                  DeviceSpec(1, "cuda", "cuda:1", "H200", 3 * GIB, uuid=B)]
+
+
+def test_the_daemons_gpus_become_units_and_a_vanished_node_makes_its_gpu_unhealthy(
+        root: Path, kubelet: FakeKubelet, plugins: list[GpuMemPlugin]) -> None:
+    proc, devices = two_gpus(root)
     plugin = for_devices(devices, root, root / "alloc", root / "state",
                          {B: str(root / "pipe-b")}, nvml=NoNvml(), proc=proc, dev=root / "dev")
     assert plugin is not None
@@ -475,6 +482,28 @@ def test_the_daemons_gpus_become_units_and_a_vanished_node_makes_its_gpu_unhealt
                       **dict.fromkeys(ids(B, 0, 1, 2), "Healthy")}
     stream.cancel()
     assert for_devices([], root, root / "alloc", None, None) is None
+
+
+def test_a_critical_xid_reported_by_nvml_makes_that_gpus_units_unhealthy(
+        root: Path, kubelet: FakeKubelet, plugins: list[GpuMemPlugin]) -> None:
+    """The daemon's plugin watches NVML's Xid events (a stand-in NVML here): a critical Xid
+    on A reaches the kubelet as A's units Unhealthy, B's staying Healthy."""
+    proc, devices = two_gpus(root)
+    nvml = FakeXidNvml({A: 0x8, B: 0x8})
+    plugin = for_devices(devices, root, root / "alloc", root / "state", None, nvml=nvml,
+                         proc=proc, dev=root / "dev")
+    assert plugin is not None
+    plugins.append(plugin)
+    plugin.start()
+    stream = kubelet.dial().ListAndWatch(dp.Empty(), timeout=30)
+    assert {d.health for d in next(stream).devices} == {"Healthy"}
+    nvml.xid(A, 79)
+    health = {d.ID: d.health for d in next(stream).devices}
+    assert health == {**dict.fromkeys(ids(A, 0, 1), "Unhealthy"),
+                      **dict.fromkeys(ids(B, 0, 1, 2), "Healthy")}
+    stream.cancel()
+    plugin.stop()
+    assert nvml.freed == 1  # the event set goes with the plugin
 
 
 def test_an_allocation_that_cannot_be_recorded_is_refused_and_leaves_nothing(

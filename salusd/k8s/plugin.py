@@ -27,10 +27,11 @@ from typing import Any, Protocol
 
 import grpc
 
-from salus.daemon.devices.discovery import DeviceSpec
+from salus.daemon.devices.discovery import DeviceSpec, _import_nvml
 from salus.daemon.k8s.allocations import FILE_NAME, Allocation, AllocationTable
 from salus.daemon.k8s.gpus import PROC_GPUS, node_present, shares
 from salus.daemon.k8s.grants import Grant, grant
+from salus.daemon.k8s.health import gpu_health
 from salus.daemon.k8s.podresources import DEFAULT_SOCKET, PodResourcesClient
 from salus.daemon.k8s.third_party import deviceplugin_pb2 as pb
 from salus.daemon.k8s.third_party import deviceplugin_pb2_grpc as pb_grpc
@@ -145,6 +146,9 @@ class GpuMemPlugin:
             self._server = None
         if self._pods is not None:
             self._pods.close()
+        close = getattr(self.health, "close", None)
+        if close is not None:  # `health.XidHealth` holds NVML's event set
+            close()
         self.socket.unlink(missing_ok=True)
 
     def allocations(self) -> list[Allocation]:
@@ -357,7 +361,8 @@ def for_devices(devices: Sequence[DeviceSpec], kubelet_dir: Path, alloc_root: Pa
                 nvml: Any | None = None, proc: Path = PROC_GPUS,
                 dev: Path = Path("/dev")) -> GpuMemPlugin | None:
     """The plugin of a daemon's devices, not started: its CUDA devices' budgets in units,
-    healthy while their device nodes are there, meeting the kubelet under `kubelet_dir`
+    healthy as `health.gpu_health` says (device node, NVML, critical Xids), meeting the
+    kubelet under `kubelet_dir`
     (device-plugins/ and pod-resources/kubelet.sock). None when there is no GPU. `nvml`,
     `proc`, `dev`: where GPU facts are read (see `gpus.py`)."""
     gpus = shares(devices, nvml=nvml, proc=proc)
@@ -367,7 +372,8 @@ def for_devices(devices: Sequence[DeviceSpec], kubelet_dir: Path, alloc_root: Pa
                           pod_resources_socket=kubelet_dir / "pod-resources" / "kubelet.sock",
                           alloc_root=alloc_root, state_dir=state_dir, mps_pipes=mps_pipes,
                           dev=dev)
-    return GpuMemPlugin(gpus, node_present(gpus, dev), config)
+    nvml = nvml if nvml is not None else _import_nvml()
+    return GpuMemPlugin(gpus, gpu_health(gpus, nvml, node_present(gpus, dev)), config)
 
 
 def for_test_gpus(gpus: Sequence[str], kubelet_dir: Path, alloc_root: Path,
