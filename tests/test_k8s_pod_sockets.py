@@ -158,10 +158,39 @@ def test_a_pods_contract_job_runs_as_the_pod_user_and_shows_its_pod(tmp_path: Pa
         assert proc.returncode == 0, err
 
 
-def test_a_script_job_or_a_gang_through_a_pods_socket_is_refused_saying_why(
+PROBE = ("import sys; from salus.daemon.cli.control import Control; "
+         "print(Control(sys.argv[1], timeout_s=10).status()['jobs'])")
+
+
+def as_nobody(*command: str) -> list[str]:
+    user = pwd.getpwnam("nobody")
+    return ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups",
+            *command]
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("setpriv") is None,
+                    reason="needs unshare and setpriv (util-linux)")
+def test_only_the_pod_reaches_its_socket_and_a_script_or_gang_there_is_refused_saying_why(
         tmp_path: Path) -> None:
+    """The allocation root is root's alone (0700): another user of the node cannot reach an
+    allocation's socket by its host path, even knowing its id, while a process of the pod
+    (its own mount namespace, the grant's directory bind-mounted as the runtime does) can,
+    whatever its uid."""
     with node(tmp_path, gib=1) as n:
         directory = n.allocate(1)
+        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+        host = subprocess.run(as_nobody(sys.executable, "-c", PROBE,
+                                        f"unix://{directory / 'salusd.sock'}"),
+                              capture_output=True, text=True, timeout=60, env=env, cwd="/")
+        assert host.returncode != 0 and "ermission denied" in host.stderr, host
+        mount = n.root / "pod-run"  # where the pod sees /run/salusd
+        mount.mkdir(mode=0o755)
+        pod = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             'mount --bind "$0" "$1" && shift && exec "$@"', str(directory), str(mount),
+             *as_nobody(sys.executable, "-c", PROBE, f"unix://{mount / 'salusd.sock'}")],
+            capture_output=True, text=True, timeout=60, env=env, cwd="/")
+        assert pod.returncode == 0 and pod.stdout.strip() == "[]", pod
         gang = client(n, directory, """
             try:
                 salus.connect(name="gang", iterations=1, devices=2)

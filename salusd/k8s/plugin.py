@@ -115,9 +115,10 @@ class GpuMemPlugin:
         """Serve the plugin's socket, register if the kubelet is there (else as soon as it
         is), and start the watching thread."""
         self.config.alloc_root.mkdir(parents=True, exist_ok=True)
-        # not listable: an allocation's socket serves whoever reaches it, so only those who
-        # know its (random) id, the pod it is mounted in, may
-        os.chmod(self.config.alloc_root, 0o711)
+        # root's alone: an allocation's socket serves whoever reaches it, so only the pod it is
+        # mounted in may (a bind mount is reached through its own directory, 0755, never
+        # through this one); on the node, root only, whoever knows the (random) id
+        os.chmod(self.config.alloc_root, 0o700)
         if self.config.state_dir is not None:
             self.config.state_dir.mkdir(parents=True, exist_ok=True)
         self._poll_health()
