@@ -148,7 +148,11 @@ class Supervisor:
         """Tell the engine the handle's job is gone from its process, with the engine's
         messages it owed replies to (sent, then held while it moved), oldest first."""
         owed = [r for r in handle.owed if isinstance(r, Sent)]
-        owed += [r for _, r, _ in handle.held or () if isinstance(r, Sent)]
+        for _, reader, frame in handle.held or ():
+            if isinstance(reader, Sent):
+                owed.append(reader)
+            if frame is not None:  # never sent: its descriptor is still ours
+                frame.close_fd()
         handle.owed.clear()
         handle.held = None
         self.on_died(handle, reason, exit_code, started, poisoned, owed)
