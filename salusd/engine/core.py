@@ -20,12 +20,7 @@ from salus.daemon.engine.ledger import DeviceLedger
 from salus.daemon.engine.lifecycle import EndState
 from salus.daemon.engine.outbox import Outbox
 from salus.daemon.engine.pod_grants import PodGrants
-from salus.daemon.engine.ports import (
-    CheckpointPolicy,
-    DataCachePolicy,
-    JobStore,
-    Timers,
-)
+from salus.daemon.engine.ports import CheckpointPolicy, DataCachePolicy, JobStore, Timers
 from salus.daemon.engine.registry import Call, JobRecord, Registry
 from salus.daemon.wire.errors import JobCancelled, JobFailed, SalusError, ShuttingDown
 from salus.daemon.wire.frames import RawFrame, json_frame

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from salus.daemon.devices.discovery import _text
 from salus.daemon.k8s.units import GpuShare
 
 log = logging.getLogger("salusd.k8s")
@@ -30,7 +31,7 @@ XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 
 
-def ignored_xids(environ: dict[str, str] | os._Environ[str] = os.environ) -> frozenset[int]:
+def ignored_xids(environ: Mapping[str, str] = os.environ) -> frozenset[int]:
     """The application Xids, and those `SALUS_IGNORE_XIDS` names (others in it are warned of)."""
     extra = set()
     for part in environ.get("SALUS_IGNORE_XIDS", "").split(","):
@@ -134,7 +135,3 @@ def gpu_health(gpus: Sequence[GpuShare], nvml: Any | None,
     except nvml.NVMLError as exc:
         log.info("NVML did not start (%s): a GPU's health is its device node", exc)
         return present
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -42,6 +42,8 @@ def benchmark_links(
     """
     if not 0 < small_bytes < large_bytes:
         raise ValueError(f"need 0 < small_bytes < large_bytes, got {small_bytes}, {large_bytes}")
+    if attempts < 1:
+        raise ValueError(f"need attempts >= 1, got {attempts}")
     rank, world = dist.get_rank(), dist.get_world_size()
     small = torch.zeros(small_bytes, dtype=torch.uint8, device=device)
     large = torch.zeros(large_bytes, dtype=torch.uint8, device=device)
