@@ -68,6 +68,7 @@ from salus.daemon.wire.executor_ops import (
     Restore,
     Run,
     Script,
+    Signal,
     Step,
     StepDone,
     SwapOut,
@@ -114,6 +115,7 @@ requests: st.SearchStrategy[Request] = st.one_of(
     st.builds(Script, texts, st.lists(texts, max_size=3).map(tuple),
               st.dictionaries(texts, texts, max_size=3), maybe(texts), maybe(st.booleans()),
               st.integers(0, 2**31)),
+    st.builds(Signal, st.integers(1, 64)),
 )
 
 
@@ -354,6 +356,8 @@ def test_an_unknown_field_is_refused_and_named(msg: Message) -> None:
       "cache": None, "dir": None, "gang": {"rank": 0}}, "'load': gang: field 'world' is missing"),
     ({"op": "become", "uid": 0, "gid": 0, "groups": ["wheel"], "user": "u", "home": "/",
       "threads": 1}, "'groups' must be a list of ints"),
+    ({"op": "signal", "signum": 0}, "'signum' must be a signal number in 1..64, got 0"),
+    ({"op": "signal", "signum": "TERM"}, "'signal': field 'signum' must be an int"),
     ({"op": "teleport"}, "unknown executor request 'teleport'"),
     ({"op": ["run"]}, "unknown executor request"),
 ])

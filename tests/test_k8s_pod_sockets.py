@@ -96,8 +96,9 @@ def node(tmp_path: Path, gib: int) -> Iterator[Node]:
 
 
 def serve(tmp_path: Path, root: Path, gib: int) -> contextlib.AbstractContextManager[Any]:
-    """salusd with its device plugin meeting the fake kubelet under `root`."""
-    return salusd(tmp_path, "--device-plugin", "--kubelet-dir", str(root / "kubelet"),
+    """salusd with its device plugin meeting the fake kubelet under `root`, under `fair`."""
+    return salusd(tmp_path, "--policy", "fair", "--device-plugin", "--kubelet-dir",
+                  str(root / "kubelet"),
                   "--alloc-root", str(root / "alloc"), "--pod-user", "nobody",
                   "--device-plugin-test-gpu", f"{GPU}={gib}", "--http", "127.0.0.1:0",
                   devices=1, memory="3G")
@@ -170,7 +171,7 @@ def as_nobody(*command: str) -> list[str]:
 
 @pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("setpriv") is None,
                     reason="needs unshare and setpriv (util-linux)")
-def test_only_the_pod_reaches_its_socket_and_a_script_or_gang_there_is_refused_saying_why(
+def test_only_the_pod_reaches_its_socket_and_a_gang_or_a_host_script_is_refused_saying_why(
         tmp_path: Path) -> None:
     """The allocation root is root's alone (0700): another user of the node cannot reach an
     allocation's socket by its host path, even knowing its id, while a process of the pod
@@ -201,11 +202,12 @@ def test_only_the_pod_reaches_its_socket_and_a_script_or_gang_there_is_refused_s
         assert "a pod's job runs on its allocation's one GPU: 'devices' must be 1" in out, err
         run = subprocess.run(
             [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
-             str(directory / "salusd.sock"), "--", sys.executable, "-c", "print(1)"],
+             str(directory / "salusd.sock"), "--no-here", "--", sys.executable, "-c",
+             "print(1)"],
             cwd=n.root, capture_output=True, text=True, timeout=120,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode != 0
-    assert "script jobs ('salusd run') cannot be run from inside a pod yet" in " ".join(
+    assert run.returncode == 125
+    assert "a pod's script runs in the pod, taking turns from salusd" in " ".join(
         (run.stdout + run.stderr).split()), run.stderr
 
 

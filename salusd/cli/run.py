@@ -19,6 +19,10 @@ run, 128 + N when the script died of signal N (also the SIGTERM of a cancel), 1 
 ended otherwise (cancelled before its script ran, the daemon went away), with the reason on
 stderr.
 
+With `--here` (the default in a pod salusd's device plugin granted a share) the script runs in a
+child of this process instead, taking turns from the daemon through a link the daemon adopts as
+its executor's (`salusd/cli/here.py`): the pod's own process, interpreter and files.
+
 `salusd run --devices N -- torchrun --nproc-per-node N train.py` (or `python -m
 torch.distributed.run ...`) runs the ranks as one gang job (`salusd/engine/torchrun.py`): this
 process hands each rank its own socket pair (the extra ones in `socket` requests before the
@@ -43,6 +47,7 @@ from types import FrameType
 from typing import Any
 
 from salus.daemon.cli.control import Control
+from salus.daemon.cli.here import GRANT_ENV, HereExecutor, in_pod
 from salus.daemon.cli.relay import Relay
 from salus.daemon.devices.discovery import parse_size
 from salus.daemon.engine import torchrun
@@ -205,6 +210,10 @@ def add_parser(sub: Any) -> None:
                      "%%a the index, %%j the task's job id (default salus-%%A_%%a.out)")
     cmd.add_argument("--socket", metavar="PATH", default=None,
                      help="the daemon's socket (default: $SALUS_ADDRESS, else the default path)")
+    cmd.add_argument("--here", action=argparse.BooleanOptionalAction, default=None,
+                     help="run the script in this process's own child, taking turns from "
+                     "salusd, instead of in an executor salusd starts (default: in a pod "
+                     f"salusd granted a share, where ${GRANT_ENV} is set)")
     cmd.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
                      help="the interpreter and its arguments: python train.py ARGS...")
 
@@ -252,15 +261,25 @@ def _run(channel: Control, command: list[str], args: argparse.Namespace) -> int:
     if args.array is not None and launch is not None:
         raise ValueError("--array runs one process per index; a torchrun gang cannot be a "
                          "task of an array")
+    if args.here is None:
+        args.here = in_pod()
+    if args.here and args.array is not None:
+        raise ValueError("--here runs one process, now: --array needs salusd's executors to "
+                         "start its tasks (run it without --here, on the node)")
     if args.array is not None:
         from salus.daemon.cli.array import run_array
 
         return run_array(channel, command, args)
+    here = HereExecutor() if args.here else None
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
              for _ in range(launch.nproc if launch is not None else 1)]
     with contextlib.ExitStack() as stack:
         relay = Relay(len(pairs))
         stack.callback(relay.close)
+        if here is not None:
+            stack.callback(here.reap)
+            stack.callback(here.close)
+            here.offer(channel)
         for rank, (ours, theirs) in enumerate(pairs):
             stack.enter_context(ours)
             stack.enter_context(theirs)
@@ -272,8 +291,10 @@ def _run(channel: Control, command: list[str], args: argparse.Namespace) -> int:
         channel.send(run_request(command, args), pairs[0][1].fileno())
         pairs[0][1].close()
         reply = channel.reply()
+        if here is not None:
+            here.start(int(reply.get("threads") or 1))
         relay.copy_to(reply.get("output"))
-        return _wait(channel, [ours for ours, _ in pairs], str(reply["job"]), relay)
+        return _wait(channel, [ours for ours, _ in pairs], str(reply["job"]), relay, here)
 
 
 def run_request(command: list[str], args: argparse.Namespace) -> ops.Run:
@@ -285,7 +306,8 @@ def run_request(command: list[str], args: argparse.Namespace) -> ops.Run:
                    devices=args.devices, restart=args.restart, max_restarts=args.max_restarts,
                    time_limit_s=args.time, signal=signum, signal_before_s=before,
                    grace_s=args.grace, mem_bytes=args.mem,
-                   after=tuple(job for ids in args.after for job in ids) if args.after else None)
+                   after=tuple(job for ids in args.after for job in ids) if args.after else None,
+                   here=bool(getattr(args, "here", False)))
 
 
 def _name(command: list[str], launch: torchrun.Launch | None) -> str:
@@ -301,9 +323,12 @@ def _name(command: list[str], launch: torchrun.Launch | None) -> str:
     return "script"
 
 
-def _wait(channel: Control, ranks: list[socket.socket], job: str, relay: Relay) -> int:
+def _wait(channel: Control, ranks: list[socket.socket], job: str, relay: Relay,
+          here: HereExecutor | None = None) -> int:
     """Forward Ctrl-C and `FORWARDED` signals to every rank, and relay their output, until
-    each rank's exit status comes (or its socket closes); the status to exit with."""
+    each rank's exit status comes (or its socket closes); the status to exit with. `here`:
+    the script ran in our own child, whose death by a signal is its status when it sent
+    none."""
     interrupts = 0
 
     def send(data: bytes) -> None:
@@ -343,15 +368,20 @@ def _wait(channel: Control, ranks: list[socket.socket], job: str, relay: Relay) 
         signal.set_wakeup_fd(previous_wake)
         wake_r.close()
         wake_w.close()
+    code = here.reap() if here is not None else None
     # A gang's status is the job's: its first failed rank's (`exit_status`), else 0.
     if len(ranks) > 1:
         return final_status(channel, job, 0 if all(s == 0 for s in statuses) else None)
-    return final_status(channel, job, statuses[0])
+    return final_status(channel, job, statuses[0],
+                        128 - code if code is not None and code < 0 else None)
 
 
-def final_status(channel: Control, job: str, status: int | None) -> int:
+def final_status(channel: Control, job: str, status: int | None,
+                 died: int | None = None) -> int:
     """What to exit with for `job`, whose script sent exit status `status` (None: none came):
-    from the job's `limit`, `exit_status` and `signal` fields once the daemon ended it."""
+    from the job's `limit`, `exit_status` and `signal` fields once the daemon ended it.
+    `died`: the status of our own child's death by a signal (`--here`), for when the daemon
+    has none."""
     try:
         info = _ended_info(channel, job)  # so that what follows sees the job ended
     except (SalusError, OSError) as exc:
@@ -361,7 +391,7 @@ def final_status(channel: Control, job: str, status: int | None) -> int:
                       f"its restart); its command exited with status {status}", file=sys.stderr)
             return status
         print(f"salusd run: job {job}'s script was lost: {exc}", file=sys.stderr)
-        return 1
+        return died or 1
     if info.get("limit") == "time":
         print(f"salusd run: job {job} {info.get('reason')}", file=sys.stderr)
         return TIME_LIMIT
@@ -371,7 +401,7 @@ def final_status(channel: Control, job: str, status: int | None) -> int:
     reason = str(info.get("reason") or info.get("state"))
     print(f"salusd run: job {job} {info.get('state', 'ended')}: {reason}", file=sys.stderr)
     code = info.get("exit_status")
-    return code if type(code) is int else 1
+    return code if type(code) is int else died or 1
 
 
 def _statuses(ranks: list[socket.socket], relay: Relay,

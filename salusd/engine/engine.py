@@ -217,12 +217,15 @@ class Engine:
     def run_script(self, owner: Owner, name: object, iterations: object,
                    command: script_command.ScriptCommand, frames: Sequence[RawFrame] | None, *,
                    priority: float = 1.0, devices: object = None,
-                   after: object = None) -> JobRecord:
+                   after: object = None, here: RawFrame | None = None) -> JobRecord:
         """A script job: an executor runs `command` unchanged as `owner`, its optimizer steps
         its iteration boundaries (`scripts.py`); `frames` carry the client's sockets, one per
         rank (None: the output goes to the job's log). A torchrun command runs as a gang of
         its ranks, one per device; `devices` (None: as many as its ranks) must be that many.
-        With `after` (job ids) it starts once those jobs have finished (`dependencies.py`)."""
+        With `after` (job ids) it starts once those jobs have finished (`dependencies.py`).
+        `here`: the caller runs the command in its own process, whose link this frame's
+        descriptor is (`salusd run --here`; `script_command.check_here` says what it cannot
+        do)."""
         priority = check_priority(priority)
         admission.check_devices(self.core, script_command.gang_devices(command, devices))
         if frames is not None and len(frames) != command.ranks:
@@ -239,13 +242,13 @@ class Engine:
             record.after = waits
             self.waiting[record.job_id] = dependencies.Waiting(record, command, frames)
         else:
-            self._start_script(record, command, frames)
+            self._start_script(record, command, frames, here)
         self._step()
         return record
 
     def _start_script(self, record: JobRecord, command: script_command.ScriptCommand,
-                      frames: Sequence[RawFrame] | None) -> None:
-        scripts.start(self.core, record, command, frames, self._after)
+                      frames: Sequence[RawFrame] | None, here: RawFrame | None = None) -> None:
+        scripts.start(self.core, record, command, frames, self._after, here)
 
     def restore(self, owner: Owner, job_id: int, name: str, iterations: int, kind: JobKind,
                 spec: JobSpec, priority: float, checkpoint_iteration: int | None,

@@ -172,6 +172,25 @@ def with_memory(command: ScriptCommand, mem_bytes: object) -> ScriptCommand:
     return dataclasses.replace(command, mem_bytes=mem_bytes)
 
 
+def check_here(command: ScriptCommand, link: object, after: object) -> None:
+    """A `run --here`: the caller runs the command in its own process (`link`: the daemon's end
+    of that process's link, from the `socket` request before), which salusd can neither start
+    again nor start later; BadRequest says what it cannot do."""
+    if link is None:
+        raise BadRequest("'run' with 'here' needs its executor's link: a 'socket' request "
+                         "with 'executor' before it")
+    if command.launch is not None:
+        raise BadRequest("--here runs one process: a torchrun gang runs in salusd's executors, "
+                         "one per rank (run it without --here, on the node)")
+    if command.restart != "never":
+        raise BadRequest("--here runs the command in salusd run's own process, which salusd "
+                         "cannot start again: --restart on-failure needs salusd's executors "
+                         "(rerun salusd run instead, as a Kubernetes Job's restartPolicy does)")
+    if after:
+        raise BadRequest("--here starts the command now, in salusd run's own process: --after "
+                         "needs salusd's executors to start it later")
+
+
 def with_array(command: ScriptCommand, index: object, job: object) -> ScriptCommand:
     """`command` as task `index` of the job array whose first job is `job` (both may be left
     out; `job` also for the first task itself); BadRequest names what is wrong."""

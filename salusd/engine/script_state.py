@@ -16,7 +16,9 @@ class ScriptState:
     descriptor, kept for reruns while the job may be rerun). A gang's: the ranks at a
     boundary waiting for the gang's next iteration (`ready`), the exit statuses of the
     ranks whose command ended (`exits`, by rank), and whether its time limit runs
-    (`limits_armed`: from its command's first start; a daemon restart starts a new state)."""
+    (`limits_armed`: from its command's first start; a daemon restart starts a new state).
+    `here`: the descriptor of the link of the executor the caller runs itself (`salusd run
+    --here`), until the executor port adopts it."""
 
     command: ScriptCommand
     restarts: int = 0
@@ -27,3 +29,4 @@ class ScriptState:
     ready: set[int] = field(default_factory=set)
     exits: dict[int, int] = field(default_factory=dict)
     limits_armed: bool = False
+    here: int | None = None

@@ -98,20 +98,25 @@ def spec(command: ScriptCommand) -> JobSpec:
 
 def start(core: Core, record: JobRecord, command: ScriptCommand,
           frames: Sequence[RawFrame] | None,
-          after: Callable[[Callable[[], None]], None]) -> None:
+          after: Callable[[Callable[[], None]], None], here: RawFrame | None = None) -> None:
     """Give the job an executor per rank and start its command there; `frames` carry the
     client's sockets, one per rank (None: no client, the output goes to the job's log).
     Its time limit is armed when its command first runs (rank 0's started), so it counts
     the command's time, not the wait for an executor; reruns share it (`arm_limits`;
-    `after` runs a timer's work and steps the engine)."""
+    `after` runs a timer's work and steps the engine). `here`: the caller's own process is
+    the executor, on the link this frame's descriptor is (the executor port adopts it)."""
     state = record.script
     if state is None:
         state = record.script = ScriptState(command)
         fd = frames[0].fd if frames else None
         if fd is not None and command.restart == "on-failure":
             state.client_fd = os.dup(fd)
+    if here is not None:
+        state.here, here.fd = here.fd, None
+    in_pod = state.here is not None
     core.outbox.acquire(record, command.ranks)
-    resume = (None if record.checkpoint.dir is None
+    # The caller's process may not see the state dir (a pod): no resume directory there.
+    resume = (None if record.checkpoint.dir is None or in_pod
               else os.path.join(record.checkpoint.dir, "resume"))
 
     def started(rank: int) -> OnDone:

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import select
 import sys
 import threading
 import time
@@ -222,8 +221,7 @@ class Boundaries:
 
     def _poll(self) -> None:
         """Handle what the daemon sent while the iteration ran (without waiting)."""
-        sock = self.daemon.sock
-        while self.daemon.buffered() or select.select([sock], [], [], 0)[0]:
+        while self.daemon.ready():
             self._report_ran()  # the daemon decides knowing what ran
             self._handle(self.daemon.recv())
 

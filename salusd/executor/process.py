@@ -44,7 +44,6 @@ def become(hello: Become) -> None:
     (`privileges.py`), and set up the jobs' environment:
     home, user name, intra-op threads, no core dumps (each job's working directory is set
     when its code runs: `Executor._switch`)."""
-    global _threads
     uid, gid, groups = hello.uid, hello.gid, list(hello.groups)
 
     def take_identity() -> None:
@@ -67,8 +66,14 @@ def become(hello: Become) -> None:
                 os.chdir(place)
                 break
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    _threads = max(1, hello.threads)
-    when_imported("torch", _set_threads)  # now, or as a script imports torch
+    set_threads(hello.threads)
+
+
+def set_threads(count: int) -> None:
+    """The jobs' intra-op thread count: set in torch now, or as a script imports it."""
+    global _threads
+    _threads = max(1, count)
+    when_imported("torch", _set_threads)
 
 
 def child_main(fd: int, zygote: int) -> None:

@@ -45,7 +45,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 import types
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from salus.daemon.executor import interpreter, process
 from salus.daemon.executor.boundaries import Boundaries, flush
+from salus.daemon.executor.in_pod import InPodChannel, raise_in_script
 from salus.daemon.executor.on_import import imported, when_imported
 from salus.daemon.executor.output import OutputSink
 from salus.daemon.wire import script_hooks as api
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
-SIGNAL_SETTLE_S = 0.005  # a forwarded signal's handler runs within this (between bytecodes)
 INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
 SIGNALS = {INTERRUPT[0]: signal.SIGINT, ord("T"): signal.SIGTERM, ord("H"): signal.SIGHUP,
            ord("1"): signal.SIGUSR1, ord("2"): signal.SIGUSR2}  # client -> executor
@@ -137,7 +136,7 @@ def run(daemon: Channel | JsonChannel, message: Script, request: Any, job: int, 
                 raise ValueError("the job ended before its script started")
             state = {"daemon": daemon.sock.fileno(), "client": fd, "script": encode(message),
                      "job": job, "threads": process.threads(), "estimate": estimate,
-                     "log": log_path, "cwd": cwd}
+                     "log": log_path, "cwd": cwd, "in_pod": isinstance(daemon, InPodChannel)}
             interpreter.become(python, state, [daemon.sock.fileno(),
                                                *([] if fd is None else [fd])], env)
         stdio = _client_stdio(client, message.restart > 0) if client is not None else None
@@ -168,8 +167,12 @@ def run(daemon: Channel | JsonChannel, message: Script, request: Any, job: int, 
     api.install(boundaries.boundary, boundaries.progress)
     stop_interrupts = (_forward_signals(client, boundaries.lock) if client is not None
                        else None)
+    if isinstance(daemon, InPodChannel):  # salusd cannot signal or kill it: it tells it
+        daemon.watch(boundaries.lock)
     boundaries.start()
     code = _execute(command)
+    if isinstance(daemon, InPodChannel):
+        daemon.over = True
     _wind_down()
     if pump is not None:
         pump()
@@ -411,10 +414,8 @@ def _forward_signals(client: socket.socket, boundary: Any) -> Callable[[], None]
             for byte in data:
                 if byte == INTERRUPT[0]:  # `Boundaries.on_sigint` holds it during a boundary
                     os.kill(os.getpid(), signal.SIGINT)
-                elif byte in SIGNALS:
-                    with boundary:  # the script's own handler: outside boundaries
-                        os.kill(os.getpid(), SIGNALS[byte])
-                        time.sleep(SIGNAL_SETTLE_S)  # for the main thread to run it
+                elif byte in SIGNALS:  # the script's own handler: outside boundaries
+                    raise_in_script(SIGNALS[byte], boundary)
 
     thread = threading.Thread(target=forward, daemon=True)
     thread.start()

@@ -5,7 +5,8 @@ replaced itself with that interpreter goes on with its script job here.
 
 STATE (JSON) names the daemon's socket and the client's (descriptors kept across the exec),
 the `Script` message, the job's id, the intra-op thread count, whether the first `ready` says
-why there is no estimate, the job's log file and its working directory.
+why there is no estimate, the job's log file, its working directory, and whether the executor
+is one salusd did not fork (`in_pod.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from salus.daemon.executor import script
 from salus.daemon.executor.boundaries import Boundaries
+from salus.daemon.executor.in_pod import InPodChannel
 from salus.daemon.wire.channel import Channel
 from salus.daemon.wire.executor_ops import Script, decode_request
 
@@ -26,7 +28,8 @@ from salus.daemon.wire.executor_ops import Script, decode_request
 def main(argv: list[str]) -> int:
     state = json.loads(argv[1])
     torch.set_num_threads(int(state["threads"]))
-    daemon = Channel(socket.socket(fileno=int(state["daemon"])))
+    sock = socket.socket(fileno=int(state["daemon"]))
+    daemon = InPodChannel(sock) if state.get("in_pod") else Channel(sock)
     message = decode_request(state["script"])
     if not isinstance(message, Script):
         raise ValueError(f"{argv[0]} runs a 'script' message, not {message.op!r}")

@@ -6,6 +6,9 @@ job, then `Script`, on which the process runs the script to its end (`script.py`
 It speaks JSON frames only (`wire/json_channel.py`) and imports nothing outside the standard
 library before the script does. Any other job (a contract or batch job keeps torch state in
 the executor) is refused with what its interpreter lacks.
+
+`salusd run --here` runs this loop itself, in the caller's process, on a link the daemon adopts
+(`in_pod.py`): there is no `Become`, and signals come as `Signal` messages.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from salus.daemon.executor import script
 from salus.daemon.executor.boundaries import Boundaries
+from salus.daemon.executor.in_pod import InPodChannel
 from salus.daemon.executor.process import become
 from salus.daemon.executor.zygote import die_with_parent
 from salus.daemon.wire.executor_ops import (
@@ -28,6 +32,7 @@ from salus.daemon.wire.executor_ops import (
     Host,
     Reply,
     Script,
+    Signal,
     address_of,
     addressed,
     client_frame_follows,
@@ -38,19 +43,23 @@ from salus.daemon.wire.frames import ConnectionClosed, passed_fd
 from salus.daemon.wire.json_channel import JsonChannel
 
 
-def serve(sock: socket.socket, zygote: int | None = None) -> int:
+def serve(sock: socket.socket, zygote: int | None = None, *, in_pod: bool = False) -> int:
     """Serve the daemon on `sock` until it says `exit`, goes away, or a script ran; the exit
-    code. `zygote`: the pid of the zygote that forked it, to die with."""
-    daemon = JsonChannel(sock)
-    try:
-        hello = decode_request(daemon.recv())
-    except ConnectionClosed:
-        return 0
-    if not isinstance(hello, Become):
-        raise ValueError(f"the executor's first message must be 'become', not {hello.op!r}")
-    become(hello)
-    if zygote is not None:  # a change of uid cleared the parent-death signal
-        die_with_parent(signal.SIGKILL, zygote)
+    code. `zygote`: the pid of the zygote that forked it, to die with. `in_pod`: salusd did
+    not fork this process (`salusd run --here` did, as the caller): no `Become` comes, and
+    the daemon signals and kills it through its link (`in_pod.py`)."""
+    daemon = InPodChannel(sock) if in_pod else JsonChannel(sock)
+    if not in_pod:
+        try:
+            hello = decode_request(daemon.recv())
+        except ConnectionClosed:
+            return 0
+        if not isinstance(hello, Become):
+            raise ValueError(f"the executor's first message must be 'become', not "
+                             f"{hello.op!r}")
+        become(hello)
+        if zygote is not None:  # a change of uid cleared the parent-death signal
+            die_with_parent(signal.SIGKILL, zygote)
     hosted: dict[int, Host] = {}
     while True:
         try:
@@ -65,7 +74,9 @@ def serve(sock: socket.socket, zygote: int | None = None) -> int:
             _refuse(daemon, None if not isinstance(meta, dict) else _job_or_none(meta),
                     str(exc), request)
             continue
-        if job is None:
+        if isinstance(message, Signal):  # before its script runs: the default action
+            os.kill(os.getpid(), message.signum)
+        elif job is None:
             if isinstance(message, Exit):  # the whole process
                 return 0
             _refuse(daemon, None, f"{message.op!r} must name its job", request)

@@ -31,11 +31,15 @@ functions and arguments it carries stay pickled and go to the job's executor unt
                max_restarts?, time_limit_s?,           executor runs      output file (null:
                signal?, signal_before_s?, mem_bytes?,  `command` as the   none), where the
                after? (job ids: start once they        caller, its stdio  client copies what
-               finished), array_index?, array_job?     the client's (sent it relays}
-               (+ the client's end of a socket pair)   on the pair)
-    socket     (+ the client's end of a socket pair)   daemon        None: the next `run`, of a
-                                                                     torchrun gang, gives it to
-                                                                     rank 1, the next to rank 2..
+               finished), array_index?, array_job?,    the client's (sent it relays}
+               here? (the client runs it itself)       on the pair)
+               (+ the client's end of a socket pair)
+    socket     executor? (+ the client's end of a      daemon        None: the next `run`, of a
+               socket pair)                                          torchrun gang, gives it to
+                                                                     rank 1, the next to rank 2..;
+                                                                     with `executor`, the next
+                                                                     `run --here` adopts it as
+                                                                     its executor's link
     logs       job, offset?                            daemon        {"text", "offset", "ended"}:
                                                                      at most 64 KiB of the job's
                                                                      output file from byte
@@ -154,7 +158,7 @@ class Handlers:
         elif isinstance(request, ops.Run):
             self._run(client, request, frame, answer)
         elif isinstance(request, ops.Socket):
-            self._socket(client, frame)
+            self._socket(client, request, frame)
             answer(ok_frame(None))
         else:
             frame.close_fd()
@@ -171,6 +175,9 @@ class Handlers:
         client.jobs.clear()
         while client.sockets:
             client.sockets.pop().close_fd()
+        if client.here is not None:
+            client.here.close_fd()
+            client.here = None
 
     # ---- forwarded to the job's executor -----------------------------------------------------
     def _forward(self, client: Client, request: ops.Forwarded, frame: RawFrame,
@@ -196,11 +203,17 @@ class Handlers:
         else:
             self.engine.pull(record, frame, answer)
 
-    def _socket(self, client: Client, frame: RawFrame) -> None:
-        """One more client socket, for a rank of the next `run` (a torchrun gang)."""
+    def _socket(self, client: Client, request: ops.Socket, frame: RawFrame) -> None:
+        """One more client socket, for a rank of the next `run` (a torchrun gang), or the link
+        of the executor the client runs itself (`executor`: for the next `run --here`)."""
         if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
             raise BadRequest("'socket' carries the client's end of a socket pair, for a rank "
                              "of the next 'run'")
+        if request.executor:
+            if client.here is not None:
+                raise BadRequest("the next 'run' already has its executor's link")
+            client.here = frame
+            return
         if len(client.sockets) >= len(self.engine.ledgers) - 1:
             raise BadRequest(f"more ranks than this node's {len(self.engine.ledgers)} "
                              "device(s): a torchrun gang runs one rank per device")
@@ -211,28 +224,39 @@ class Handlers:
         on which the client sends its stdin, stdout and stderr to the job's executor; a
         torchrun gang's ranks 1, 2... get the sockets of the `socket` requests before it."""
         ranks, client.sockets = [frame, *client.sockets], []
+        here, client.here = client.here, None
         try:
-            if client.allocation is not None:
-                raise BadRequest(
-                    "script jobs ('salusd run') cannot be run from inside a pod yet: the script "
-                    "lives in the pod's filesystem, and running it there, taking turns from "
-                    "salusd, is not built; use salus.connect (a contract job) in the pod, or "
-                    "submit the script on the node (docs/kubernetes.md)")
             if frame.fd is None or frame.flags & FLAGS_WITH_FD != FLAG_SOCKET:
                 raise BadRequest("'run' carries the client's end of a socket pair, on which "
                                  "it sends its stdin, stdout and stderr")
-            command = as_caller(client.owner, script_command.from_run(request))
+            command = script_command.from_run(request)
+            if request.here:
+                script_command.check_here(command, here, request.after)
+            elif here is not None:
+                raise BadRequest("an executor's link came before this 'run', which does not "
+                                 "say 'here'")
+            elif client.allocation is not None:
+                raise BadRequest(
+                    "a pod's script runs in the pod, taking turns from salusd: 'salusd run' "
+                    "does so where the device plugin set SALUS_GRANT, or with --here "
+                    "(docs/kubernetes.md)")
+            else:  # salusd's executor runs it as the caller: it must find what it runs
+                command = as_caller(client.owner, command)
             record = self.engine.run_script(
                 client.owner, request.name, request.iterations, command, ranks,
-                priority=request.priority, devices=request.devices, after=request.after)
+                priority=request.priority, devices=request.devices, after=request.after,
+                here=here)
         except BaseException:
             for rank in ranks[1:]:  # the server closes the run frame's own
                 rank.close_fd()
+            if here is not None:
+                here.close_fd()
             raise
         client.jobs.add(record.job_id)
         # Where the client copies each rank's output (`salusd/cli/relay.py`), as the executor
         # of a REST script job does: the job's owner may write its folder, the client is it.
-        folder = record.checkpoint.dir
+        # A script run in the caller's own process may run where that folder is not (a pod).
+        folder = None if request.here else record.checkpoint.dir
         answer(ok_frame({"job": str(record.job_id), "threads": record.threads,
                          "output": None if folder is None else [
                              output_path(folder, rank) for rank in range(record.gang)]}))

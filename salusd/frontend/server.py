@@ -63,6 +63,7 @@ class Client:
     jobs: set[int] = field(default_factory=set)
     slots: deque[list[RawFrame | None]] = field(default_factory=deque)
     sockets: list[RawFrame] = field(default_factory=list)  # the next `run`'s ranks 1, 2, ...
+    here: RawFrame | None = None  # the next `run --here`'s executor link
 
 
 class SocketServer:

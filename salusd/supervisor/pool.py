@@ -166,6 +166,19 @@ class ExecutorPool:
             self.standby.append(self.fork())
         return proc
 
+    def adopt(self, owner: Owner, fd: int) -> ExecutorProcess:
+        """The executor `salusd run --here` runs in its own process, on the link whose
+        daemon end is `fd` (ours now). Salusd did not fork it: it is sent no `Become` (it is
+        the caller already), no zygote reports its end (its link closing is its end), and it
+        is killed by closing its link (`executor/in_pod.py`)."""
+        token = next(self._tokens)
+        proc = ExecutorProcess(token, Link(socket.socket(fileno=fd), self.on_frame,
+                                           self.on_closed), uid=owner.uid, adopted=True)
+        self.loop.add(proc.link)
+        self.by_token[token] = proc
+        self.by_link[id(proc.link)] = proc
+        return proc
+
     def processes(self) -> Iterator[ExecutorProcess]:
         """Every process forked or asked for, not yet reported ended."""
         return iter(self.by_token.values())
@@ -181,6 +194,12 @@ class ExecutorPool:
         self.by_link.pop(id(proc.link), None)
 
     def kill(self, proc: ExecutorProcess) -> None:
+        if proc.adopted:  # the loop's next turn closes its link, on which it kills itself
+            if proc.status is None:
+                proc.status = "killed by signal 9 (SIGKILL): salusd closed its link"
+                proc.exit_code = -signal.SIGKILL
+            self.loop.call_later(0.0, lambda: self.loop.close(proc.link, "killed by salusd"))
+            return
         if proc.pid is None:
             proc.kill_when_forked = True
             return

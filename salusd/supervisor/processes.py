@@ -56,6 +56,15 @@ class ExecutorProcess:
     zygote: Zygote | None = None  # forked by a zygote of another interpreter (zygotes.py)
     poisoned: str | None = None  # why it ends: a sticky CUDA error in one of its jobs' calls
     mps: int | None = None  # the GPU whose MPS server it was placed as a client of
+    #: salusd did not fork it: `salusd run --here` runs it in its own process (maybe a pod's),
+    #: which salusd signals and kills through its link only (`executor/in_pod.py`)
+    adopted: bool = False
+
+    @property
+    def who(self) -> str:
+        """How messages name it."""
+        return ("salusd run's own executor (--here)" if self.adopted
+                else f"executor (pid {self.pid})")
 
 
 @dataclass(eq=False)

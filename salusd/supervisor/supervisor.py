@@ -32,6 +32,12 @@ or `lost_after_s` seconds after the socket closed, with the reason a person can 
 costs exactly the jobs of that process. Killing a job's executor (a cancelled call that did
 not return in time) kills the process and so the other jobs it hosts, with that reason.
 
+One executor is not forked at all: `salusd run --here` runs the script in its own process
+(in a pod, the pod's) and hands the daemon one end of that process's link, which the supervisor
+adopts (`ExecutorPool.adopt`). It speaks the same protocol, but salusd cannot signal or kill a
+process it did not start, so a signal goes to it as a `Signal` message and a kill closes its link
+(`salusd/executor/in_pod.py`); its end is its link closing.
+
 The environment every executor starts with, on a GPU host and off it, is
 `processes.executor_environment`'s.
 """
@@ -73,6 +79,7 @@ from salus.daemon.wire.executor_ops import (
     Poisoned,
     Reply,
     Request,
+    Signal,
     address_of,
     addressed,
     decode_reply,
@@ -161,26 +168,31 @@ class Supervisor:
     def acquire(self, record: JobRecord, cwd: str | None, replica: int = 0) -> ExecutorHandle:
         script = is_script(record)  # the process runs its script
         python = record.spec.python  # a contract job's client's, when not ours
-        if script and record.script is not None:
-            command = record.script.command
-            python = other_interpreter(command.command[0], command.env)
-        try:
-            proc = self.pool.new_process(record.owner, python)
-        except OSError as exc:  # its owner cannot start it: the owner's executor says why
-            log.warning("job %d: no executor zygote of %s (%s); the daemon's serves",
-                        record.job_id, python, exc)
-            python = None
-            proc = self.pool.new_process(record.owner)
+        state = record.script if script else None
+        if state is not None and state.here is not None:  # `salusd run --here`'s own
+            proc, state.here = self.pool.adopt(record.owner, state.here), None
+        else:
+            if state is not None:
+                python = other_interpreter(state.command.command[0], state.command.env)
+            try:
+                proc = self.pool.new_process(record.owner, python)
+            except OSError as exc:  # its owner cannot start it: the owner's executor says why
+                log.warning("job %d: no executor zygote of %s (%s); the daemon's serves",
+                            record.job_id, python, exc)
+                python = None
+                proc = self.pool.new_process(record.owner)
         sharable = self.isolation == "lane" and may_share_executor(record)
         handle = ExecutorHandle(proc, record, replica, sharable)
         if not sharable:
             handle.why_alone = ("--isolation job" if self.isolation == "job" else
                                 "a gang's replica" if record.gang > 1 else
-                                "a script job" if script else
+                                "salusd run --here runs it in its own process" if proc.adopted
+                                else "a script job" if script else
                                 "an interactive job of another interpreter than the "
                                 "daemon's" if python is not None else "a batch job")
         proc.jobs[record.job_id] = handle
-        log_file = (None if record.checkpoint.dir is None
+        # The caller's own process may not see the state dir (a pod), and has its client.
+        log_file = (None if record.checkpoint.dir is None or proc.adopted
                     else output_path(record.checkpoint.dir, replica))
         self._to_process(handle, Host(cwd, self.estimate_first, log_file), None, "host")
         return handle
@@ -256,9 +268,13 @@ class Supervisor:
 
     def send_signal(self, executor: object, signum: int) -> None:
         assert isinstance(executor, ExecutorHandle)
-        if executor.process.pid is not None:
+        proc = executor.process
+        if proc.adopted:  # not ours to kill(2): it raises what its link says (in_pod.py)
+            self.loop.send(proc.link, json_frame(addressed(encode(Signal(signum)),
+                                                           executor.job)))
+        elif proc.pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(executor.process.pid, signum)
+                os.kill(proc.pid, signum)
 
     def retire(self, executor: object, code: str = "job_cancelled",
                message: str = "the job ended") -> None:
@@ -278,8 +294,8 @@ class Supervisor:
         self.loop.call_later(self.retire_after_s, lambda: self._kill_if_alive(proc))
 
     def _kill_if_alive(self, proc: ExecutorProcess) -> None:
-        if proc.status is None and proc.pid is not None:
-            log.warning("executor pid %d did not exit when asked: killing it", proc.pid)
+        if proc.status is None and (proc.pid is not None or proc.adopted and not proc.closed):
+            log.warning("%s did not exit when asked: killing it", proc.who)
             self.pool.kill(proc)
 
     # ---- placement: an owner's jobs of one lane in one process --------------------------------
@@ -439,12 +455,12 @@ class Supervisor:
             self._moved(handle, reply, frames)
         elif reader == "exit":
             self._release(handle, proc)
-            self._died(handle, f"executor (pid {proc.pid}) let job {handle.job} go: it ended")
+            self._died(handle, f"{proc.who} let job {handle.job} go: it ended")
         elif isinstance(reply, Failed):  # host, adopt, replace
             for frame in frames:
                 frame.close_fd()
             self._release(handle, proc)
-            self._died(handle, f"executor (pid {proc.pid}) could not {reader} job "
+            self._died(handle, f"{proc.who} could not {reader} job "
                                f"{handle.job}: {failure(reply)}")
 
     def _executor_closed(self, link: Link, reason: str) -> None:
@@ -454,7 +470,10 @@ class Supervisor:
         proc.closed = True
         self.pool.closed(proc)
         self._unserve(proc)
-        if proc.status is None:
+        if proc.adopted:  # no zygote reports its end: this is all salusd learns of it
+            proc.status = proc.status or ("its link closed: its process ended without the "
+                                          "script's exit status (salusd run shows how)")
+        elif proc.status is None:
             self.loop.call_later(self.lost_after_s, lambda: self._maybe_report(proc, force=True))
         self._maybe_report(proc)
 
@@ -467,8 +486,8 @@ class Supervisor:
             self._tell_mps_clients(proc.mps)
         how = proc.status or "its connection closed (exit status unknown)"
         for handle in list(proc.jobs.values()):
-            self._died(handle, f"executor (pid {proc.pid}) {proc.poisoned}" if proc.poisoned
-                       else f"executor (pid {proc.pid}) died: {how}", proc.exit_code,
+            self._died(handle, f"{proc.who} {proc.poisoned}" if proc.poisoned
+                       else f"{proc.who} died: {how}", proc.exit_code,
                        True, proc.poisoned is not None)
         proc.jobs.clear()
 

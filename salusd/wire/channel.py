@@ -347,6 +347,10 @@ class Channel:
         """Whether bytes of a next frame are already read (select would not see them)."""
         return self._end > self._start
 
+    def ready(self) -> bool:
+        """Whether a `recv` now would find something to read without waiting for it."""
+        return self.buffered() or bool(select.select([self.sock], [], [], 0)[0])
+
     def frame_buffered(self) -> bool:
         """Whether a whole next frame is already read, so that `recv` returns it (or raises
         its error) without touching the socket."""

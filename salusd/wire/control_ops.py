@@ -134,9 +134,12 @@ class Logs:
 
 @dataclass(frozen=True, slots=True)
 class Socket:
-    """One more client socket (in the frame's descriptor), for a rank of the next `Run`."""
+    """One more client socket (in the frame's descriptor), for a rank of the next `Run`; with
+    `executor`, the daemon's end of the link of the executor `salusd run --here` runs itself,
+    for the next `Run` with `here`."""
 
     op: ClassVar[str] = "socket"
+    executor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,7 @@ class Run:
     after: tuple[JobId, ...] | None = None
     array_index: int | None = None
     array_job: int | None = None
+    here: bool = False  # the caller runs the script itself (`salusd run --here`)
 
 
 Request = (Ping | Open | Attach | Define | Call | Pull | Channel | Info | Close | Status

@@ -9,6 +9,7 @@ with this channel (`executor/script_only.py`). The frames are `frames.py`'s, the
 from __future__ import annotations
 
 import os
+import select
 import socket
 import time
 from collections import deque
@@ -47,6 +48,10 @@ class JsonChannel:
     def buffered(self) -> bool:
         """Whether a whole frame was read off the socket and not yet received."""
         return bool(self._frames)
+
+    def ready(self) -> bool:
+        """Whether a `recv` now would find something to read without waiting for it."""
+        return self.buffered() or bool(select.select([self.sock], [], [], 0)[0])
 
     def recv(self) -> Any:
         """The next message; ConnectionClosed once the peer closed between frames, FrameError

@@ -18,10 +18,12 @@ Daemon → executor, in the order a job meets them:
   restart).
 - `Place` (device and budget, after each admission), `Lease` (granted or taken back), `Run` (one
   call), `Step` (a batch job's iteration), `Pull`, `Checkpoint`, `SwapOut`, `Refuse` (fail the
-  direct calls waiting in the executor), `Exit` (from the supervisor: answer nothing more).
+  direct calls waiting in the executor), `Exit` (from the supervisor: answer nothing more),
+  `Signal` (from the supervisor, to the executor `salusd run --here` runs itself, which salusd
+  cannot `kill`: raise a signal in its script).
 
-Every request but `Become` and `Exit` gets exactly one reply, in order (the daemon matches it
-with the oldest unanswered request): `Ack` or `Failed` for most, `CallDone` for `Run`,
+Every request but `Become`, `Exit` and `Signal` gets exactly one reply, in order (the daemon
+matches it with the oldest unanswered request): `Ack` or `Failed` for most, `CallDone` for `Run`,
 `StepDone` for `Step`, `Estimated` or `EstimateFailed`, `Attached`, `Loaded` (for `Load` and
 `Restore`), `Checkpointed`, `Placed` or `Swapped` for some `Place`s, `HandedOver`. A reply with
 `forward` true is followed by the frame the daemon hands to the client as its answer

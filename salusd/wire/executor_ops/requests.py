@@ -299,9 +299,25 @@ class Exit:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """Raise signal `signum` in the job's script, as its own handler would get it (never in the
+    middle of a boundary's exchange with the daemon). Sent, unanswered, to an executor salusd
+    did not fork and cannot `kill`: the one `salusd run --here` runs in its own process, maybe
+    in a pod's pid namespace (`salusd/executor/in_pod.py`, which reads it as it comes)."""
+
+    op: ClassVar[str] = "signal"
+    signum: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.signum < 65:
+            raise ValueError(f"executor message 'signal': field 'signum' must be a signal "
+                             f"number in 1..64, got {self.signum}")
+
+
 Request = (Become | Host | Attach | Define | Pull | DirectChannel | Estimate | Run | Step | Lease
            | Place | Load | Restore | Checkpoint | SwapOut | Refuse | Exit | Handover | Adopt
-           | Script)
+           | Script | Signal)
 
 
 REQUESTS: tuple[type[Request], ...] = typing.get_args(Request)
@@ -332,6 +348,7 @@ __all__ = [
     "Restore",
     "Run",
     "Script",
+    "Signal",
     "Step",
     "SwapOut",
     "Wire",
