@@ -7,6 +7,7 @@ its value, unit, goal and whether it was met, and the verdict counts them. Five 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 import goals  # noqa: E402 - bench/gpu is not a package
 
 STEPS = ["cuda_tests", "switch_latency", "priority_latency", "inference_memory", "faults",
-         "gang", "script_job", "mstopk"]
+         "gang", "script_job", "mstopk", "mps_facts"]
 FIGURE = {"value", "unit", "goal", "met"}
 
 
@@ -121,8 +122,19 @@ def test_cpu_run_writes_the_kits_json(tmp_path: Path) -> None:
     assert script["ran"]["met"] is True and script["peak_reported"]["met"] is True
     assert script["daemon_measured_peak_bytes"]["value"] > 0
     assert script["iterations_done"]["value"] == 30  # one per optimizer step
+    here = script["here"]  # the same script in salusd run's own child
+    assert here["ran"]["met"] is True and here["peak_reported"]["met"] is True
+    assert here["iterations_done"]["value"] == 30
 
     topk = steps["mstopk"]
     assert topk["recall"]["met"] is True and topk["kernel"] == "torch"
     assert topk["index_agreement"]["value"] >= 0.99
     assert report["kit_seconds"] < 150 + 30
+
+
+def test_the_mps_facts_step_says_why_it_is_skipped_without_a_gpu() -> None:
+    done = subprocess.run([sys.executable, "bench/gpu/mps_facts.py", "--cpu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "bench" / "gpu")})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"skipped": "needs CUDA"}

@@ -46,6 +46,14 @@ GOALS: list[tuple[str, str, str, Check, bool]] = [
      lambda v: v is True, False),
     ("script_job", "daemon_measured_peak_bytes", "> 0: the daemon measured the job's peak",
      lambda v: v > 0, False),
+    ("script_job", "here.ran", "true: the script ran to its end under salusd run --here",
+     lambda v: v is True, False),
+    ("script_job", "here.one_gpu_visible", "true: run --here, the script sees only its placed "
+     "GPU", lambda v: v is True, True),
+    ("script_job", "here.capped", "true: run --here, the script's process is capped",
+     lambda v: v is True, True),
+    ("script_job", "here.peak_reported", "true: run --here, its device peak reached the daemon",
+     lambda v: v is True, False),
     ("switch_latency", "two_owners.both_trained", "true: both owners' jobs trained in the lane",
      lambda v: v is True, False),
     ("switch_latency", "two_owners.executor_uids_differ",
@@ -58,6 +66,9 @@ GOALS: list[tuple[str, str, str, Check, bool]] = [
      "true: a placed replica joins its process group", lambda v: v is True, False),
     ("gang", "nccl_join_one_replica.all_reduce_ok", "true: an all_reduce over the group is "
      "exact", lambda v: v is True, False),
+    ("mps_facts", "pinned_limit.client_cannot_raise_limit", "true: a client cannot raise the "
+     "MPS pinned limit the control daemon set from its own environment (server-side "
+     "enforcement holds)", lambda v: v is True, True),
     ("mstopk", "recall", ">= 0.99 of torch.topk's values", lambda v: v >= 0.99, False),
     ("mstopk", "index_agreement", ">= 0.99 of torch.topk's indices", lambda v: v >= 0.99,
      False),

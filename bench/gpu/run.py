@@ -39,6 +39,7 @@ STEPS = {
     "gang": 30,
     "script_job": 30,
     "mstopk": 20,
+    "mps_facts": 40,
 }
 DEFAULT_BUDGET_S = 400.0
 RESERVE_S = 15.0  # kept for each step still to run when one step may take more than its share

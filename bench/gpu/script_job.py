@@ -6,7 +6,9 @@ runs as `salusd run -- python SCRIPT`. The script reports what it sees: `CUDA_VI
 allocator's per-process memory fraction where torch exposes it (the cap salusd set as the
 script started CUDA), and its reserved peak; the daemon's view of the job (its measured
 iteration peak, iterations done) is read after it. On the CPU the same loop runs on a CPU
-device: only `ran` and `peak_reported` apply.
+device: only `ran` and `peak_reported` apply. `here`: the same with `salusd run --here` (the
+script in `salusd run`'s own child, as in a pod), which must be placed, capped and measured
+the same way.
 """
 
 from __future__ import annotations
@@ -65,18 +67,26 @@ def measure(cuda: bool, small: bool) -> dict[str, Any]:
         with kit.daemon(folder, cuda=cuda, name="script") as d:
             env = {**os.environ, "KIT_CUDA": "1" if cuda else "0", "KIT_WIDTH": str(width)}
             env.pop("CUDA_VISIBLE_DEVICES", None)  # salusd chooses the GPU
-            started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
-                                   str(d.socket), "--name", "kit-script", "--", sys.executable,
-                                   str(script)], capture_output=True, text=True, timeout=240,
-                                  env=env, cwd=folder)
-            wall = time.monotonic() - started
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            seen: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-            info: dict[str, Any] = {}
-            if seen.get("job"):
-                with Control(d.address) as ctl:
-                    info = ctl.info(str(seen["job"]))
+            out = _run(d, script, env, cuda, here=False)
+            # The same script in `salusd run`'s own child (`--here`, as in a pod)
+            out["here"] = _run(d, script, env, cuda, here=True)
+    return out
+
+
+def _run(d: Any, script: Path, env: dict[str, str], cuda: bool, here: bool) -> dict[str, Any]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+                           str(d.socket), "--name", "kit-script-here" if here else "kit-script",
+                           *(("--here",) if here else ()), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=240, env=env,
+                          cwd=script.parent)
+    wall = time.monotonic() - started
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    seen: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    info: dict[str, Any] = {}
+    if seen.get("job"):
+        with Control(d.address) as ctl:
+            info = ctl.info(str(seen["job"]))
     memory = info.get("memory") or {}
     visible = seen.get("visible") or ""
     out: dict[str, Any] = {
