@@ -19,10 +19,11 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from client_proc import finish, reap
-from test_k8s_pod_sockets import as_nobody, node
+from test_k8s_pod_sockets import as_nobody, node, wait
 
 from salus.daemon.cli.control import Control
 
@@ -46,7 +47,7 @@ TRAIN = """\
     print(hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                   for p in model.parameters())).hexdigest(), flush=True)
 """
-STEPS = "120"
+STEPS = {"1": "300", "2": "120"}  # by seed: the pod's job runs while the node's starts
 ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -71,9 +72,9 @@ def test_a_pods_script_runs_in_the_pod_taking_turns_with_a_host_job_and_within_i
         tmp_path: Path) -> None:
     source = tmp_path / "train.py"
     source.write_text(textwrap.dedent(TRAIN))
-    want = {seed: subprocess.run([sys.executable, str(source), seed, STEPS], env=ENV,
+    want = {seed: subprocess.run([sys.executable, str(source), seed, steps], env=ENV,
                                  capture_output=True, text=True, timeout=120, check=True
-                                 ).stdout.strip() for seed in ("1", "2")}
+                                 ).stdout.strip() for seed, steps in STEPS.items()}
     assert want["1"] != want["2"] and len(want["1"]) == len(hashlib.sha256().hexdigest())
     with node(tmp_path, gib=1) as n:
         allocation = n.allocate(1)
@@ -81,14 +82,20 @@ def test_a_pods_script_runs_in_the_pod_taking_turns_with_a_host_job_and_within_i
         mount.mkdir(mode=0o755)
         work.mkdir(mode=0o755)
         pod = in_pod(allocation, mount, work, source, "--name", "in-pod", "--", sys.executable,
-                     "train.py", "1", STEPS)
-        host = subprocess.Popen(
-            [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
-             n.address.removeprefix("unix://"), "--name", "on-host", "--", sys.executable,
-             str(source), "2", STEPS], env=ENV, cwd=tmp_path, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                     "train.py", "1", STEPS["1"])
+        host = None
         try:
-            lanes, seen = set(), {}
+            with Control(n.address) as control:
+                wait(lambda: pod.poll() is not None or any(
+                    j["name"] == "in-pod" and j["lane"] is not None
+                    for j in control.status()["jobs"]), "the pod's job placed", 120.0)
+            host = subprocess.Popen(
+                [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+                 n.address.removeprefix("unix://"), "--name", "on-host", "--", sys.executable,
+                 str(source), "2", STEPS["2"]], env=ENV, cwd=tmp_path, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            lanes: set[tuple[int, int]] = set()
+            seen: dict[str, dict[str, Any]] = {}
             with Control(n.address) as control:
                 while pod.poll() is None or host.poll() is None:
                     jobs = [j for j in control.status()["jobs"]
@@ -103,7 +110,7 @@ def test_a_pods_script_runs_in_the_pod_taking_turns_with_a_host_job_and_within_i
             with Control(n.address) as control:
                 ended = control.info(str(seen["in-pod"]["job_id"]))
         finally:
-            reap([pod, host])
+            reap([pod, *([host] if host is not None else [])])
         too_big = in_pod(allocation, mount, work, source, "--name", "too-big", "--mem", "2G",
                          "--", sys.executable, "train.py", "1", "1")
         big_out, big_err = finish(too_big, timeout_s=120)
@@ -111,7 +118,7 @@ def test_a_pods_script_runs_in_the_pod_taking_turns_with_a_host_job_and_within_i
     assert pod_out.strip() == want["1"] and host_out.strip() == want["2"]
     assert len(lanes) == 1, lanes  # both jobs in one lane at once: they took turns
     assert seen["in-pod"]["allocation"] == allocation.name, seen["in-pod"]  # the pod's job
-    assert ended["state"] == "finished" and ended["iterations_done"] == int(STEPS), ended
+    assert ended["state"] == "finished" and ended["iterations_done"] == int(STEPS["1"]), ended
     assert seen["in-pod"]["executor"]["pid"] is None, seen["in-pod"]  # no salusd executor
     assert "--here" in seen["in-pod"]["executor"]["why"]
     assert too_big.returncode != 0 and big_out == "", (big_out, big_err)
