@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import NamedTuple
 
 from salus.scheduler import fairshare
 from salus.scheduler.job import Job
@@ -23,9 +24,10 @@ LaneKey = tuple[int, int]
 GRID_S = 2.0**-20
 
 
-@dataclass(frozen=True, slots=True)
-class JobRecord:
-    """Outcome of one job (seconds of virtual time)."""
+class JobRecord(NamedTuple):
+    """Outcome of one job (seconds of virtual time). A named tuple, not a frozen dataclass: a run
+    makes one a job, and a frozen dataclass, built with one `object.__setattr__` call a field,
+    takes over three times as long (about 1 µs against 0.3 µs: 0.7 s of a million-job run)."""
 
     job_id: int
     submit_s: float
