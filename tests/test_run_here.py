@@ -23,7 +23,17 @@ from pathlib import Path
 
 import pytest
 from daemon_proc import salusd
-from test_script_jobs import CASES, ENV, assert_equal, direct, finish, saved, script, write_data
+from test_script_jobs import (
+    CASES,
+    ENV,
+    assert_equal,
+    ctrl_c_is_the_scripts_keyboard_interrupt,
+    direct,
+    finish,
+    saved,
+    script,
+    write_data,
+)
 
 from salus.daemon.cli.control import Control
 from salus.daemon.wire import control_ops as ops
@@ -127,21 +137,8 @@ def test_output_and_exit_status_are_a_direct_runs(daemon: str, tmp_path: Path, e
 
 
 def test_ctrl_c_is_the_scripts_keyboard_interrupt(daemon: str, tmp_path: Path) -> None:
-    path = script(tmp_path, """\
-        import time
-        try:
-            print("ready", flush=True)
-            time.sleep(60)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-            raise SystemExit(5)
-    """)
-    proc = run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    assert proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGINT)
-    code, out, _ = finish(proc)
-    assert (code, out) == (5, "interrupted\n")
+    ctrl_c_is_the_scripts_keyboard_interrupt(
+        tmp_path, lambda argv: run(daemon, argv, tmp_path, stdout=subprocess.PIPE))
 
 
 STEPS_FOREVER = """\

@@ -22,7 +22,7 @@ import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +272,14 @@ def test_output_order_and_exit_status_are_a_direct_runs(
 
 
 def test_ctrl_c_is_the_scripts_keyboard_interrupt(daemon: str, tmp_path: Path) -> None:
+    ctrl_c_is_the_scripts_keyboard_interrupt(
+        tmp_path, lambda argv: salusd_run(daemon, argv, tmp_path, stdout=subprocess.PIPE))
+
+
+def ctrl_c_is_the_scripts_keyboard_interrupt(
+        tmp_path: Path, start: Callable[[list[str]], subprocess.Popen[str]]) -> None:
+    """A Ctrl-C to the process `start` makes (a `salusd run` of the script, stdout piped) is
+    the script's KeyboardInterrupt, as in a direct run."""
     path = script(tmp_path, """\
         import time
         try:
@@ -281,7 +289,7 @@ def test_ctrl_c_is_the_scripts_keyboard_interrupt(daemon: str, tmp_path: Path) -
             print("interrupted", flush=True)
             raise SystemExit(5)
     """)
-    proc = salusd_run(daemon, [str(path)], tmp_path, stdout=subprocess.PIPE)
+    proc = start([str(path)])
     assert proc.stdout is not None
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGINT)
