@@ -177,6 +177,44 @@ def test_a_cancel_signals_the_script_through_its_link_then_kills_it_after_its_gr
     assert gone(pid)
 
 
+def test_a_cancel_reaches_a_script_waiting_at_a_boundary_for_its_turn(
+        daemon: str, tmp_path: Path) -> None:
+    """A cancelled job gets no more turns: its SIGTERM must reach the script while it waits
+    at a boundary (another job's long iteration runs in its lane), as salusd's kill(2) of a
+    forked executor's script would, so that its handler runs within the grace."""
+    slow = script(tmp_path, """\
+        import time, torch
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        print("slow", flush=True)
+        for _ in range(30):
+            time.sleep(0.5)
+            opt.step()
+    """, "slow.py")
+    waiter = script(tmp_path, STEPS_FOREVER)
+    other = run(daemon, [str(slow)], tmp_path, "--name", "slow", here=False,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = None
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "slow\n"
+        proc = run(daemon, [str(waiter)], tmp_path, "--name", "waiter", "--grace", "3",
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        with Control(daemon) as ctl:
+            (job,) = [j["job_id"] for j in ctl.status()["jobs"] if j["name"] == "waiter"]
+            wait_for(lambda: ctl.info(str(job))["iterations_done"] >= 2, "turns taken")
+            ctl.call(ops.Cancel(str(job)))
+            code, out, err = finish(proc)
+    finally:
+        for p in (proc, other):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert out == "SIGTERM in the script\n", (out, err)
+    assert code == 128 + signal.SIGKILL, err
+    assert gone(pid)
+
+
 def test_what_here_cannot_do_is_refused_saying_why(daemon: str, tmp_path: Path) -> None:
     path = script(tmp_path, "print('ran')\n")
     cases = {

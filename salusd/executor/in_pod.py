@@ -8,9 +8,10 @@ it: salusd cannot `kill` or signal a process it did not start (a pod's pid names
 the daemon's). So, once the script runs, a thread reads the link as frames come instead of at
 boundaries only:
 
-- a `Signal` message is raised in the script at once, holding the boundaries' lock (its
-  handler never runs in the middle of a boundary's exchange with the daemon), as a signal
-  `salusd run` forwards is (`script.py`);
+- a `Signal` message is raised in the script at once, as salusd's `kill` of a forked
+  executor's script raises it: its handler runs wherever the script is, also while it waits at
+  a boundary for a turn that a cancelled job will not get (so a checkpoint-on-SIGTERM handler
+  runs within the grace);
 - the link closing while the script runs is a kill: the daemon ended the job after its grace,
   or went away. The thread kills this process's group (the script and what it started), as a
   forked executor dies with its zygote;
@@ -21,27 +22,15 @@ Standard library only, as `script_only.py`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
-import time
 from collections import deque
 from typing import Any
 
 from salus.daemon.wire.executor_ops import Signal, address_of, decode_request
 from salus.daemon.wire.frames import ConnectionClosed
 from salus.daemon.wire.json_channel import JsonChannel
-
-SIGNAL_SETTLE_S = 0.005  # a raised signal's handler runs within this (between bytecodes)
-
-
-def raise_in_script(signum: int, boundary: contextlib.AbstractContextManager[Any]) -> None:
-    """Raise `signum` in this process's main thread, outside boundaries (`boundary`: their
-    lock), and give its handler the moment it needs to run."""
-    with boundary:
-        os.kill(os.getpid(), signum)
-        time.sleep(SIGNAL_SETTLE_S)
 
 
 class InPodChannel(JsonChannel):
@@ -56,13 +45,12 @@ class InPodChannel(JsonChannel):
         self._watching = False
         self.over = False  # the script ended: the link closing is its normal end
 
-    def watch(self, boundary: contextlib.AbstractContextManager[Any]) -> None:
-        """From now on read the link on a thread: signals are raised under `boundary`."""
+    def watch(self) -> None:
+        """From now on read the link on a thread (see the module's docstring)."""
         self._watching = True
-        threading.Thread(target=self._read, args=(boundary,), name="salusd-link",
-                         daemon=True).start()
+        threading.Thread(target=self._read, name="salusd-link", daemon=True).start()
 
-    def _read(self, boundary: contextlib.AbstractContextManager[Any]) -> None:
+    def _read(self) -> None:
         while True:
             try:
                 message = JsonChannel.recv(self)
@@ -85,7 +73,7 @@ class InPodChannel(JsonChannel):
                     pass  # not a signal after all: the boundary answers it `Failed`
                 else:
                     assert isinstance(request, Signal)
-                    raise_in_script(request.signum, boundary)
+                    os.kill(os.getpid(), request.signum)  # as kill(2) from salusd would
                     continue
             with self._cond:
                 self._messages.append(message)

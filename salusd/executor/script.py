@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import types
 from collections.abc import Callable
@@ -54,7 +55,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from salus.daemon.executor import interpreter, process
 from salus.daemon.executor.boundaries import Boundaries, flush
-from salus.daemon.executor.in_pod import InPodChannel, raise_in_script
+from salus.daemon.executor.in_pod import InPodChannel
 from salus.daemon.executor.on_import import imported, when_imported
 from salus.daemon.executor.output import OutputSink
 from salus.daemon.wire import script_hooks as api
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("salusd.executor")
 STDIO_WAIT_S = 10.0  # the client sends its descriptors right after it connects
+SIGNAL_SETTLE_S = 0.005  # a forwarded signal's handler runs within this (between bytecodes)
 INTERRUPT = b"I"  # client -> executor: the caller pressed Ctrl-C
 SIGNALS = {INTERRUPT[0]: signal.SIGINT, ord("T"): signal.SIGTERM, ord("H"): signal.SIGHUP,
            ord("1"): signal.SIGUSR1, ord("2"): signal.SIGUSR2}  # client -> executor
@@ -168,7 +170,7 @@ def run(daemon: Channel | JsonChannel, message: Script, request: Any, job: int, 
     stop_interrupts = (_forward_signals(client, boundaries.lock) if client is not None
                        else None)
     if isinstance(daemon, InPodChannel):  # salusd cannot signal or kill it: it tells it
-        daemon.watch(boundaries.lock)
+        daemon.watch()
     boundaries.start()
     code = _execute(command)
     if isinstance(daemon, InPodChannel):
@@ -414,8 +416,10 @@ def _forward_signals(client: socket.socket, boundary: Any) -> Callable[[], None]
             for byte in data:
                 if byte == INTERRUPT[0]:  # `Boundaries.on_sigint` holds it during a boundary
                     os.kill(os.getpid(), signal.SIGINT)
-                elif byte in SIGNALS:  # the script's own handler: outside boundaries
-                    raise_in_script(SIGNALS[byte], boundary)
+                elif byte in SIGNALS:
+                    with boundary:  # the script's own handler: outside boundaries
+                        os.kill(os.getpid(), SIGNALS[byte])
+                        time.sleep(SIGNAL_SETTLE_S)  # for the main thread to run it
 
     thread = threading.Thread(target=forward, daemon=True)
     thread.start()

@@ -301,10 +301,10 @@ class Exit:
 
 @dataclass(frozen=True, slots=True)
 class Signal:
-    """Raise signal `signum` in the job's script, as its own handler would get it (never in the
-    middle of a boundary's exchange with the daemon). Sent, unanswered, to an executor salusd
-    did not fork and cannot `kill`: the one `salusd run --here` runs in its own process, maybe
-    in a pod's pid namespace (`salusd/executor/in_pod.py`, which reads it as it comes)."""
+    """Raise signal `signum` in the job's script at once, as salusd's `kill(2)` of a forked
+    executor would. Sent, unanswered, to an executor salusd did not fork and cannot `kill`: the
+    one `salusd run --here` runs in its own process, maybe in a pod's pid namespace
+    (`salusd/executor/in_pod.py`, which reads it as it comes)."""
 
     op: ClassVar[str] = "signal"
     signum: int
