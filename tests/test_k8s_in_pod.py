@@ -94,14 +94,16 @@ def test_a_pods_script_runs_in_the_pod_taking_turns_with_a_host_job_and_within_i
                  n.address.removeprefix("unix://"), "--name", "on-host", "--", sys.executable,
                  str(source), "2", STEPS["2"]], env=ENV, cwd=tmp_path, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            lanes: set[tuple[int, int]] = set()
+            # Where the two jobs were, each time both were placed: `fair` keeps one lane per
+            # device (its id changes when a job's measured peak resizes it).
+            placed: list[set[tuple[int, int]]] = []
             seen: dict[str, dict[str, Any]] = {}
             with Control(n.address) as control:
                 while pod.poll() is None or host.poll() is None:
                     jobs = [j for j in control.status()["jobs"]
                             if j["name"] in ("in-pod", "on-host")]
-                    lanes |= {(j["device"], j["lane"]) for j in jobs
-                              if j["lane"] is not None and len(jobs) == 2}
+                    if len(jobs) == 2 and all(j["lane"] is not None for j in jobs):
+                        placed.append({(j["device"], j["lane"]) for j in jobs})
                     seen |= {j["name"]: control.info(str(j["job_id"])) for j in jobs}
                     assert not list(work.iterdir()), "the node sees the pod's files"
                     time.sleep(0.05)
@@ -116,7 +118,7 @@ def test_a_pods_script_runs_in_the_pod_taking_turns_with_a_host_job_and_within_i
         big_out, big_err = finish(too_big, timeout_s=120)
     assert pod.returncode == 0 and host.returncode == 0, (pod_err, host_err)
     assert pod_out.strip() == want["1"] and host_out.strip() == want["2"]
-    assert len(lanes) == 1, lanes  # both jobs in one lane at once: they took turns
+    assert any(len(p) == 1 for p in placed), placed  # in one lane at once: they took turns
     assert seen["in-pod"]["allocation"] == allocation.name, seen["in-pod"]  # the pod's job
     assert ended["state"] == "finished" and ended["iterations_done"] == int(STEPS["1"]), ended
     assert seen["in-pod"]["executor"]["pid"] is None, seen["in-pod"]  # no salusd executor

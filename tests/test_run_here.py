@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from daemon_proc import salusd
@@ -30,6 +31,7 @@ from test_script_jobs import (
     ctrl_c_is_the_scripts_keyboard_interrupt,
     direct,
     finish,
+    in_one_lane,
     saved,
     script,
     write_data,
@@ -94,15 +96,11 @@ def test_a_script_here_and_one_in_salusds_executor_share_a_lane_and_equal_direct
         write_data(cwd)
         runs[name] = (cwd, run(daemon, CASES[name][0], cwd, "--name", name, here=here,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    lanes, why = set(), {}
     with Control(daemon) as ctl:
-        while any(proc.poll() is None for _, proc in runs.values()) and len(lanes) < 2:
-            jobs = [j for j in ctl.status()["jobs"] if j["name"] in runs]
-            lanes |= {(j["name"], j["device"], j["lane"]) for j in jobs
-                      if j["lane"] is not None and len(jobs) == 2}
-            why |= {j["name"]: ctl.info(str(j["job_id"]))["executor"] for j in jobs}
-            time.sleep(0.05)
-    assert len({(d, lane) for _, d, lane in lanes}) == 1, lanes  # both in one lane at once
+        placed = in_one_lane(ctl, {name: proc for name, (_, proc) in runs.items()})
+        why = {j["name"]: ctl.info(str(j["job_id"]))["executor"]
+               for j in ctl.status()["jobs"] if j["name"] in runs}
+    assert any(len(p) == 1 for p in placed), placed  # both in one lane at once
     assert why["gcn"]["pid"] is None and "--here" in why["gcn"]["why"], why
     assert why["gat"]["pid"] is not None, why
     for name, (cwd, proc) in runs.items():
@@ -155,24 +153,32 @@ STEPS_FOREVER = """\
 """
 
 
-def test_a_cancel_signals_the_script_through_its_link_then_kills_it_after_its_grace(
-        daemon: str, tmp_path: Path) -> None:
-    """salusd cannot kill(2) the caller's process: the SIGTERM of a cancel comes as a message
-    the script's handler gets, and the end of the grace closes the link, which kills it."""
-    path = script(tmp_path, STEPS_FOREVER)
-    proc = run(daemon, [str(path)], tmp_path, "--name", "forever", "--grace", "2",
+def cancelled(daemon: str, path: Path, name: str, grace: str,
+              turns: int) -> tuple[int, str, str, int, dict[str, Any]]:
+    """Run the script `path` here as job `name` with `--grace`, and cancel it once it has done
+    `turns` iterations: salusd run's exit status, stdout and stderr, the script's pid (its
+    first line) and the job's info once salusd run has exited."""
+    proc = run(daemon, [str(path)], path.parent, "--name", name, "--grace", grace,
                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     pid = int(proc.stdout.readline())
     with Control(daemon) as ctl:
-        (job,) = [j["job_id"] for j in ctl.status()["jobs"] if j["name"] == "forever"]
-        wait_for(lambda: ctl.info(str(job))["iterations_done"] > 5, "iterations")
+        (job,) = [j["job_id"] for j in ctl.status()["jobs"] if j["name"] == name]
+        wait_for(lambda: ctl.info(str(job))["iterations_done"] >= turns, "turns taken")
         ctl.call(ops.Cancel(str(job)))
         code, out, err = finish(proc)
-        info = ctl.info(str(job))
+        return code, out, err, pid, ctl.info(str(job))
+
+
+def test_a_cancel_signals_the_script_through_its_link_then_kills_it_after_its_grace(
+        daemon: str, tmp_path: Path) -> None:
+    """salusd cannot kill(2) the caller's process: the SIGTERM of a cancel comes as a message
+    the script's handler gets, and the end of the grace closes the link, which kills it."""
+    code, out, err, pid, info = cancelled(daemon, script(tmp_path, STEPS_FOREVER), "forever",
+                                          "2", 5)
     assert out == "SIGTERM in the script\n", (out, err)
     assert code == 128 + signal.SIGKILL, err
-    assert f"job {job} cancelled" in err
+    assert f"job {info['job_id']} cancelled" in err
     assert info["state"] == "cancelled" and info["signal"] == signal.SIGKILL, info
     assert gone(pid)
 
@@ -190,26 +196,15 @@ def test_a_cancel_reaches_a_script_waiting_at_a_boundary_for_its_turn(
             time.sleep(0.5)
             opt.step()
     """, "slow.py")
-    waiter = script(tmp_path, STEPS_FOREVER)
     other = run(daemon, [str(slow)], tmp_path, "--name", "slow", here=False,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc = None
     try:
         assert other.stdout is not None and other.stdout.readline() == "slow\n"
-        proc = run(daemon, [str(waiter)], tmp_path, "--name", "waiter", "--grace", "3",
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert proc.stdout is not None
-        pid = int(proc.stdout.readline())
-        with Control(daemon) as ctl:
-            (job,) = [j["job_id"] for j in ctl.status()["jobs"] if j["name"] == "waiter"]
-            wait_for(lambda: ctl.info(str(job))["iterations_done"] >= 2, "turns taken")
-            ctl.call(ops.Cancel(str(job)))
-            code, out, err = finish(proc)
+        code, out, err, pid, _ = cancelled(daemon, script(tmp_path, STEPS_FOREVER, "waiter.py"),
+                                           "waiter", "3", 2)
     finally:
-        for p in (proc, other):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.communicate()
+        other.kill()
+        other.communicate()
     assert out == "SIGTERM in the script\n", (out, err)
     assert code == 128 + signal.SIGKILL, err
     assert gone(pid)
