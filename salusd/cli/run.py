@@ -307,7 +307,7 @@ def run_request(command: list[str], args: argparse.Namespace) -> ops.Run:
                    time_limit_s=args.time, signal=signum, signal_before_s=before,
                    grace_s=args.grace, mem_bytes=args.mem,
                    after=tuple(job for ids in args.after for job in ids) if args.after else None,
-                   here=bool(getattr(args, "here", False)))
+                   here=bool(args.here))
 
 
 def _name(command: list[str], launch: torchrun.Launch | None) -> str:

@@ -137,11 +137,8 @@ class ExecutorPool:
         """A new executor forked by the daemon's zygote, or by `zygote`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         token = next(self._tokens)
-        proc = ExecutorProcess(token, Link(ours, self.on_frame, self.on_closed))
-        proc.zygote = zygote
-        self.loop.add(proc.link)
-        self.by_token[token] = proc
-        self.by_link[id(proc.link)] = proc
+        proc = self._known(ExecutorProcess(token, Link(ours, self.on_frame, self.on_closed),
+                                           zygote=zygote))
         link = self._zygote_link if zygote is None else zygote.link
         assert link is not None
         request = json_frame({"op": "fork", "token": token})
@@ -171,11 +168,14 @@ class ExecutorPool:
         daemon end is `fd` (ours now). Salusd did not fork it: it is sent no `Become` (it is
         the caller already), no zygote reports its end (its link closing is its end), and it
         is killed by closing its link (`executor/in_pod.py`)."""
-        token = next(self._tokens)
-        proc = ExecutorProcess(token, Link(socket.socket(fileno=fd), self.on_frame,
-                                           self.on_closed), uid=owner.uid, adopted=True)
+        return self._known(ExecutorProcess(
+            next(self._tokens), Link(socket.socket(fileno=fd), self.on_frame, self.on_closed),
+            uid=owner.uid, adopted=True))
+
+    def _known(self, proc: ExecutorProcess) -> ExecutorProcess:
+        """`proc`, its link read by the loop and the process known by its token and link."""
         self.loop.add(proc.link)
-        self.by_token[token] = proc
+        self.by_token[proc.token] = proc
         self.by_link[id(proc.link)] = proc
         return proc
 
