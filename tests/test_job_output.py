@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from client_proc import finish
-from daemon_proc import job_root, salusd
+from daemon_proc import RunningDaemon, job_root, salusd
 from rest_client import connect, job, wait_for
 
 from salus.daemon.cli.control import Control
@@ -21,6 +22,16 @@ from salus.daemon.state.job_output import MAX_FILE_BYTES
 from salus.daemon.wire.errors import Conflict
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """One daemon (one device, REST, the printing job's root) for the module's tests: each
+    reads its own jobs' output, and none of their lines may reach the daemon's log."""
+    tmp = tmp_path_factory.mktemp("salusd")
+    root = job_root(tmp, "printing.py")
+    with salusd(tmp, "--http", "127.0.0.1:0", "--job-root", str(root), devices=1) as running:
+        yield running
 
 CLIENT = textwrap.dedent("""
     import os, sys, warnings
@@ -79,17 +90,17 @@ def _logs(address: str, job_id: str, *args: str) -> str:
 
 
 def test_an_interactive_jobs_lines_reach_its_client_before_the_result_and_salusd_logs(
-        tmp_path: Path) -> None:
-    with salusd(tmp_path, devices=1) as (_, address):
-        job_id, out, err = _client(tmp_path, address)
-        assert out == "job line 0\njob line 1\njob line 2\nafter call\n"
-        assert "UserWarning: job warning" in err
-        logged = _logs(address, job_id)
-        assert _logs(address, job_id, "-f") == logged  # the job ended: -f stops at the end
+        daemon: RunningDaemon, tmp_path: Path) -> None:
+    address = daemon.address
+    job_id, out, err = _client(tmp_path, address)
+    assert out == "job line 0\njob line 1\njob line 2\nafter call\n"
+    assert "UserWarning: job warning" in err
+    logged = _logs(address, job_id)
+    assert _logs(address, job_id, "-f") == logged  # the job ended: -f stops at the end
     assert logged.startswith("job line 0\njob line 1\njob line 2\n"), logged
     assert "UserWarning: job warning" in logged
     assert logged.endswith("child line\n"), logged
-    daemon_log = (tmp_path / "salusd.log").read_text()
+    daemon_log = daemon.log_text()
     assert "job line" not in daemon_log and "job warning" not in daemon_log
 
 
@@ -143,16 +154,17 @@ PIPELINED = textwrap.dedent("""
 """)
 
 
-def test_lines_and_results_of_calls_in_flight_keep_their_order(tmp_path: Path) -> None:
+def test_lines_and_results_of_calls_in_flight_keep_their_order(daemon: RunningDaemon,
+                                                              tmp_path: Path) -> None:
     """The executor holds results back while the client keeps calls in flight: a line a call
     prints still reaches the client after the results of the calls before it and before its
     own; a call that raises fails alone, in its place; `info` counts every call."""
     script = tmp_path / "pipelined.py"
     script.write_text(PIPELINED)
-    with salusd(tmp_path, devices=1) as (_, address):
-        env = {"SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                              text=True, timeout=120)
+    address = daemon.address
+    env = {"SALUS_ADDRESS": address, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["values"] == list(range(60))
@@ -165,13 +177,13 @@ def test_lines_and_results_of_calls_in_flight_keep_their_order(tmp_path: Path) -
 
 
 def test_a_job_printing_6_mib_keeps_a_bounded_file_with_the_latest_lines(
-        tmp_path: Path) -> None:
+        daemon: RunningDaemon, tmp_path: Path) -> None:
     lines = 6 * 1024  # about 1 KiB each
-    with salusd(tmp_path, devices=1) as (_, address):
-        job_id, out, _ = _client(tmp_path, address, flood_lines=lines)
-        assert out.count("\nflood ") == lines and out.endswith("after flood\n")
-        tail = _logs(address, job_id, "--tail", "5000")
-    folder = tmp_path / "state" / "checkpoints" / job_id
+    address = daemon.address
+    job_id, out, _ = _client(tmp_path, address, flood_lines=lines)
+    assert out.count("\nflood ") == lines and out.endswith("after flood\n")
+    tail = _logs(address, job_id, "--tail", "5000")
+    folder = daemon.state_dir / "checkpoints" / job_id
     current, previous = folder / "output.log", folder / "output.log.1"
     assert current.stat().st_size <= MAX_FILE_BYTES
     assert previous.stat().st_size <= MAX_FILE_BYTES
@@ -184,72 +196,68 @@ def test_a_job_printing_6_mib_keeps_a_bounded_file_with_the_latest_lines(
     assert 4000 < len(tail) <= 5000
 
 
-def test_a_batch_jobs_lines_are_served_by_rest(tmp_path: Path) -> None:
-    root = job_root(tmp_path, "printing.py")
-    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(root), devices=1):
-        client = connect(tmp_path / "state")
-        reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 5,
-                                              "entrypoint": "printing.py:make_job"})
-        assert reply.status_code == 201, reply.text
-        jid = reply.json()["id"]
-        wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
-        got = client.get(f"/v1/jobs/{jid}/log")
-        assert got.status_code == 200, got.text
-        assert got.headers["content-type"].startswith("text/plain")
-        expected = "".join(f"batch iteration {i}\n" for i in range(5))
-        assert got.text == expected
-        assert int(got.headers["X-Salus-Next-Offset"]) == len(expected)
-        rest = client.get(f"/v1/jobs/{jid}/log", params={"offset": 7})
-        assert rest.text == expected[7:]
-        end = client.get(f"/v1/jobs/{jid}/log", params={"offset": len(expected)})
-        assert end.text == "" and end.headers["X-Salus-Next-Offset"] == str(len(expected))
-        assert client.get(f"/v1/jobs/{jid + 100}/log").status_code == 404
-        # The owner controls the directory: a link or a FIFO in the file's place is refused,
-        # not followed or waited on by the (root) daemon.
-        path = tmp_path / "state" / "checkpoints" / str(jid) / "output.log"
-        (tmp_path / "secret").write_text("not the job's\n")
-        path.unlink()
-        path.symlink_to(tmp_path / "secret")
-        refused = client.get(f"/v1/jobs/{jid}/log")
-        assert refused.status_code == 409 and "not the job's" not in refused.text
-        path.unlink()
-        os.mkfifo(path)
-        assert client.get(f"/v1/jobs/{jid}/log").status_code == 409
-    assert "batch iteration" not in (tmp_path / "salusd.log").read_text()
+def test_a_batch_jobs_lines_are_served_by_rest(daemon: RunningDaemon, tmp_path: Path) -> None:
+    client = connect(daemon.state_dir)
+    reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 5,
+                                          "entrypoint": "printing.py:make_job"})
+    assert reply.status_code == 201, reply.text
+    jid = reply.json()["id"]
+    wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
+    got = client.get(f"/v1/jobs/{jid}/log")
+    assert got.status_code == 200, got.text
+    assert got.headers["content-type"].startswith("text/plain")
+    expected = "".join(f"batch iteration {i}\n" for i in range(5))
+    assert got.text == expected
+    assert int(got.headers["X-Salus-Next-Offset"]) == len(expected)
+    rest = client.get(f"/v1/jobs/{jid}/log", params={"offset": 7})
+    assert rest.text == expected[7:]
+    end = client.get(f"/v1/jobs/{jid}/log", params={"offset": len(expected)})
+    assert end.text == "" and end.headers["X-Salus-Next-Offset"] == str(len(expected))
+    assert client.get(f"/v1/jobs/{jid + 100}/log").status_code == 404
+    # The owner controls the directory: a link or a FIFO in the file's place is refused,
+    # not followed or waited on by the (root) daemon.
+    path = daemon.state_dir / "checkpoints" / str(jid) / "output.log"
+    (tmp_path / "secret").write_text("not the job's\n")
+    path.unlink()
+    path.symlink_to(tmp_path / "secret")
+    refused = client.get(f"/v1/jobs/{jid}/log")
+    assert refused.status_code == 409 and "not the job's" not in refused.text
+    path.unlink()
+    os.mkfifo(path)
+    assert client.get(f"/v1/jobs/{jid}/log").status_code == 409
+    assert "batch iteration" not in daemon.log_text()
 
 
 def test_a_directory_in_the_output_files_place_leaks_no_descriptor_of_salusd(
-        tmp_path: Path) -> None:
+        daemon: RunningDaemon) -> None:
     """An owner can put anything in their job's directory: 360 reads of a directory in the
     output file's place, over the socket and REST, each answer a conflict and leave the
     daemon's descriptor count flat; its soft limit of open files is its hard one."""
-    root = job_root(tmp_path, "printing.py")
-    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(root),
-                devices=1) as (proc, address):
-        client = connect(tmp_path / "state")
-        reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 2,
-                                              "entrypoint": "printing.py:make_job"})
-        assert reply.status_code == 201, reply.text
-        jid = reply.json()["id"]
-        wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
-        path = tmp_path / "state" / "checkpoints" / str(jid) / "output.log"
-        path.unlink()
-        path.mkdir()
-        fds = f"/proc/{proc.pid}/fd"
-        with Control(address) as control:
-            client.get(f"/v1/jobs/{jid}/log")  # the connections both ends keep are open
-            before = len(os.listdir(fds))
-            for i in range(300):
-                with pytest.raises(Conflict, match="not a regular file"):
-                    control.logs(str(jid))
-                if i % 5 == 0:  # a REST request takes longer: every fifth read is one
-                    got = client.get(f"/v1/jobs/{jid}/log")
-                    assert got.status_code == 409 and "not a regular file" in got.text, got.text
-            assert len(os.listdir(fds)) <= before + 2, (before, os.listdir(fds))
-        again = client.post("/v1/jobs", json={"name": "after", "iterations": 1,
-                                              "entrypoint": "printing.py:make_job"})
-        assert again.status_code == 201, again.text
-        limits = Path(f"/proc/{proc.pid}/limits").read_text()
-        (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
-        soft, hard = line.split()[3:5]
-        assert soft == hard, line
+    proc, address = daemon.proc, daemon.address
+    client = connect(daemon.state_dir)
+    reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 2,
+                                          "entrypoint": "printing.py:make_job"})
+    assert reply.status_code == 201, reply.text
+    jid = reply.json()["id"]
+    wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
+    path = daemon.state_dir / "checkpoints" / str(jid) / "output.log"
+    path.unlink()
+    path.mkdir()
+    fds = f"/proc/{proc.pid}/fd"
+    with Control(address) as control:
+        client.get(f"/v1/jobs/{jid}/log")  # the connections both ends keep are open
+        before = len(os.listdir(fds))
+        for i in range(300):
+            with pytest.raises(Conflict, match="not a regular file"):
+                control.logs(str(jid))
+            if i % 5 == 0:  # a REST request takes longer: every fifth read is one
+                got = client.get(f"/v1/jobs/{jid}/log")
+                assert got.status_code == 409 and "not a regular file" in got.text, got.text
+        assert len(os.listdir(fds)) <= before + 2, (before, os.listdir(fds))
+    again = client.post("/v1/jobs", json={"name": "after", "iterations": 1,
+                                          "entrypoint": "printing.py:make_job"})
+    assert again.status_code == 201, again.text
+    limits = Path(f"/proc/{proc.pid}/limits").read_text()
+    (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+    soft, hard = line.split()[3:5]
+    assert soft == hard, line
