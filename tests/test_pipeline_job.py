@@ -12,13 +12,14 @@ are refused with the reason.
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from daemon_proc import job_root, salusd
+from daemon_proc import RunningDaemon, job_root, salusd
 from jobs import pipeline
 from rest_client import connect, job, wait_for
 from torch import nn
@@ -36,6 +37,13 @@ SLOWDOWN = ("--cpu-device-slowdown", "1,3")
 def _daemon(tmp: Path, *args: str) -> Any:
     root = job_root(tmp, "pipeline.py")
     return salusd(tmp, "--http", "127.0.0.1:0", "--job-root", str(root), *SLOWDOWN, *args)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """One daemon for the tests that do not restart it."""
+    with _daemon(tmp_path_factory.mktemp("salusd"), "--checkpoint-every", "1000") as running:
+        yield running
 
 
 def _submit(client: httpx.Client, entrypoint: str, iterations: int, **extra: Any
@@ -143,15 +151,14 @@ def test_a_stage_optimizer_keeps_each_group_hyperparameters_and_state() -> None:
 
 
 @pytest.mark.slow
-def test_pipelines_train_like_one_process_and_sky_unloads_the_slow_device(tmp_path):
-    iterations, state = 7, tmp_path / "state"  # 3 batches an epoch: into the third epoch
-    with _daemon(tmp_path, "--checkpoint-every", "1000"):
-        client = connect(state)
-        devices = client.get("/v1/devices").json()
-        assert [d["compute_slowdown"] for d in devices] == [1.0, 3.0]
-        ended = {p: _run(client, "pipeline.py:make_job", iterations, placement=p,
-                         microbatches=pipeline.MICROBATCHES)
-                 for p in ("even", "sky", "optimal")}
+def test_pipelines_train_like_one_process_and_sky_unloads_the_slow_device(daemon):
+    iterations, state = 7, daemon.state_dir  # 3 batches an epoch: into the third epoch
+    client = connect(state)
+    devices = client.get("/v1/devices").json()
+    assert [d["compute_slowdown"] for d in devices] == [1.0, 3.0]
+    ended = {p: _run(client, "pipeline.py:make_job", iterations, placement=p,
+                     microbatches=pipeline.MICROBATCHES)
+             for p in ("even", "sky", "optimal")}
     reference = _reference(iterations)
     for placement, info in ended.items():
         assert info["state"] == "finished", (placement, info["reason"])
@@ -170,15 +177,14 @@ def test_pipelines_train_like_one_process_and_sky_unloads_the_slow_device(tmp_pa
 
 
 @pytest.mark.slow
-def test_bad_pipeline_requests_are_refused_with_the_reason(tmp_path):
-    with _daemon(tmp_path):
-        client = connect(tmp_path / "state")
-        one = _submit(client, "pipeline.py:make_job", 3, devices=1, pipeline=True)
-        assert one.status_code == 422 and 'needs "devices" of at least 2' in one.json()["detail"]
-        loose = _submit(client, "pipeline.py:make_job", 3, devices=2, placement="sky")
-        assert loose.status_code == 422 and "pipeline" in loose.text
-        not_sequential = _run(client, "pipeline.py:make_not_sequential", 3)
-        one_layer = _run(client, "pipeline.py:make_one_layer", 3)
+def test_bad_pipeline_requests_are_refused_with_the_reason(daemon):
+    client = connect(daemon.state_dir)
+    one = _submit(client, "pipeline.py:make_job", 3, devices=1, pipeline=True)
+    assert one.status_code == 422 and 'needs "devices" of at least 2' in one.json()["detail"]
+    loose = _submit(client, "pipeline.py:make_job", 3, devices=2, placement="sky")
+    assert loose.status_code == 422 and "pipeline" in loose.text
+    not_sequential = _run(client, "pipeline.py:make_not_sequential", 3)
+    one_layer = _run(client, "pipeline.py:make_one_layer", 3)
     assert not_sequential["state"] == "failed"
     assert "must be an nn.Sequential" in not_sequential["reason"], not_sequential["reason"]
     assert one_layer["state"] == "failed"
