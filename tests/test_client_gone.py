@@ -9,16 +9,23 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_proc import salusd
+from daemon_proc import RunningDaemon, salusd
 from torch import nn
 
 import salus.adapters.torch as salus
 from salus.daemon.cli.control import Control
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    with salusd(tmp_path_factory.mktemp("salusd")) as running:
+        yield running
 
 CLIENT = textwrap.dedent("""
     import sys, time
@@ -43,28 +50,28 @@ def ended(control: Control, job_id: str, within_s: float = 5.0) -> dict[str, obj
     return info
 
 
-def test_a_killed_clients_job_ends_saying_its_client_went_away(tmp_path: Path) -> None:
-    with salusd(tmp_path) as (_, address):
-        client = subprocess.Popen([sys.executable, "-c", CLIENT, address], text=True,
-                                  stdout=subprocess.PIPE)
-        try:
-            assert client.stdout is not None
-            job_id = client.stdout.readline().strip()
-            assert job_id, "the client did not open its job"
-            os.kill(client.pid, signal.SIGKILL)
-        finally:
-            client.kill()
-            client.wait()
-        with salus.connect(name="closed", iterations=1, address=address) as job:
-            job.attach(model=nn.Linear(2, 2))
-        with Control(address) as control:
-            killed = ended(control, job_id)
-            closed = ended(control, str(job.id))
-        assert f"client (pid {client.pid}) went away without closing it" in str(killed["reason"])
-        assert killed["state"] == "failed"  # never finished: nobody saw it end
-        assert "closed by its client" in str(closed["reason"]) and closed["state"] == "finished"
-        log = (tmp_path / "salusd.log").read_text()
-        assert f"job {job_id}'s client (pid {client.pid}) went away" in log
+def test_a_killed_clients_job_ends_saying_its_client_went_away(daemon: RunningDaemon) -> None:
+    address = daemon.address
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, address], text=True,
+                              stdout=subprocess.PIPE)
+    try:
+        assert client.stdout is not None
+        job_id = client.stdout.readline().strip()
+        assert job_id, "the client did not open its job"
+        os.kill(client.pid, signal.SIGKILL)
+    finally:
+        client.kill()
+        client.wait()
+    with salus.connect(name="closed", iterations=1, address=address) as job:
+        job.attach(model=nn.Linear(2, 2))
+    with Control(address) as control:
+        killed = ended(control, job_id)
+        closed = ended(control, str(job.id))
+    assert f"client (pid {client.pid}) went away without closing it" in str(killed["reason"])
+    assert killed["state"] == "failed"  # never finished: nobody saw it end
+    assert "closed by its client" in str(closed["reason"]) and closed["state"] == "finished"
+    log = daemon.log_text()
+    assert f"job {job_id}'s client (pid {client.pid}) went away" in log
 
 
 SCRIPT = textwrap.dedent("""
@@ -74,25 +81,26 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_killed_salusd_runs_script_job_fails_saying_so(tmp_path: Path) -> None:
+def test_a_killed_salusd_runs_script_job_fails_saying_so(daemon: RunningDaemon,
+                                                        tmp_path: Path) -> None:
     """`salusd run` killed with SIGKILL while its script runs: nobody saw the script end, so
     its job fails saying its client went away; it does not finish."""
     (tmp_path / "sleeper.py").write_text(SCRIPT)
-    with salusd(tmp_path) as (_, address):
-        client = subprocess.Popen(
-            [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
-             address.removeprefix("unix://"), "--", sys.executable, "sleeper.py"],
-            cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        try:
-            assert client.stdout is not None
-            job_id = client.stdout.readline().strip()
-            assert job_id, "the script did not start"
-            os.kill(client.pid, signal.SIGKILL)
-        finally:
-            client.kill()
-            client.wait()
-        with Control(address) as control:
-            killed = ended(control, job_id, within_s=15.0)
+    address = daemon.address
+    client = subprocess.Popen(
+        [sys.executable, "-m", "salus.daemon.cli", "run", "--socket",
+         address.removeprefix("unix://"), "--", sys.executable, "sleeper.py"],
+        cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert client.stdout is not None
+        job_id = client.stdout.readline().strip()
+        assert job_id, "the script did not start"
+        os.kill(client.pid, signal.SIGKILL)
+    finally:
+        client.kill()
+        client.wait()
+    with Control(address) as control:
+        killed = ended(control, job_id, within_s=15.0)
     assert killed["state"] == "failed", killed
     assert f"client (pid {client.pid}) went away without closing it" in str(killed["reason"])

@@ -52,9 +52,9 @@ def _train(address: str, steps: int = 5) -> float:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    """One daemon with the default bounds for the tests that need no other: each leaves it
-    serving, and checks that it does."""
-    with salusd(tmp_path_factory.mktemp("salusd")) as daemon:
+    """One daemon with the default bounds (and a REST API) for the tests that need no other:
+    each leaves it serving, and checks that it does."""
+    with salusd(tmp_path_factory.mktemp("salusd"), "--http", "127.0.0.1:0") as daemon:
         yield daemon
 
 
@@ -235,14 +235,15 @@ def test_peer_credentials_name_the_owner(shared: RunningDaemon) -> None:
         struct.calcsize("3i")  # SO_PEERCRED's (pid, uid, gid)
 
 
-def test_the_operators_status_finds_the_daemon_by_salus_address_alone(tmp_path: Path) -> None:
+def test_the_operators_status_finds_the_daemon_by_salus_address_alone(
+        shared: RunningDaemon, tmp_path: Path) -> None:
     """`salusd status` with only `SALUS_ADDRESS` set (no --url, --state-dir, SALUS_URL; a HOME
     without a default state dir) asks the daemon at that socket where its REST API is."""
     env = {k: v for k, v in os.environ.items() if k not in ("SALUS_URL", "SALUS_TOKEN")}
     env.update(HOME=str(tmp_path / "home"), COLUMNS="400",
                XDG_STATE_HOME=str(tmp_path / "home" / "state"))
-    with (salusd(tmp_path, "--http", "127.0.0.1:0") as (_, address),
-          salus.connect(name="found-by-socket", iterations=3, address=address)):
+    address = shared.address
+    with salus.connect(name="found-by-socket", iterations=3, address=address):
         status = subprocess.run([sys.executable, "-m", "salus.daemon.cli", "status"],
                                 capture_output=True, text=True, timeout=60,
                                 env={**env, "SALUS_ADDRESS": address})

@@ -24,7 +24,7 @@ from salus.daemon.wire import compact
 from salus.daemon.wire.channel import Channel, FrameError
 from salus.daemon.wire.frames import FIXED, FLAG_POOL, FLAG_SEGMENT, MAGIC, VERSION, FrameReader
 from salus.daemon.wire.pool import PoolReader
-from tests.daemon_proc import salusd
+from tests.daemon_proc import RunningDaemon, salusd
 from tests.executor_proc import leased_job
 
 
@@ -216,10 +216,15 @@ def _kept(s: Any) -> list[torch.Tensor]:
     return s.kept
 
 
-def test_a_pooled_line_through_a_real_daemon_is_bit_exact(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    with salusd(tmp_path_factory.mktemp("salusd"), devices=1) as running:
+        yield running
+
+
+def test_a_pooled_line_through_a_real_daemon_is_bit_exact(daemon: RunningDaemon) -> None:
     sent = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each way, every call
-    with (salusd(tmp_path, devices=1) as (_, address),
-          salus.connect(name="pool", iterations=10, address=address) as job):
+    with salus.connect(name="pool", iterations=10, address=daemon.address) as job:
         remote = job.attach(kept=[])
         echo = remote.function(_echo_and_keep)
         for x in sent:
@@ -237,9 +242,8 @@ def _where_or_fail(s: Any, x: torch.Tensor) -> str:
     return mapping_of(x)
 
 
-def test_a_job_that_keeps_nothing_reads_its_arguments_in_the_pool(tmp_path: Path) -> None:
-    with (salusd(tmp_path, devices=1) as (_, address),
-          salus.connect(name="lent", iterations=10, address=address) as job):
+def test_a_job_that_keeps_nothing_reads_its_arguments_in_the_pool(daemon: RunningDaemon) -> None:
+    with salus.connect(name="lent", iterations=10, address=daemon.address) as job:
         where = job.attach(w=torch.zeros(1)).function(_where_or_fail)
         places = [where(torch.rand(512, 1024) + 1) for _ in range(3)]
         with pytest.raises(ValueError, match="a failed call"):  # its frames held the argument
