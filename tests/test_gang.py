@@ -11,11 +11,12 @@ exactly (Hi-TopK prunes only what crosses nodes), so the sparse gang must match 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from daemon_proc import job_root, salusd
+from daemon_proc import RunningDaemon, job_root, salusd
 from jobs import dataparallel
 from rest_client import connect, job, wait_for
 
@@ -27,6 +28,15 @@ GANGS = ("ring", "tree", "sparse", "sharded")
 
 def _root(tmp: Path) -> Path:
     return job_root(tmp, "dataparallel.py", "shuffled.py")
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """One daemon for the gang tests that do not restart it."""
+    tmp = tmp_path_factory.mktemp("salusd")
+    with salusd(tmp, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp)),
+                "--checkpoint-every", "1000") as running:
+        yield running
 
 
 def _submit(client, name: str, entrypoint: str, devices: int, iterations: int) -> int:
@@ -43,22 +53,20 @@ def _params(state_dir: Path, jid: int, replica: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_gangs_train_like_one_process_on_whole_batches(tmp_path):
-    state = tmp_path / "state"
-    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp_path)),
-                "--checkpoint-every", "1000"):
-        client = connect(state)
-        ids = {name: _submit(client, name, f"dataparallel.py:make_{name}", 2, ITERATIONS)
-               for name in GANGS}
-        single = _submit(client, "single", "shuffled.py:make_job", 1, 30)
-        for jid in [*ids.values(), single]:
-            wait_for(lambda j=jid: job(client, j)["state"] in ("finished", "failed"),
-                     f"job {jid} to end", timeout_s=300)
-        ended = {name: job(client, jid) for name, jid in ids.items()}
-        assert job(client, single)["state"] == "finished"
-        too_many = client.post("/v1/jobs", json={"name": "x", "iterations": 1, "devices": 3,
-                                                 "entrypoint": "dataparallel.py:make_ring"})
-        assert too_many.status_code == 422 and "2 device" in too_many.json()["detail"]
+def test_gangs_train_like_one_process_on_whole_batches(daemon):
+    state = daemon.state_dir
+    client = connect(state)
+    ids = {name: _submit(client, name, f"dataparallel.py:make_{name}", 2, ITERATIONS)
+           for name in GANGS}
+    single = _submit(client, "single", "shuffled.py:make_job", 1, 30)
+    for jid in [*ids.values(), single]:
+        wait_for(lambda j=jid: job(client, j)["state"] in ("finished", "failed"),
+                 f"job {jid} to end", timeout_s=300)
+    ended = {name: job(client, jid) for name, jid in ids.items()}
+    assert job(client, single)["state"] == "finished"
+    too_many = client.post("/v1/jobs", json={"name": "x", "iterations": 1, "devices": 3,
+                                             "entrypoint": "dataparallel.py:make_ring"})
+    assert too_many.status_code == 422 and "2 device" in too_many.json()["detail"]
     for name, info in ended.items():
         assert info["state"] == "finished" and info["devices"] == 2, (name, info["reason"])
         assert info["iterations_done"] == ITERATIONS
@@ -79,21 +87,20 @@ def test_gangs_train_like_one_process_on_whole_batches(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_replica_fails_its_gang_only_and_a_cancelled_gang_frees_its_lanes(tmp_path):
-    with salusd(tmp_path, "--http", "127.0.0.1:0", "--job-root", str(_root(tmp_path))):
-        client = connect(tmp_path / "state")
-        failing = _submit(client, "failing", "dataparallel.py:make_failing", 2, 10)
-        endless = _submit(client, "endless", "dataparallel.py:make_ring", 2, 10**9)
-        info = wait_for(lambda: (j := job(client, failing))["state"] == "failed" and j,
-                        "the failing gang to fail", timeout_s=120)
-        assert "replica 1" in info["reason"] and "broke on purpose" in info["reason"]
-        wait_for(lambda: job(client, endless)["iterations_done"] > 3, "the other gang runs on")
-        assert client.delete(f"/v1/jobs/{endless}").status_code == 200
-        wait_for(lambda: job(client, endless)["state"] == "cancelled", "cancelled")
-        after = _submit(client, "after", "dataparallel.py:make_tree", 2, 4)
-        wait_for(lambda: job(client, after)["state"] == "finished", "a gang on the freed lanes",
-                 timeout_s=120)
-        assert client.get("/healthz").status_code == 200
+def test_a_failing_replica_fails_its_gang_only_and_a_cancelled_gang_frees_its_lanes(daemon):
+    client = connect(daemon.state_dir)
+    failing = _submit(client, "failing", "dataparallel.py:make_failing", 2, 10)
+    endless = _submit(client, "endless", "dataparallel.py:make_ring", 2, 10**9)
+    info = wait_for(lambda: (j := job(client, failing))["state"] == "failed" and j,
+                    "the failing gang to fail", timeout_s=120)
+    assert "replica 1" in info["reason"] and "broke on purpose" in info["reason"]
+    wait_for(lambda: job(client, endless)["iterations_done"] > 3, "the other gang runs on")
+    assert client.delete(f"/v1/jobs/{endless}").status_code == 200
+    wait_for(lambda: job(client, endless)["state"] == "cancelled", "cancelled")
+    after = _submit(client, "after", "dataparallel.py:make_tree", 2, 4)
+    wait_for(lambda: job(client, after)["state"] == "finished", "a gang on the freed lanes",
+             timeout_s=120)
+    assert client.get("/healthz").status_code == 200
 
 
 @pytest.mark.slow
