@@ -50,18 +50,24 @@ def ended(control: Control, job_id: str, within_s: float = 5.0) -> dict[str, obj
     return info
 
 
-def test_a_killed_clients_job_ends_saying_its_client_went_away(daemon: RunningDaemon) -> None:
-    address = daemon.address
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, address], text=True,
-                              stdout=subprocess.PIPE)
+def killed_after_its_job_id(client: subprocess.Popen[str], what: str) -> str:
+    """The job id `client` prints first; `client` is then killed with SIGKILL (and reaped)."""
     try:
         assert client.stdout is not None
         job_id = client.stdout.readline().strip()
-        assert job_id, "the client did not open its job"
+        assert job_id, what
         os.kill(client.pid, signal.SIGKILL)
     finally:
         client.kill()
         client.wait()
+    return job_id
+
+
+def test_a_killed_clients_job_ends_saying_its_client_went_away(daemon: RunningDaemon) -> None:
+    address = daemon.address
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, address], text=True,
+                              stdout=subprocess.PIPE)
+    job_id = killed_after_its_job_id(client, "the client did not open its job")
     with salus.connect(name="closed", iterations=1, address=address) as job:
         job.attach(model=nn.Linear(2, 2))
     with Control(address) as control:
@@ -92,14 +98,7 @@ def test_a_killed_salusd_runs_script_job_fails_saying_so(daemon: RunningDaemon,
          address.removeprefix("unix://"), "--", sys.executable, "sleeper.py"],
         cwd=tmp_path, text=True, stdout=subprocess.PIPE,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        assert client.stdout is not None
-        job_id = client.stdout.readline().strip()
-        assert job_id, "the script did not start"
-        os.kill(client.pid, signal.SIGKILL)
-    finally:
-        client.kill()
-        client.wait()
+    job_id = killed_after_its_job_id(client, "the script did not start")
     with Control(address) as control:
         killed = ended(control, job_id, within_s=15.0)
     assert killed["state"] == "failed", killed

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from client_proc import finish
@@ -196,13 +197,19 @@ def test_a_job_printing_6_mib_keeps_a_bounded_file_with_the_latest_lines(
     assert 4000 < len(tail) <= 5000
 
 
-def test_a_batch_jobs_lines_are_served_by_rest(daemon: RunningDaemon, tmp_path: Path) -> None:
-    client = connect(daemon.state_dir)
-    reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 5,
+def _printed(client: Any, iterations: int) -> int:
+    """The id of a REST batch job of `printing.py` that ran `iterations` and finished."""
+    reply = client.post("/v1/jobs", json={"name": "printing", "iterations": iterations,
                                           "entrypoint": "printing.py:make_job"})
     assert reply.status_code == 201, reply.text
-    jid = reply.json()["id"]
+    jid = int(reply.json()["id"])
     wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
+    return jid
+
+
+def test_a_batch_jobs_lines_are_served_by_rest(daemon: RunningDaemon, tmp_path: Path) -> None:
+    client = connect(daemon.state_dir)
+    jid = _printed(client, 5)
     got = client.get(f"/v1/jobs/{jid}/log")
     assert got.status_code == 200, got.text
     assert got.headers["content-type"].startswith("text/plain")
@@ -235,11 +242,7 @@ def test_a_directory_in_the_output_files_place_leaks_no_descriptor_of_salusd(
     daemon's descriptor count flat; its soft limit of open files is its hard one."""
     proc, address = daemon.proc, daemon.address
     client = connect(daemon.state_dir)
-    reply = client.post("/v1/jobs", json={"name": "printing", "iterations": 2,
-                                          "entrypoint": "printing.py:make_job"})
-    assert reply.status_code == 201, reply.text
-    jid = reply.json()["id"]
-    wait_for(lambda: job(client, jid)["state"] == "finished", "the job finished")
+    jid = _printed(client, 2)
     path = daemon.state_dir / "checkpoints" / str(jid) / "output.log"
     path.unlink()
     path.mkdir()

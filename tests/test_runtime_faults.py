@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from client_proc import TRAINER as GOOD
-from client_proc import finish, reap, start_client
+from client_proc import finish, go, reap, start_client
 from daemon_proc import RunningDaemon, salusd
 
 from salus.daemon.cli.control import Control
@@ -106,9 +106,7 @@ def test_bad_job_costs_only_itself(daemon: RunningDaemon, tmp_path: Path, kind: 
             assert error.startswith("ERROR JobCancelled") and "cancelled" in error
             assert after.startswith("AFTER JobCancelled")
         for g in goods:
-            assert g.stdin is not None
-            g.stdin.write("go\n")
-            g.stdin.flush()
+            go(g)
         for g in goods:
             out, err = finish(g, timeout_s=120)
             assert g.returncode == 0, err

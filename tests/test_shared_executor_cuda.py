@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from client_proc import finish, reap
+from client_proc import finish, go, reap
 from daemon_proc import salusd
 
 from salus.daemon.cli.control import Control
@@ -102,9 +102,7 @@ def test_two_jobs_of_one_owner_share_one_cuda_context(tmp_path: Path) -> None:
             assert {jobs[i]["device"] for i in ids} == {0}
             assert pids <= _gpu_processes()  # one context on the GPU for both jobs
             for g in goods:
-                assert g.stdin is not None
-                g.stdin.write("go\n")
-                g.stdin.flush()
+                go(g)
             for g in goods:
                 out, err = finish(g, timeout_s=300)
                 assert g.returncode == 0, err
