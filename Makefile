@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(PY) -m salus.demo
 
 # The daemon tests mostly wait on processes: three workers, each test file on one of them (its
-# module-scoped daemon started once), keep two cores busy. The suite starts about a thousand
-# Pythons that import salusd (daemons, zygotes, clients, scripts); compileall first writes the
+# module-scoped daemon started once), keep two cores busy. The suite starts several hundred
+# Pythons that import salusd (daemons, zygotes, clients, CLI runs); compileall first writes the
 # bytecode of the repo's code once (only what changed), so that none of them compiles it again
 # where PYTHONDONTWRITEBYTECODE keeps them from writing it themselves.
 test: $(STAMP)
